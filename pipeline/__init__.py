@@ -1,0 +1,67 @@
+"""tierpipe: asynchronous multi-tier checkpoints for large training runs.
+
+Training code uses `Checkpointer`; node agents run the stages in `stages/`. Names are imported on
+first use, so node agents (which never touch tensors) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import (
+    BusUnavailableError,
+    ConfigError,
+    IntegrityError,
+    InvalidNameError,
+    NoSpaceError,
+    PermanentError,
+    RetryableError,
+    ShardFailedError,
+    ShardFormatError,
+    SlotTimeoutError,
+    TierpipeError,
+    UnsupportedStateError,
+)
+from pipeline.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from pipeline.client import Checkpointer, SaveHandle, SaveStats
+    from pipeline.state import load_shard, write_shard
+
+_LAZY = {
+    "Checkpointer": "pipeline.client",
+    "SaveHandle": "pipeline.client",
+    "SaveStats": "pipeline.client",
+    "load_shard": "pipeline.state",
+    "write_shard": "pipeline.state",
+}
+
+__all__ = [
+    "BusUnavailableError",
+    "Checkpointer",
+    "ConfigError",
+    "IntegrityError",
+    "InvalidNameError",
+    "NoSpaceError",
+    "PermanentError",
+    "RetryableError",
+    "SaveHandle",
+    "SaveStats",
+    "Settings",
+    "ShardFailedError",
+    "ShardFormatError",
+    "SlotTimeoutError",
+    "TierpipeError",
+    "UnsupportedStateError",
+    "load_settings",
+    "load_shard",
+    "write_shard",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

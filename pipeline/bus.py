@@ -1,0 +1,327 @@
+"""The event bus: one NATS connection, the `TIERPIPE` stream, durable consumers, publishing.
+
+nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout) or
+`BusError` (refused: bad config, API error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import api
+
+from pipeline.errors import BusError, BusUnavailableError
+from pipeline.names import SUBJECT_ROOT, event_subject, msg_id
+from pipeline.settings import Settings
+from schemas import SCHEMA_VERSION, Event, decode_event, encode_event
+
+__all__ = ["Bus", "Published", "redact_url"]
+
+log = structlog.get_logger(__name__)
+
+KIND_HEADER = "Tp-Kind"
+SCHEMA_HEADER = "Tp-Schema"
+
+_UNAVAILABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoServersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+    asyncio.TimeoutError,
+    OSError,
+)
+
+
+def redact_url(url: str) -> str:
+    """A server URL fit for logs: credentials removed."""
+    parts = []
+    for u in url.split(","):
+        s = urlsplit(u.strip())
+        host = s.hostname or ""
+        netloc = f"***@{host}" if s.username or s.password else host
+        parts.append(urlunsplit(s._replace(netloc=f"{netloc}:{s.port}" if s.port else netloc)))
+    return ",".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    seq: int
+    #: The server already had this `Nats-Msg-Id` (a republish after redelivery).
+    duplicate: bool
+
+
+class Bus:
+    """Async context manager around one NATS connection and its JetStream context."""
+
+    def __init__(self, settings: Settings, *, name: str = "tierpipe", connect_wait_s: float = 0.0) -> None:
+        self.settings = settings
+        self.name = name
+        self.connect_wait_s = connect_wait_s
+        self._closing = False
+        self.nc: nats.NATS | None = None
+        self.js: Any = None
+
+    async def __aenter__(self) -> Bus:
+        await self.connect(wait_s=self.connect_wait_s)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def connect(self, *, wait_s: float = 0.0) -> None:
+        """Connect (reconnects are unlimited once connected); retry the first connect for
+        up to `wait_s` seconds so an agent may start before its server.
+
+        Raises:
+            BusUnavailableError: no server answered in time.
+        """
+        s = self.settings
+        servers = [u.strip() for u in s.nats_url.split(",") if u.strip()]
+        deadline = time.monotonic() + wait_s
+        delay = 0.1
+        while True:
+            try:
+                self.nc = await nats.connect(
+                    servers,
+                    name=self.name,
+                    connect_timeout=s.connect_timeout_s,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+                break
+            except Exception as e:
+                if time.monotonic() + delay > deadline:
+                    raise BusUnavailableError(
+                        f"cannot reach NATS at {redact_url(s.nats_url)}: {e or type(e).__name__}"
+                    ) from e
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.js = self.nc.jetstream(timeout=s.request_timeout_s)
+        log.debug("bus_connected", url=redact_url(s.nats_url), name=self.name)
+
+    async def aclose(self) -> None:
+        nc, self.nc = self.nc, None
+        if nc is None or nc.is_closed:
+            return
+        self._closing = True
+        try:
+            # Flush what was published, then close: a drain would wait out pending pull requests.
+            await nc.flush(timeout=2)
+        except Exception as e:  # closing must not fail on a dead server
+            log.debug("bus_flush_failed", error=str(e) or type(e).__name__)
+        await nc.close()
+
+    async def _on_error(self, e: Exception) -> None:
+        log.warning("bus_error", error=str(e) or type(e).__name__)
+
+    async def _on_disconnected(self) -> None:
+        if not self._closing:
+            log.warning("bus_disconnected", name=self.name)
+
+    async def _on_reconnected(self) -> None:
+        log.info("bus_reconnected", name=self.name)
+
+    # --- stream and consumers
+
+    def _stream_config(self) -> api.StreamConfig:
+        s = self.settings
+        return api.StreamConfig(
+            name=s.stream,
+            description="tierpipe checkpoint events (an index: recovery replays it)",
+            subjects=[f"{SUBJECT_ROOT}.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            discard=api.DiscardPolicy.OLD,
+            max_msgs_per_subject=s.max_msgs_per_subject,
+            duplicate_window=s.duplicate_window_s,
+            num_replicas=s.stream_replicas,
+            allow_direct=True,
+            deny_delete=True,
+        )
+
+    async def ensure_stream(self, *, update: bool = True) -> None:
+        """Create the stream, or update it if its settings changed (idempotent).
+
+        Trainers pass `update=False`: they create a missing stream but leave the agent's alone.
+
+        Raises:
+            BusError: the server refused the config (e.g. a change it cannot apply in place).
+        """
+        want = self._stream_config()
+        try:
+            try:
+                info = await self.js.stream_info(want.name)
+            except nats.js.errors.NotFoundError:
+                await self.js.add_stream(want)
+                log.info("stream_created", stream=want.name)
+                return
+            have = info.config
+            if update and any(getattr(have, f) != getattr(want, f) for f in _STREAM_FIELDS):
+                await self.js.update_stream(want)
+                log.info("stream_updated", stream=want.name)
+        except nats.js.errors.APIError as e:
+            if isinstance(e, nats.js.errors.ServiceUnavailableError):
+                raise BusUnavailableError(f"JetStream unavailable: {e}") from e
+            raise BusError(f"stream {want.name}: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"stream {want.name}: {e or type(e).__name__}") from e
+
+    async def ensure_consumer(self, durable: str, filters: list[str]) -> None:
+        """Create or update a durable pull consumer with explicit acks (idempotent)."""
+        s = self.settings
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subjects=filters if len(filters) > 1 else None,
+            filter_subject=filters[0] if len(filters) == 1 else None,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=s.ack_wait_s,
+            max_deliver=s.max_deliver,
+            max_ack_pending=s.max_ack_pending,
+        )
+        try:
+            await self.js.add_consumer(s.stream, config)
+        except nats.js.errors.APIError as e:
+            raise BusError(f"consumer {durable}: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
+
+    async def pull(self, durable: str) -> Any:
+        """A pull subscription bound to an existing durable consumer."""
+        return await self.js.pull_subscribe_bind(durable=durable, stream=self.settings.stream)
+
+    async def fetch(self, sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+        """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
+        try:
+            return await sub.fetch(batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
+        except nats.errors.Error as e:
+            raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
+
+    # --- events
+
+    async def publish(self, event: Event, *, timeout: float | None = None) -> Published:
+        """Publish an event with `Nats-Msg-Id` and wait for the stream's ack.
+
+        Raises:
+            BusUnavailableError: no ack in time.
+            BusError: the server refused the message.
+        """
+        headers = {
+            "Nats-Msg-Id": msg_id(event),
+            KIND_HEADER: type(event).__struct_config__.tag,
+            SCHEMA_HEADER: str(SCHEMA_VERSION),
+        }
+        subject = event_subject(event)
+        try:
+            ack = await self.js.publish(
+                subject,
+                encode_event(event),
+                timeout=timeout or self.settings.request_timeout_s,
+                stream=self.settings.stream,
+                headers=headers,
+            )
+        except nats.js.errors.APIError as e:
+            raise BusError(f"publish to {subject} refused: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
+        return Published(ack.seq, bool(ack.duplicate))
+
+    async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Any:
+        """A core (non-JetStream) subscription: live events only, no replay."""
+        return await self.nc.subscribe(subject, cb=callback)
+
+    async def last_event(self, subject: str) -> Event | None:
+        """The newest event on an exact subject, or None (direct get)."""
+        try:
+            raw = await self.js.get_last_msg(self.settings.stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
+        try:
+            return decode_event(raw.data or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    @asynccontextmanager
+    async def replay(self, subject: str, *, batch: int = 1000) -> AsyncIterator[AsyncIterator[tuple[int, Event | None, Msg]]]:
+        """Every stored message on `subject` (wildcards allowed), oldest first, then stop.
+
+        Yields `(stream_seq, event or None if undecodable, msg)` through an ephemeral
+        consumer that is deleted afterwards.
+        """
+        config = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.NONE,
+            filter_subject=subject,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        try:
+            sub = await self.js.pull_subscribe(subject, stream=self.settings.stream, config=config)
+            info = await sub.consumer_info()
+        except nats.js.errors.APIError as e:
+            raise BusError(f"replay {subject}: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
+
+        async def messages() -> AsyncIterator[tuple[int, Event | None, Msg]]:
+            remaining = info.num_pending
+            while remaining > 0:
+                try:
+                    msgs = await sub.fetch(min(batch, remaining), timeout=self.settings.request_timeout_s)
+                except nats.errors.TimeoutError as e:
+                    raise BusUnavailableError(f"replay {subject} stalled") from e
+                for m in msgs:
+                    remaining -= 1
+                    try:
+                        event: Event | None = decode_event(m.data)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        event = None
+                    yield m.metadata.sequence.stream, event, m
+
+        try:
+            yield messages()
+        finally:
+            try:
+                await sub.unsubscribe()
+                await self.js.delete_consumer(self.settings.stream, info.name)
+            except Exception as e:  # the consumer expires on its own anyway
+                log.debug("replay_cleanup_failed", error=str(e))
+
+
+_STREAM_FIELDS = (
+    "subjects",
+    "max_msgs_per_subject",
+    "duplicate_window",
+    "num_replicas",
+    "allow_direct",
+    "deny_delete",
+    "discard",
+    "description",
+)

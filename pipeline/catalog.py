@@ -1,0 +1,114 @@
+"""The catalog: events folded into job -> step -> rank -> copies on each tier.
+
+One fold serves every reader of the stream (the demo and `status` today; eviction and recovery
+next). Applying the same event twice changes nothing, so replays and redeliveries are harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import (
+    Event,
+    ShardEvicted,
+    ShardStaged,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+    Tier,
+)
+
+__all__ = ["Catalog", "Copy", "Shard"]
+
+
+@dataclass(slots=True)
+class Copy:
+    """One copy of a shard on one tier of one node (`node` is "" for the object store)."""
+
+    tier: Tier
+    node: str
+    location: str
+    nbytes: int
+    header_digest: str | None = None
+    verified: bool = False
+    corrupt: bool = False
+    evicted: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.verified and not self.corrupt and not self.evicted
+
+
+@dataclass(slots=True)
+class Shard:
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    copies: dict[tuple[Tier, str], Copy] = field(default_factory=dict)
+    failures: list[StageFailed] = field(default_factory=list)
+
+    def copy(self, tier: Tier, node: str = "") -> Copy | None:
+        return self.copies.get((tier, node))
+
+
+class Catalog:
+    """Mutable fold of events; feed it with `apply()` in stream order."""
+
+    def __init__(self) -> None:
+        self._shards: dict[tuple[str, int, int], Shard] = {}
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, StageFailed):
+            if event.step is not None and event.rank is not None:
+                shard = self._shard(event.job, event.step, event.rank, event.world_size or 0)
+                if event not in shard.failures:
+                    shard.failures.append(event)
+                nvme = shard.copy("nvme", event.node)
+                if nvme is not None and event.stage == "verify" and not event.retryable:
+                    nvme.corrupt = True
+            return
+        shard = self._shard(event.job, event.step, event.rank, event.world_size)
+        match event:
+            case ShardStaged():
+                shard.copies.setdefault(
+                    ("ram", event.node), Copy("ram", event.node, event.staging_path, event.nbytes)
+                )
+            case ShardWritten():
+                nvme = shard.copy("nvme", event.node)
+                if nvme is None or nvme.header_digest != event.header_digest:
+                    # A first write, or a rewrite of a different save: verification starts over.
+                    shard.copies[("nvme", event.node)] = Copy(
+                        "nvme", event.node, event.path, event.nbytes, event.header_digest
+                    )
+            case ShardVerified():
+                nvme = shard.copy("nvme", event.node)
+                if nvme is None or nvme.header_digest != event.header_digest:
+                    nvme = shard.copies[("nvme", event.node)] = Copy(
+                        "nvme", event.node, event.path, event.nbytes, event.header_digest
+                    )
+                nvme.verified, nvme.corrupt, nvme.evicted = True, False, False
+            case ShardEvicted():
+                key = (event.tier, "" if event.tier == "s3" else event.node)
+                found = shard.copies.get(key)
+                if found is not None:
+                    found.evicted = True
+
+    def _shard(self, job: str, step: int, rank: int, world_size: int) -> Shard:
+        key = (job, step, rank)
+        shard = self._shards.get(key)
+        if shard is None:
+            shard = self._shards[key] = Shard(job, step, rank, world_size)
+        elif world_size and not shard.world_size:
+            shard.world_size = world_size
+        return shard
+
+    def jobs(self) -> list[str]:
+        return sorted({job for job, _, _ in self._shards})
+
+    def shards(self, job: str) -> list[Shard]:
+        """Every shard of `job`, by step then rank."""
+        return [self._shards[k] for k in sorted(k for k in self._shards if k[0] == job)]
+
+    def shard(self, job: str, step: int, rank: int) -> Shard | None:
+        return self._shards.get((job, step, rank))

@@ -1,0 +1,126 @@
+"""The `tierpipe` command: run node-agent stages, inspect a job, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import anyio
+
+from pipeline.bus import Bus
+from pipeline.catalog import Catalog, Shard
+from pipeline.errors import TierpipeError
+from pipeline.log import configure_logging
+from pipeline.names import SUBJECT_ROOT, node_name, validate_token
+from pipeline.settings import Settings, load_settings
+
+__all__ = ["main", "replay_catalog", "shard_table"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierpipe", description=__doc__)
+    parser.add_argument("--config", help="settings TOML file (default $TIERPIPE_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from stages import AGENT_STAGES
+
+    worker = sub.add_parser("worker", help="run node-agent stages until SIGTERM/SIGINT")
+    worker.add_argument("stages", nargs="+", choices=[*AGENT_STAGES, "all"],
+                        help="stages to run in this process ('all': every stage of this node)")  # fmt: skip
+
+    status = sub.add_parser("status", help="where every shard of a job is, from the event stream")
+    status.add_argument("--job", required=True)
+    status.add_argument("--json", action="store_true", help="one JSON object per shard")
+
+    demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
+    demo.add_argument("--ranks", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=6)
+    demo.add_argument("--every", type=int, default=2)
+    demo.add_argument("--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data")
+
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+        configure_logging(settings.log_level, settings.log_format)
+        match args.command:
+            case "worker":
+                names = list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+                return _run_worker(settings, names)
+            case "status":
+                return _status(settings, validate_token("job", args.job), as_json=args.json)
+            case "demo":
+                from pipeline.demo import run_demo
+
+                return run_demo(settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data)
+    except TierpipeError as e:
+        print(f"tierpipe: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_worker(settings: Settings, names: list[str]) -> int:
+    from pipeline.runner import run_agent
+    from stages import AGENT_STAGES
+
+    node = node_name(settings.node)
+    anyio.run(
+        lambda: run_agent(settings, [AGENT_STAGES[n] for n in names], node=node),
+        backend_options={"use_uvloop": True},
+    )
+    return 0
+
+
+async def replay_catalog(settings: Settings, job: str) -> Catalog:
+    """Fold every stored event of `job` into a catalog."""
+    catalog = Catalog()
+    async with Bus(settings, name="tierpipe-cli") as bus, bus.replay(f"{SUBJECT_ROOT}.{job}.>") as events:
+        async for _, event, _ in events:
+            if event is not None:
+                catalog.apply(event)
+    return catalog
+
+
+def shard_table(shards: list[Shard]) -> str:
+    """A human-readable table of shards and their copies."""
+    rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "LOCATION")]
+    for s in shards:
+        ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
+        nvme = next((c for (t, _), c in s.copies.items() if t == "nvme"), None)
+        rows.append((
+            str(s.step), f"{s.rank}/{s.world_size}",
+            "-" if ram is None else "released" if ram.evicted else "staged",
+            "-" if nvme is None else "evicted" if nvme.evicted else f"{nvme.node}",
+            "-" if nvme is None else "CORRUPT" if nvme.corrupt else "yes" if nvme.verified else "no",
+            "" if nvme is None else nvme.location,
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _shard_json(s: Shard) -> dict[str, Any]:
+    return {
+        "job": s.job, "step": s.step, "rank": s.rank, "world_size": s.world_size,
+        "copies": [
+            {"tier": c.tier, "node": c.node, "location": c.location, "nbytes": c.nbytes,
+             "verified": c.verified, "corrupt": c.corrupt, "evicted": c.evicted}
+            for c in s.copies.values()
+        ],
+        "failures": [f.message for f in s.failures],
+    }  # fmt: skip
+
+
+def _status(settings: Settings, job: str, *, as_json: bool) -> int:
+    catalog = anyio.run(replay_catalog, settings, job)
+    shards = catalog.shards(job)
+    if as_json:
+        for s in shards:
+            print(json.dumps(_shard_json(s)))
+    else:
+        print(shard_table(shards) if shards else f"no events for job {job!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

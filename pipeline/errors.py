@@ -1,0 +1,139 @@
+"""The one error tree of tierpipe.
+
+`TierpipeError` is the root. Stages and the runner decide what to do by branch:
+`RetryableError` (nak with growing delay) or `PermanentError` (terminate and report). Leaves carry
+typed fields and build their message once. Third-party exceptions are translated at the
+boundary (bus, storage) and kept as `__cause__`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BusError",
+    "BusUnavailableError",
+    "ConfigError",
+    "IntegrityError",
+    "InvalidNameError",
+    "NoSpaceError",
+    "PermanentError",
+    "RetryableError",
+    "ShardFailedError",
+    "ShardFormatError",
+    "SlotTimeoutError",
+    "StagingGoneError",
+    "TierpipeError",
+    "UnsupportedStateError",
+]
+
+
+class TierpipeError(Exception):
+    """Root of every error tierpipe raises on purpose."""
+
+
+class RetryableError(TierpipeError):
+    """A failure that may go away by itself (outage, full disk): retry with growing delay."""
+
+
+class PermanentError(TierpipeError):
+    """A failure that retrying cannot fix (bad input, corrupt data, bad configuration)."""
+
+
+class ConfigError(PermanentError, ValueError):
+    """Settings or arguments are invalid."""
+
+
+class InvalidNameError(ConfigError):
+    """A job or node name is not a safe subject token and path part."""
+
+    def __init__(self, what: str, value: object) -> None:
+        self.what = what
+        self.value = value
+        super().__init__(f"{what} name must match [A-Za-z0-9_-]{{1,64}} (got {value!r})")
+
+
+class UnsupportedStateError(PermanentError, TypeError):
+    """The state to save holds a value tierpipe cannot store without pickle."""
+
+    def __init__(self, path: tuple[str | int, ...], reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        where = "/".join(map(str, path)) or "<root>"
+        super().__init__(f"cannot checkpoint state at {where!r}: {reason}")
+
+
+class ShardFormatError(PermanentError):
+    """A shard file (or staging image) is truncated, garbled or not a shard at all."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"bad shard file {path}: {reason}")
+
+
+class IntegrityError(PermanentError):
+    """Bytes read back do not match their recorded digest."""
+
+    def __init__(self, path: str, what: str, expected: str, actual: str) -> None:
+        self.path = path
+        self.what = what
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"digest mismatch in {path} ({what}): expected {expected}, got {actual}"
+        )
+
+
+class StagingGoneError(PermanentError):
+    """The staging copy an event refers to no longer holds that shard."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"staging copy {path} is gone: {reason}")
+
+
+class NoSpaceError(RetryableError):
+    """The target filesystem cannot take the shard (checked before any byte is written)."""
+
+    def __init__(self, path: str, needed: int, free: int, reserve: int) -> None:
+        self.path = path
+        self.needed = needed
+        self.free = free
+        self.reserve = reserve
+        super().__init__(
+            f"no room for {needed} bytes under {path}: {free} bytes free, "
+            f"{reserve} bytes reserved"
+        )
+
+
+class SlotTimeoutError(TierpipeError, TimeoutError):
+    """No staging slot became free in time (policy `wait`)."""
+
+    def __init__(self, job: str, rank: int, timeout_s: float, busy: list[int]) -> None:
+        self.job = job
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.busy = busy
+        super().__init__(
+            f"no free staging slot for job {job!r} rank {rank} within {timeout_s:g} s "
+            f"(slots hold unreleased steps {busy}); is this node's agent running "
+            "(`tierpipe worker all`)?"
+        )
+
+
+class ShardFailedError(TierpipeError):
+    """A stage reported a permanent failure for a shard this process saved."""
+
+    def __init__(self, stage: str, error: str, message: str) -> None:
+        self.stage = stage
+        self.error = error
+        self.message = message
+        super().__init__(f"{stage} failed permanently: {error}: {message}")
+
+
+class BusError(TierpipeError):
+    """A NATS/JetStream request was refused (bad stream config, API error)."""
+
+
+class BusUnavailableError(RetryableError):
+    """NATS could not be reached or did not answer in time."""

@@ -1,0 +1,87 @@
+"""Validated names and everything derived from them: subjects, message ids, shard paths.
+
+Job and node names become NATS subject tokens and path parts, so they are checked once, here,
+against `[A-Za-z0-9_-]{1,64}`; every other name is built from checked parts.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import PurePosixPath
+
+from pipeline.errors import InvalidNameError
+from schemas import TOKEN_PATTERN, Event, ShardEvent, ShardEvicted, StageFailed
+
+__all__ = [
+    "SUBJECT_ROOT",
+    "consumer_name",
+    "event_subject",
+    "filter_subject",
+    "msg_id",
+    "node_name",
+    "shard_relpath",
+    "validate_token",
+]
+
+SUBJECT_ROOT = "tp"
+_TOKEN = re.compile(TOKEN_PATTERN)
+
+
+def validate_token(what: str, value: object) -> str:
+    """Return `value` if it is a safe job/node name.
+
+    Raises:
+        InvalidNameError: it is not a str matching `[A-Za-z0-9_-]{1,64}`.
+    """
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise InvalidNameError(what, value)
+    return value
+
+
+def node_name(configured: str | None) -> str:
+    """The configured node name, else the host name's first label (validated either way)."""
+    return validate_token("node", configured or socket.gethostname().split(".")[0])
+
+
+def event_subject(event: Event) -> str:
+    """`tp.<job>.<kind>.<node>.<rank>`; `_` stands for an unknown rank."""
+    rank = getattr(event, "rank", None)
+    return f"{SUBJECT_ROOT}.{event.job}.{_kind(event)}.{event.node}.{'_' if rank is None else rank}"
+
+
+def filter_subject(kind: str, *, node: str, job: str = "*") -> str:
+    """Subject filter for one event kind on one node (all jobs and ranks by default)."""
+    return f"{SUBJECT_ROOT}.{job}.{kind}.{node}.*"
+
+
+def msg_id(event: Event) -> str:
+    """The `Nats-Msg-Id` that lets the server drop a republished duplicate.
+
+    `<job>/<step>/<rank>/<kind>[/<tier>]`; a failure names its stage and attempt, so every
+    attempt is recorded once.
+    """
+    if isinstance(event, StageFailed):
+        if event.step is None:
+            return f"{event.job}/poison/{event.stage}/{event.stream_seq}"
+        return f"{event.job}/{event.step}/{event.rank}/failed/{event.stage}/{event.attempt}"
+    assert isinstance(event, ShardEvent)
+    base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}"
+    return f"{base}/{event.tier}" if isinstance(event, ShardEvicted) else base
+
+
+def consumer_name(stage: str, node: str) -> str:
+    """Durable consumer of a stage on a node, e.g. `nvme-write_node-a` (no `.`, `*`, `>`)."""
+    return f"{stage}_{node}"
+
+
+def shard_relpath(job: str, step: int, rank: int, world_size: int) -> PurePosixPath:
+    """`<job>/step-<step:012d>/rank-<rank:05d>-of-<world:05d>.shard`, the key on every tier."""
+    validate_token("job", job)
+    if step < 0 or not 0 <= rank < world_size:
+        raise ValueError(f"bad shard identity step={step} rank={rank} world_size={world_size}")
+    return PurePosixPath(job, f"step-{step:012d}", f"rank-{rank:05d}-of-{world_size:05d}.shard")
+
+
+def _kind(event: Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]

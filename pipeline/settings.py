@@ -1,0 +1,136 @@
+"""Settings: one frozen object from defaults, a TOML file and `TIERPIPE_*` environment variables.
+
+Precedence, lowest first: defaults, the TOML file (`TIERPIPE_CONFIG` or an explicit path),
+`TIERPIPE_<FIELD>` environment variables, explicit keyword arguments. An unknown key in the file
+is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pipeline.errors import ConfigError
+
+__all__ = ["Settings", "load_settings"]
+
+SlotPolicy = Literal["wait", "skip"]
+
+_ENV_PREFIX = "TIERPIPE_"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything configurable, with defaults that work on one machine with no setup."""
+
+    # --- NATS / JetStream
+    #: Server URL(s), comma-separated. The demo starts an embedded server when
+    #: `TIERPIPE_NATS_URL` is not set.
+    nats_url: str = "nats://127.0.0.1:4222"
+    stream: str = "TIERPIPE"
+    stream_replicas: int = 1
+    #: Events kept per subject, i.e. per (job, kind, node, rank): the steps recovery can replay.
+    max_msgs_per_subject: int = 4096
+    duplicate_window_s: float = 120.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 10.0
+
+    # --- stage runner
+    ack_wait_s: float = 30.0
+    max_deliver: int = 10
+    max_ack_pending: int = 64
+    retry_base_s: float = 0.5
+    retry_max_s: float = 30.0
+    #: How long a stopping worker lets in-flight work finish before it is abandoned (and nak'ed).
+    drain_timeout_s: float = 30.0
+
+    # --- node identity and tiers
+    #: This node's name; None: the host name's first label.
+    node: str | None = None
+    staging_root: str = "/dev/shm/tierpipe"
+    nvme_root: str = "tierpipe-data/nvme"
+    #: Bytes a shard write must leave free on the NVMe filesystem.
+    nvme_reserve_bytes: int = 0
+    #: Use O_DIRECT for shard writes and verification reads where the filesystem supports it.
+    direct_io: bool = True
+    io_chunk_bytes: int = 8 << 20
+    io_queue_depth: int = 4
+
+    # --- trainer
+    staging_slots: int = 2
+    slot_policy: SlotPolicy = "wait"
+    slot_wait_timeout_s: float = 300.0
+    publish_timeout_s: float = 10.0
+
+    # --- logging
+    log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.stream and all(c not in self.stream for c in ".*> "), "stream", self.stream)
+        for name in ("ack_wait_s", "retry_base_s", "retry_max_s", "publish_timeout_s"):
+            _check(getattr(self, name) > 0, name, getattr(self, name))
+        for name in ("max_deliver", "max_ack_pending", "staging_slots", "io_queue_depth"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name))
+        _check(self.io_chunk_bytes >= 4096 and self.io_chunk_bytes % 4096 == 0,
+               "io_chunk_bytes", self.io_chunk_bytes)
+        _check(self.nvme_reserve_bytes >= 0, "nvme_reserve_bytes", self.nvme_reserve_bytes)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (validated)."""
+        return load_settings(path=None, env={}, base=self, **changes)
+
+
+def _check(ok: object, name: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"invalid setting {name}={value!r}")
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    base: Settings | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build the settings.
+
+    Args:
+        path: TOML file; defaults to `$TIERPIPE_CONFIG` when set.
+        env: environment to read `TIERPIPE_*` overrides from (default `os.environ`).
+        base: start from these settings instead of the defaults.
+        **overrides: explicit values; they win over everything else.
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value (the message names the key).
+    """
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
+    path = path if path is not None else env.get("TIERPIPE_CONFIG")
+    if path:
+        try:
+            values.update(tomllib.loads(Path(path).read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read settings file {path}: {e}") from e
+    fields = set(Settings.__struct_fields__)
+    for key, raw in env.items():
+        if key.startswith(_ENV_PREFIX) and key != "TIERPIPE_CONFIG":
+            name = key[len(_ENV_PREFIX):].lower()
+            if name in fields:
+                values[name] = _from_env(name, raw)
+    values.update({k: v for k, v in overrides.items()})
+    try:
+        return msgspec.convert(values, Settings, strict=False)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"invalid settings: {e}") from e
+
+
+def _from_env(name: str, raw: str) -> Any:
+    # Optional fields take "" as None, so `TIERPIPE_NODE=` means "use the host name".
+    default = Settings.__struct_defaults__[Settings.__struct_fields__.index(name)]
+    if raw == "" and default is None:
+        return None
+    return raw

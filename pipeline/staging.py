@@ -1,0 +1,298 @@
+"""Staging slots: the host-RAM tier, as files in shared memory that trainer and agent both map.
+
+Layout under the staging root (default `/dev/shm/tierpipe`)::
+
+    <job>/rank-<rank:05d>/owner.lock                  held (flock) by the live trainer of this rank
+    <job>/rank-<rank:05d>/slot-<i>                    an unsealed shard image, reused across saves
+    <job>/rank-<rank:05d>/slot-<i>.step-<step:012d>   marker: slot i holds an unreleased step
+
+A slot is busy while its marker exists. The trainer creates the marker after the copy and before
+publishing `staged`; the node agent removes it once the NVMe copy is verified (`release`). Because
+the bytes live in files, a trainer crash after `save()` returns does not lose the checkpoint, and
+a restarted trainer never reuses a slot whose step the agent has not released.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from pipeline.errors import ConfigError, NoSpaceError, ShardFormatError, SlotTimeoutError, StagingGoneError
+from pipeline.names import validate_token
+from pipeline.shard import Head, parse_head
+from schemas import ShardStaged
+
+__all__ = ["Slot", "SlotPool", "StagedImage", "open_image", "open_staged", "rank_dir", "release"]
+
+log = structlog.get_logger(__name__)
+
+_MARKER = re.compile(r"^slot-(\d+)\.step-(\d{12})$")
+_GROW_ALIGN = 2 << 20
+
+
+def rank_dir(root: str | os.PathLike[str], job: str, rank: int) -> Path:
+    return Path(root).absolute() / validate_token("job", job) / f"rank-{rank:05d}"
+
+
+def _markers(directory: Path) -> list[tuple[int, int]]:
+    """(slot, step) of every busy marker in a rank directory."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [(int(m[1]), int(m[2])) for m in map(_MARKER.match, names) if m]
+
+
+def _marker(directory: Path, slot: int, step: int) -> Path:
+    return directory / f"slot-{slot}.step-{step:012d}"
+
+
+class Slot:
+    """One reusable staging buffer, mapped shared into the trainer."""
+
+    def __init__(self, directory: Path, index: int) -> None:
+        self.index = index
+        self.path = directory / f"slot-{index}"
+        self._fd: int | None = None
+        self.mm: mmap.mmap | None = None
+        self.capacity = 0
+
+    def ensure(self, nbytes: int) -> mmap.mmap:
+        """Map the slot with room for `nbytes`, growing the file if needed (rare)."""
+        if self.mm is not None and self.capacity >= nbytes:
+            return self.mm
+        self.unmap()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            capacity = max(os.fstat(fd).st_size, -(-(nbytes + (1 << 20)) // _GROW_ALIGN) * _GROW_ALIGN)
+            # Allocate now: a shared-memory mapping that runs out of room later kills the trainer
+            # with SIGBUS mid-copy; here it is a clear error instead.
+            try:
+                os.posix_fallocate(fd, 0, capacity)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                st = os.statvfs(self.path.parent)
+                raise NoSpaceError(str(self.path.parent), capacity, st.f_bavail * st.f_frsize, 0) from e
+            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self.capacity = fd, capacity
+        log.debug("staging_slot_mapped", path=str(self.path), nbytes=capacity)
+        return self.mm
+
+    def unmap(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a tensor view is still alive; the mapping dies with it
+                pass
+            self.mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.capacity = 0
+
+
+class SlotPool:
+    """The trainer's staging slots for one (job, rank) on this node."""
+
+    def __init__(self, root: str | os.PathLike[str], job: str, rank: int, count: int) -> None:
+        self.dir = rank_dir(root, job, rank)
+        self.job, self.rank = job, rank
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.dir / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        # An agent may hold the lock shared for a moment while it deletes an orphaned slot.
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                os.close(self._lock_fd)
+                raise ConfigError(
+                    f"another process already stages job {job!r} rank {rank} under {self.dir}"
+                ) from None
+        self.slots = [Slot(self.dir, i) for i in range(count)]
+
+    def busy(self) -> dict[int, int]:
+        """slot index -> unreleased step."""
+        return {slot: step for slot, step in _markers(self.dir)}
+
+    def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
+        """A free slot; with `wait`, poll until one frees up or `timeout_s` passes.
+
+        Raises:
+            SlotTimeoutError: `wait` and no slot freed up in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while True:
+            busy = self.busy()
+            for slot in self.slots:
+                if slot.index not in busy:
+                    return slot
+            if not wait:
+                return None
+            if time.monotonic() >= deadline:
+                raise SlotTimeoutError(self.job, self.rank, timeout_s, sorted(busy.values()))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def mark(self, slot: Slot, step: int) -> None:
+        """Mark `slot` busy with `step` (after the copy, before `staged` is published)."""
+        fd = os.open(_marker(self.dir, slot.index, step), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+        os.close(fd)
+
+    def unmark(self, slot: Slot, step: int) -> None:
+        """Give a slot back without the agent (the save failed before the agent saw it)."""
+        _marker(self.dir, slot.index, step).unlink(missing_ok=True)
+
+    def reclaim(self, published_up_to: int | None) -> list[int]:
+        """Drop markers of steps newer than the last `staged` event of this rank (a trainer died
+        between marking and publishing); they will never be released by the agent."""
+        dropped = []
+        for slot, step in _markers(self.dir):
+            if published_up_to is None or step > published_up_to:
+                _marker(self.dir, slot, step).unlink(missing_ok=True)
+                dropped.append(step)
+        if dropped:
+            log.warning("staging_markers_reclaimed", job=self.job, rank=self.rank, steps=dropped)
+        return dropped
+
+    def close(self) -> None:
+        """Unmap every slot and delete free ones; busy slots stay for the agent."""
+        busy = self.busy()
+        for slot in self.slots:
+            slot.unmap()
+            if slot.index not in busy:
+                slot.path.unlink(missing_ok=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class StagedImage:
+    """A staged shard image, mapped read-only by the agent."""
+
+    path: Path
+    mm: mmap.mmap
+    head: Head
+
+    def view(self) -> memoryview:
+        return memoryview(self.mm)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def open_image(root: str | os.PathLike[str], event: ShardStaged) -> StagedImage:
+    """Map the slot a `staged` event names and check that it still holds that shard.
+
+    Raises:
+        StagingGoneError: the slot is missing, released, or holds another shard now.
+        ShardFormatError: the image is garbled, or the event points outside the staging root.
+    """
+    directory = rank_dir(root, event.job, event.rank)
+    path = directory / f"slot-{event.slot}"
+    if Path(event.staging_path) != path:
+        raise ShardFormatError(
+            event.staging_path,
+            f"not this agent's staging slot {path}: trainer and agent must share staging_root",
+        )
+    if (event.slot, event.step) not in _markers(directory):
+        raise StagingGoneError(str(path), f"step {event.step} was released or never marked")
+    image = _map(path, event.job, event.step, event.rank, event.world_size)
+    if image.head.file_nbytes != event.nbytes:
+        image.close()
+        raise StagingGoneError(str(path), f"slot holds {image.head.file_nbytes} bytes, event says {event.nbytes}")
+    return image
+
+
+def open_staged(
+    root: str | os.PathLike[str], job: str, rank: int, step: int, world_size: int
+) -> StagedImage | None:
+    """The staging copy of a shard if a slot still holds it (not yet released), else None."""
+    directory = rank_dir(root, job, rank)
+    for slot, marked in _markers(directory):
+        if marked == step:
+            try:
+                return _map(directory / f"slot-{slot}", job, step, rank, world_size)
+            except StagingGoneError:
+                return None
+    return None
+
+
+def _map(path: Path, job: str, step: int, rank: int, world_size: int) -> StagedImage:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise StagingGoneError(str(path), "slot file is missing") from e
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        head = parse_head(memoryview(mm), str(path), sealed=False)
+        h = head.header
+        if (h.job, h.step, h.rank, h.world_size) != (job, step, rank, world_size):
+            raise StagingGoneError(str(path), f"slot now holds step {h.step} of rank {h.rank}")
+        if head.file_nbytes > len(mm):
+            raise StagingGoneError(str(path), f"slot holds {len(mm)} bytes, image needs {head.file_nbytes}")
+    except BaseException:
+        mm.close()
+        raise
+    return StagedImage(path, mm, head)
+
+
+def release(root: str | os.PathLike[str], job: str, rank: int, step: int) -> Path | None:
+    """Free the slot holding `step` of (job, rank); delete the slot file if its trainer is gone.
+
+    Returns:
+        The slot path that was released, or None if no slot held that step (already released).
+    """
+    directory = rank_dir(root, job, rank)
+    released = None
+    for slot, marked in _markers(directory):
+        if marked == step:
+            _marker(directory, slot, step).unlink(missing_ok=True)
+            released = directory / f"slot-{slot}"
+    if released is not None:
+        _delete_if_orphaned(directory, released)
+    return released
+
+
+def _delete_if_orphaned(directory: Path, slot_path: Path) -> None:
+    # The trainer holds owner.lock exclusively while it lives. Holding it shared while we delete
+    # means a trainer starting right now waits for us before it maps any slot.
+    try:
+        fd = os.open(directory / "owner.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        index = slot_path.name.removeprefix("slot-")
+        if not any(str(s) == index for s, _ in _markers(directory)):
+            slot_path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)

@@ -1,0 +1,375 @@
+"""Training state <-> shard image: flatten nested state into a header plus raw blobs, and back.
+
+A state is what `Checkpointer.save()` accepts: dicts (str or int keys), lists, tuples, tensors,
+numpy arrays, plain values (None, bool, int, float, str, bytes), numpy scalars, `torch.Size`,
+`torch.dtype`, `torch.device`, and objects with `state_dict()` (modules, optimizers, schedulers),
+which are stored as their state dict. The structure and plain values go into the header as msgpack;
+every tensor becomes a view of a blob. Tensors that share storage share one blob and come back
+sharing it (tied weights stay tied); any other tensor is stored compact and comes back contiguous.
+No pickle: a shard holds data only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+
+from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from pipeline.shard import DTYPE_SIZES, PREFIX_NBYTES, align_up, encode_head, parse_head, parse_prefix
+from schemas import BlobEntry, ShardHeader, TensorEntry
+
+__all__ = ["StatePlan", "load_shard", "plan_state", "rebuild_state", "tensor_buffer", "write_shard"]
+
+KeyPath = tuple[str | int, ...]
+
+_ZERO = bytes(16)
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_tree_encoder = msgspec.msgpack.Encoder()
+_tree_decoder = msgspec.msgpack.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    offset: int  # in the image
+    nbytes: int
+    src: torch.Tensor
+    raw: bool  # src is a uint8 view of a shared storage's byte span
+
+
+@dataclass(frozen=True, slots=True)
+class StatePlan:
+    """Where every byte of one state goes in a shard image."""
+
+    header: ShardHeader
+    #: Unsealed prefix + header + padding: the first `len(head)` bytes of the image.
+    head: bytes
+    #: Size of the whole image.
+    nbytes: int
+    copies: tuple[_Copy, ...]
+    #: CUDA devices the state's tensors live on (empty for a CPU-only state).
+    cuda_devices: frozenset[torch.device]
+
+    @property
+    def tensor_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+    def copy_into(
+        self,
+        image: torch.Tensor,
+        *,
+        device: torch.device | None = None,
+        non_blocking: bool = False,
+    ) -> None:
+        """Copy the tensors' bytes into `image` (a CPU uint8 tensor of at least `nbytes`).
+
+        The head is not written here: the caller owns the image's buffer. `device` limits the
+        copy to tensors on that device. With `non_blocking`, copies from CUDA tensors are queued
+        on the current stream and the caller synchronises.
+        """
+        for c in self.copies:
+            if device is not None and c.src.device != device:
+                continue
+            dst = image[c.offset : c.offset + c.nbytes]
+            if not c.raw:
+                dst = dst.view(c.src.dtype).view(c.src.shape)
+            dst.copy_(c.src, non_blocking=non_blocking)
+
+
+def plan_state(
+    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str
+) -> StatePlan:
+    """Flatten `state` and lay it out as a shard image.
+
+    Raises:
+        UnsupportedStateError: a value cannot be stored without pickle (names its key path).
+    """
+    tensors: list[torch.Tensor] = []
+    paths: list[KeyPath] = []
+    tree = _encode(state, (), tensors, paths, set())
+    try:
+        tree_bytes = _tree_encoder.encode(tree)
+    except (TypeError, OverflowError, UnicodeEncodeError) as e:
+        raise UnsupportedStateError((), f"cannot encode plain values: {e}") from e
+
+    groups: dict[object, list[int]] = {}
+    for i, t in enumerate(tensors):
+        shareable = t.numel() > 0 and not (t.is_conj() or t.is_neg())
+        key = (t.device, t.untyped_storage().data_ptr()) if shareable else ("own", i)
+        groups.setdefault(key, []).append(i)
+
+    entries: list[TensorEntry | None] = [None] * len(tensors)
+    blobs: list[BlobEntry] = []
+    copies: list[tuple[int, int, torch.Tensor, bool]] = []  # (blob, nbytes, src, raw)
+    offset = 0
+    for members in groups.values():
+        blob = len(blobs)
+        if len(members) == 1:
+            t = tensors[members[0]]
+            nbytes = t.numel() * t.element_size()
+            entries[members[0]] = TensorEntry(
+                paths[members[0]], _dtype_name(t.dtype), tuple(t.shape), _contiguous(t.shape), blob, 0
+            )
+            src, raw = t, False
+        else:
+            first = tensors[members[0]]
+            spans = [(_byte_span(tensors[i]), i) for i in members]
+            start = min(s for (s, _), _ in spans) // 16 * 16
+            end = max(e for (_, e), _ in spans)
+            nbytes = end - start
+            for (s, _), i in spans:
+                t = tensors[i]
+                entries[i] = TensorEntry(
+                    paths[i], _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), blob,
+                    (s - start) // t.element_size(),
+                )
+            src = torch.empty(0, dtype=torch.uint8, device=first.device)
+            src.set_(first.untyped_storage(), start, (nbytes,), (1,))
+            raw = True
+        blobs.append(BlobEntry(offset, nbytes, _ZERO))
+        copies.append((blob, nbytes, src, raw))
+        offset = align_up(offset + nbytes)
+
+    header = ShardHeader(
+        job=job, step=step, rank=rank, world_size=world_size, node=node, created=time.time(),
+        tree=tree_bytes, tensors=tuple(e for e in entries if e is not None), blobs=tuple(blobs),
+    )  # fmt: skip
+    head = encode_head(header, sealed=False)
+    data_offset = len(head)
+    return StatePlan(
+        header=header,
+        head=head,
+        nbytes=data_offset + align_up(offset),
+        copies=tuple(
+            _Copy(data_offset + blobs[b].offset, n, src, raw) for b, n, src, raw in copies if n
+        ),
+        cuda_devices=frozenset(t.device for t in tensors if t.is_cuda),
+    )
+
+
+def rebuild_state(header: ShardHeader, blobs: list[torch.Tensor], path: str = "<shard>") -> Any:
+    """Rebuild the saved state from its header and one uint8 tensor per blob.
+
+    Tensors are views of the blob tensors (no copy); tensors that shared a blob share storage.
+    """
+    tensors = []
+    for e in header.tensors:
+        dtype = getattr(torch, e.dtype)  # e.dtype was checked against DTYPE_SIZES
+        blob = blobs[e.blob]
+        t = torch.empty(0, dtype=dtype)
+        base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
+        t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
+        tensors.append(t)
+    try:
+        return _decode(_tree_decoder.decode(header.tree), tensors)
+    except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError, RecursionError) as e:
+        raise ShardFormatError(path, f"garbled state tree: {e}") from e
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (keep `t` alive while using it)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def write_shard(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    job: str,
+    step: int,
+    rank: int = 0,
+    world_size: int = 1,
+    node: str = "local",
+) -> str:
+    """Write `state` as a sealed shard file (fsynced, atomically renamed into place).
+
+    This is the standalone writer (tests, tools); training code uses `Checkpointer.save()`.
+
+    Returns:
+        The header digest as hex.
+    """
+    from pipeline.storage.nvme import seal_image
+
+    plan = plan_state(state, job=job, step=step, rank=rank, world_size=world_size, node=node)
+    image = torch.empty(plan.nbytes, dtype=torch.uint8)
+    buf = tensor_buffer(image)
+    buf[: len(plan.head)] = plan.head
+    plan.copy_into(image)
+    return seal_image(buf, os.fspath(path)).header_digest
+
+
+def load_shard(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[ShardHeader, Any]:
+    """Read a sealed shard file and rebuild its state on the CPU.
+
+    Every blob's digest is checked before its bytes reach a tensor.
+
+    Raises:
+        ShardFormatError: truncated, garbled or not a shard (the message names the file).
+        IntegrityError: a digest does not match.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, PREFIX_NBYTES, 0)
+        header_len = parse_prefix(prefix, path)[0]
+        head = parse_head(os.pread(fd, PREFIX_NBYTES + header_len, 0), path, actual_nbytes=size)
+        names = _blob_names(head.header)
+        blobs = []
+        for i, b in enumerate(head.header.blobs):
+            t = torch.empty(b.nbytes, dtype=torch.uint8)
+            buf = tensor_buffer(t)
+            if b.nbytes and os.preadv(fd, [buf], head.data_offset + b.offset) != b.nbytes:
+                raise ShardFormatError(path, f"truncated inside {names[i]}")
+            if verify:
+                actual = xxhash.xxh3_128_digest(buf)
+                if actual != b.digest:
+                    raise IntegrityError(path, names[i], b.digest.hex(), actual.hex())
+            blobs.append(t)
+    return head.header, rebuild_state(head.header, blobs, path)
+
+
+def _blob_names(header: ShardHeader) -> list[str]:
+    names = [f"blob {i}" for i in range(len(header.blobs))]
+    for e in reversed(header.tensors):
+        names[e.blob] = f"tensor {'/'.join(map(str, e.path))}"
+    return names
+
+
+# --- the state tree: msgpack values; containers and references are arrays tagged by their first item
+
+
+def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int]) -> Any:
+    if v is None or type(v) in (bool, float, str, bytes):
+        return v
+    if isinstance(v, torch.Tensor):
+        paths.append(path)
+        tensors.append(_check_tensor(v, path))
+        return ["T", len(tensors) - 1]
+    np = sys.modules.get("numpy")  # numpy values can only exist if numpy was imported
+    if np is not None and isinstance(v, np.ndarray | np.generic):
+        return _encode_numpy(np, v, path, tensors, paths)
+    if isinstance(v, int):  # subclasses (IntEnum, ...) are stored as their base type
+        v = int(v)
+        return v if _INT_MIN <= v <= _UINT_MAX else ["I", str(v)]
+    if isinstance(v, float | str):
+        return float(v) if isinstance(v, float) else str(v)
+    if isinstance(v, torch.Size):
+        return ["Z", *map(int, v)]
+    if isinstance(v, torch.dtype):
+        return ["y", _dtype_name(v, path)]
+    if isinstance(v, torch.device):
+        return ["v", str(v)]
+    if id(v) in active:
+        raise UnsupportedStateError(path, "the state contains a reference cycle")
+    active.add(id(v))
+    try:
+        if isinstance(v, Mapping):
+            out: list[Any] = ["d"]
+            for k, item in v.items():
+                if not isinstance(k, str | int):
+                    raise UnsupportedStateError(path, f"dict key {k!r} is not a str or int")
+                out += [_encode(k, path, tensors, paths, active), _encode(item, (*path, k), tensors, paths, active)]
+            return out
+        if isinstance(v, list | tuple):
+            items = [_encode(x, (*path, i), tensors, paths, active) for i, x in enumerate(v)]
+            return ["l" if isinstance(v, list) else "t", *items]
+        if callable(getattr(v, "state_dict", None)):
+            return _encode(v.state_dict(), path, tensors, paths, active)
+    finally:
+        active.discard(id(v))
+    raise UnsupportedStateError(path, f"values of type {type(v).__qualname__} are not supported")
+
+
+def _encode_numpy(np: Any, v: Any, path: KeyPath, tensors: list, paths: list) -> Any:
+    if isinstance(v, np.generic):
+        if v.dtype.kind not in "biufc":
+            raise UnsupportedStateError(path, f"numpy scalar of dtype {v.dtype} is not supported")
+        return ["S", v.dtype.str, v.tobytes()]
+    if v.dtype.kind not in "biufc" or v.dtype.byteorder == ">":
+        raise UnsupportedStateError(path, f"numpy arrays of dtype {v.dtype.str} are not supported")
+    paths.append(path)
+    tensors.append(torch.from_numpy(np.ascontiguousarray(v)))
+    return ["N", len(tensors) - 1]
+
+
+def _decode(v: Any, tensors: list[torch.Tensor]) -> Any:
+    if not isinstance(v, list):
+        if isinstance(v, dict):
+            raise ValueError("untagged map in state tree")
+        return v
+    tag, items = v[0], v[1:]
+    match tag:
+        case "d":
+            return {
+                _decode(items[i], tensors): _decode(items[i + 1], tensors)
+                for i in range(0, len(items), 2)
+            }
+        case "l":
+            return [_decode(x, tensors) for x in items]
+        case "t":
+            return tuple(_decode(x, tensors) for x in items)
+        case "T":
+            return tensors[items[0]]
+        case "N":
+            return tensors[items[0]].numpy()
+        case "I":
+            return int(items[0])
+        case "S":
+            import numpy as np
+
+            return np.frombuffer(items[1], dtype=np.dtype(items[0]))[0]
+        case "Z":
+            return torch.Size(items)
+        case "y":
+            if items[0] not in DTYPE_SIZES:
+                raise ValueError(f"unknown dtype {items[0]!r}")
+            return getattr(torch, items[0])
+        case "v":
+            return torch.device(items[0])
+    raise ValueError(f"unknown tag {tag!r} in state tree")
+
+
+def _check_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
+    if type(t) not in _PLAIN_TENSOR_TYPES:
+        raise UnsupportedStateError(
+            path, f"tensor subclass {type(t).__qualname__} (save its local tensor instead)"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
+        raise UnsupportedStateError(path, f"only dense strided tensors are supported (got {t.layout})")
+    _dtype_name(t.dtype, path)
+    return t.detach()
+
+
+def _dtype_name(dtype: torch.dtype, path: KeyPath = ()) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise UnsupportedStateError(path, f"dtype {dtype} is not supported")
+    return name
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.storage_offset() * t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + extent * t.element_size()
+

@@ -1,0 +1,49 @@
+"""Wire and on-disk types of tierpipe: events on the bus and the shard file header.
+
+Only msgspec types and their codecs live here; no I/O, no settings.
+"""
+
+from schemas.events import (
+    SCHEMA_VERSION,
+    Event,
+    ShardEvent,
+    ShardEvicted,
+    ShardStaged,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+    Tier,
+    decode_event,
+    encode_event,
+)
+from schemas.names import TOKEN_PATTERN, Token
+from schemas.shard import (
+    ALIGN,
+    FORMAT_VERSION,
+    MAGIC,
+    BlobEntry,
+    ShardHeader,
+    TensorEntry,
+)
+
+__all__ = [
+    "ALIGN",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "SCHEMA_VERSION",
+    "TOKEN_PATTERN",
+    "BlobEntry",
+    "Event",
+    "ShardEvent",
+    "ShardEvicted",
+    "ShardHeader",
+    "ShardStaged",
+    "ShardVerified",
+    "ShardWritten",
+    "StageFailed",
+    "TensorEntry",
+    "Tier",
+    "Token",
+    "decode_event",
+    "encode_event",
+]

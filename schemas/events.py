@@ -1,0 +1,141 @@
+"""Events that move a shard through the tiers, as published on `tp.<job>.<kind>.<node>.<rank>`.
+
+Every event is a frozen, tagged msgspec Struct encoded as compact JSON, so `nats stream view` and
+`nats sub 'tp.>'` show readable bodies. Tensor bytes never travel on the bus: events carry
+references (paths, sizes, digests).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from schemas.names import Token
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Event",
+    "ShardEvent",
+    "ShardEvicted",
+    "ShardStaged",
+    "ShardVerified",
+    "ShardWritten",
+    "StageFailed",
+    "Tier",
+    "decode_event",
+    "encode_event",
+]
+
+#: Bumped when a field changes meaning or a required field is added.
+SCHEMA_VERSION = 1
+
+Tier = Literal["ram", "nvme", "s3"]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    v: int = SCHEMA_VERSION
+    job: Token
+    node: Token
+    ts: float
+
+
+class ShardEvent(_Event, frozen=True, kw_only=True):
+    """Common identity of one rank's shard of one step."""
+
+    step: NonNegInt
+    rank: NonNegInt
+    world_size: PosInt
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
+
+
+class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
+    """The trainer copied the shard into a staging slot in shared memory.
+
+    The slot file holds an unsealed shard image (header with zero digests, then data), so the
+    layout and the non-tensor state travel in the slot, not on the bus.
+    """
+
+    staging_path: str
+    slot: NonNegInt
+    nbytes: NonNegInt
+    tensors: NonNegInt
+    stall_s: float
+    blocking: bool = True
+
+
+class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):
+    """The shard file was written, fsynced and renamed into place on the node's NVMe.
+
+    `header_digest` (xxh3-128 of the header, which holds every tensor's digest) commits to the
+    whole file.
+    """
+
+    path: str
+    nbytes: NonNegInt
+    header_digest: Digest
+    tensors: NonNegInt
+    seconds: float
+
+
+class ShardVerified(ShardEvent, frozen=True, kw_only=True, tag="verified"):
+    """The NVMe copy was re-read from the device and every digest matched."""
+
+    path: str
+    nbytes: NonNegInt
+    header_digest: Digest
+    seconds: float
+    rewritten: bool = False
+
+
+class ShardEvicted(ShardEvent, frozen=True, kw_only=True, tag="evicted"):
+    """A copy of the shard was removed from a tier (for `ram`, its staging slot was released)."""
+
+    tier: Tier
+    location: str
+    reason: str
+
+
+class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
+    """A stage could not process a message.
+
+    Retryable failures are published on every attempt; a permanent one (or the last attempt)
+    terminates the message. Identity fields are absent when the message could not be decoded.
+    """
+
+    stage: str
+    error: str
+    message: str
+    retryable: bool
+    attempt: PosInt
+    step: NonNegInt | None = None
+    rank: NonNegInt | None = None
+    world_size: PosInt | None = None
+    subject: str | None = None
+    stream_seq: NonNegInt | None = None
+
+
+Event = ShardStaged | ShardWritten | ShardVerified | ShardEvicted | StageFailed
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    """Encode an event as compact JSON."""
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> Event:
+    """Decode and validate an event.
+
+    Raises:
+        msgspec.ValidationError, msgspec.DecodeError: the payload is not a valid event.
+    """
+    return _decoder.decode(data)

@@ -1,0 +1,14 @@
+"""Name tokens: the job and node names that become NATS subject tokens and path parts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+__all__ = ["TOKEN_PATTERN", "Token"]
+
+#: Job and node names: safe as a NATS subject token, a file name and a consumer-name part.
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+Token = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]

@@ -1,0 +1,84 @@
+"""NVMe-write stage: `staged` -> a sealed shard file on node-local NVMe -> `written`.
+
+Reads the unsealed image from the staging slot, writes it to a temp file with large aligned
+O_DIRECT writes while hashing, fsyncs, renames into place and fsyncs the directory
+(`NvmeStore.write_image`). Temp files left by a crash are swept on start. Idempotent: a redelivered
+event finds the final file holding the same save and only republishes (deduplicated).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from pipeline.bus import Bus
+from pipeline.errors import StagingGoneError, TierpipeError
+from pipeline.names import node_name, shard_relpath
+from pipeline.runner import serve
+from pipeline.settings import Settings
+from pipeline.staging import open_image
+from pipeline.storage.nvme import NvmeStore, WriteResult, read_head
+from schemas import ShardStaged, ShardWritten
+
+__all__ = ["STAGE", "run"]
+
+STAGE = "nvme-write"
+log = structlog.get_logger(__name__)
+
+
+async def run(
+    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    node = node_name(settings.node)
+    with NvmeStore.from_settings(settings) as store:
+        await anyio.to_thread.run_sync(store.sweep_temp)
+
+        async def handle(event: ShardStaged, attempt: int) -> None:
+            result = await anyio.to_thread.run_sync(_write, store, settings.staging_root, event)
+            await bus.publish(
+                ShardWritten(
+                    job=event.job, node=node, ts=time.time(), step=event.step, rank=event.rank,
+                    world_size=event.world_size, path=result.path, nbytes=result.nbytes,
+                    header_digest=result.header_digest, tensors=result.tensors,
+                    seconds=round(result.seconds, 6),
+                )
+            )  # fmt: skip
+            log.info(
+                "shard_written", path=result.path, nbytes=result.nbytes, existed=result.existed,
+                seconds=round(result.seconds, 4), mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+            )  # fmt: skip
+
+        await serve(bus, settings, stage=STAGE, node=node, kinds=("staged",), handler=handle,
+                    task_status=task_status)  # fmt: skip
+
+
+def _write(store: NvmeStore, staging_root: str, event: ShardStaged) -> WriteResult:
+    final = store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
+    try:
+        image = open_image(staging_root, event)
+    except StagingGoneError:
+        # Released or replaced after a redelivery: fine if the shard already made it to NVMe.
+        done = _already_written(final, event)
+        if done is None:
+            raise
+        return done
+    try:
+        with image.view() as view:
+            return store.write_image(view, image.head, final)
+    finally:
+        image.close()
+
+
+def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:
+    try:
+        head = read_head(final)
+    except (OSError, TierpipeError):
+        return None
+    h = head.header
+    if (h.job, h.step, h.rank, h.world_size) != (event.job, event.step, event.rank, event.world_size):
+        return None
+    return WriteResult(str(final), head.file_nbytes, head.header_digest.hex(), len(h.tensors), 0.0, True)

@@ -1,0 +1,139 @@
+"""Snapshot stage (in the trainer): copy a rank's state into a staging slot in shared memory.
+
+This is the only part of tierpipe on the training loop's critical path, so it does nothing but
+the copy: no hashing, no disk or network I/O. CPU tensors are copied with `copy_` into views of
+the slot (torch parallelises large copies). CUDA tensors are copied device-to-host with
+non-blocking copies into the slot itself, which is page-locked once with `cudaHostRegister`
+(pinned staging without a second host copy), then synchronised; the overlapped mode queues them
+on a side stream instead and lets the next optimizer step wait for that stream on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from pipeline.staging import Slot, SlotPool
+from pipeline.state import StatePlan
+
+__all__ = ["Snapshot", "StagedCopy"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Image:
+    mm: mmap.mmap
+    tensor: torch.Tensor
+    #: Page-locked for CUDA (cudaHostRegister), so device-to-host copies can be asynchronous.
+    pinned: bool
+
+
+@dataclass(slots=True)
+class StagedCopy:
+    """A copy in progress (overlapped mode): CUDA events to wait for, CPU copies still to do."""
+
+    plan: StatePlan
+    slot: Slot
+    image: torch.Tensor
+    #: (device, event recorded on its copy stream after the last device-to-host copy)
+    cuda_events: list[tuple[torch.device, torch.cuda.Event]]
+
+    def finish(self, on_host_done: Callable[[], None]) -> None:
+        """Run the CPU part, report it, then wait for the CUDA part (on a helper thread)."""
+        self.plan.copy_into(self.image, device=torch.device("cpu"))
+        on_host_done()
+        for _, event in self.cuda_events:
+            event.synchronize()
+
+
+class Snapshot:
+    """Copies states into one rank's staging slots. Owned by a `Checkpointer`."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self._images: dict[int, _Image] = {}
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def prepare(self, slot: Slot, plan: StatePlan) -> torch.Tensor:
+        """Map `slot` with room for `plan` and write the image's head; returns the image tensor."""
+        image = self._image(slot, plan.nbytes, cuda=bool(plan.cuda_devices))
+        image.mm[: len(plan.head)] = plan.head
+        return image.tensor
+
+    def copy(self, slot: Slot, plan: StatePlan, image: torch.Tensor) -> None:
+        """Copy every tensor and return once the bytes are in the slot (blocking save)."""
+        if not plan.cuda_devices:
+            plan.copy_into(image)
+            return
+        pinned = self._images[slot.index].pinned
+        plan.copy_into(image, device=torch.device("cpu"))
+        for device in plan.cuda_devices:
+            plan.copy_into(image, device=device, non_blocking=pinned)
+        for device in plan.cuda_devices:
+            torch.cuda.current_stream(device).synchronize()
+
+    def start_copy(self, slot: Slot, plan: StatePlan, image: torch.Tensor) -> StagedCopy:
+        """Queue the CUDA copies on side streams (ordered after work already queued on the
+        current streams) and return; `StagedCopy.finish()` completes the copy."""
+        events = []
+        pinned = self._images[slot.index].pinned
+        for device in plan.cuda_devices:
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                plan.copy_into(image, device=device, non_blocking=pinned)
+                for c in plan.copies:
+                    if c.src.device == device:
+                        c.src.record_stream(side)  # the allocator must not reuse it mid-copy
+                event = torch.cuda.Event()
+                event.record(side)
+            events.append((device, event))
+        return StagedCopy(plan, slot, image, events)
+
+    def close(self) -> None:
+        for index in list(self._images):
+            self._drop(index)
+
+    def _image(self, slot: Slot, nbytes: int, *, cuda: bool) -> _Image:
+        image = self._images.get(slot.index)
+        if image is None or slot.capacity < nbytes or slot.mm is not image.mm:
+            self._drop(slot.index)
+            mm = slot.ensure(nbytes)
+            image = _Image(mm, torch.frombuffer(mm, dtype=torch.uint8), pinned=False)
+            self._images[slot.index] = image
+        if cuda and not image.pinned:
+            image.pinned = _host_register(image.mm)
+        return image
+
+    def _drop(self, index: int) -> None:
+        image = self._images.pop(index, None)
+        if image is not None and image.pinned:
+            torch.cuda.cudart().cudaHostUnregister(_address(image.mm))
+
+
+def _address(mm: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def _host_register(mm: mmap.mmap) -> bool:
+    """Page-lock a slot mapping for asynchronous device-to-host copies; False if refused."""
+    err = torch.cuda.cudart().cudaHostRegister(_address(mm), len(mm), 0)
+    if int(err) != 0:
+        log.warning(
+            "staging_pin_failed", error=int(err),
+            hint="device-to-host copies fall back to synchronous pageable copies",
+        )  # fmt: skip
+        return False
+    return True

@@ -1,0 +1,98 @@
+"""Verify stage: `written` -> re-read from the device, check size and every digest -> `verified`.
+
+Reads bypass the page cache (O_DIRECT, else the cache is dropped first) so the check sees what
+the device holds, not what was just written. A mismatch publishes `failed` naming the file, the
+part and both digests. If the staging copy still holds the shard, the corrupt file is set aside
+and the shard is rewritten from staging once and checked again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from pipeline.bus import Bus
+from pipeline.errors import IntegrityError, ShardFormatError, TierpipeError
+from pipeline.names import node_name, shard_relpath
+from pipeline.runner import serve
+from pipeline.settings import Settings
+from pipeline.staging import open_staged
+from pipeline.storage.nvme import NvmeStore, VerifyResult
+from schemas import ShardVerified, ShardWritten, StageFailed
+
+__all__ = ["STAGE", "run"]
+
+STAGE = "verify"
+log = structlog.get_logger(__name__)
+
+
+async def run(
+    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    node = node_name(settings.node)
+    with NvmeStore.from_settings(settings) as store:
+
+        async def handle(event: ShardWritten, attempt: int) -> None:
+            final = store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
+            if Path(event.path) != final:
+                raise ShardFormatError(event.path, f"not this node's shard path {final}")
+            rewritten = False
+            try:
+                result = await anyio.to_thread.run_sync(_verify, store, final, event)
+            except (IntegrityError, ShardFormatError) as corrupt:
+                result = await anyio.to_thread.run_sync(_rewrite, store, settings.staging_root, final, event)
+                if result is None:
+                    raise
+                rewritten = True
+                await bus.publish(
+                    StageFailed(
+                        job=event.job, node=node, ts=time.time(), stage=STAGE,
+                        error=type(corrupt).__name__,
+                        message=f"{corrupt}; rewritten from the staging copy and verified",
+                        retryable=True, attempt=attempt, step=event.step, rank=event.rank,
+                        world_size=event.world_size,
+                    )
+                )  # fmt: skip
+                log.warning("shard_rewritten", path=str(final), error=str(corrupt))
+            await bus.publish(
+                ShardVerified(
+                    job=event.job, node=node, ts=time.time(), step=event.step, rank=event.rank,
+                    world_size=event.world_size, path=result.path, nbytes=result.nbytes,
+                    header_digest=result.header_digest, seconds=round(result.seconds, 6),
+                    rewritten=rewritten,
+                )
+            )  # fmt: skip
+            log.info(
+                "shard_verified", path=result.path, nbytes=result.nbytes, rewritten=rewritten,
+                seconds=round(result.seconds, 4), mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+            )  # fmt: skip
+
+        await serve(bus, settings, stage=STAGE, node=node, kinds=("written",), handler=handle,
+                    task_status=task_status)  # fmt: skip
+
+
+def _verify(store: NvmeStore, final: Path, event: ShardWritten) -> VerifyResult:
+    return store.verify(final, header_digest=event.header_digest, nbytes=event.nbytes)
+
+
+def _rewrite(store: NvmeStore, staging_root: str, final: Path, event: ShardWritten) -> VerifyResult | None:
+    """Rewrite a corrupt shard from its staging copy once; None if there is no staging copy."""
+    try:
+        image = open_staged(staging_root, event.job, event.rank, event.step, event.world_size)
+    except TierpipeError:
+        return None
+    if image is None:
+        return None
+    try:
+        if final.exists():  # keep the bad copy aside for forensics (one per shard)
+            os.replace(final, final.with_name(f".{final.name}.corrupt"))
+        with image.view() as view:
+            written = store.write_image(view, image.head, final)
+    finally:
+        image.close()
+    return store.verify(final, header_digest=written.header_digest, nbytes=written.nbytes)
