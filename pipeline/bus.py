@@ -69,11 +69,14 @@ class Published:
 class Bus:
     """Async context manager around one NATS connection and its JetStream context."""
 
-    def __init__(self, settings: Settings, *, name: str = "tierpipe", connect_wait_s: float = 0.0) -> None:
+    def __init__(
+        self, settings: Settings, *, name: str = "tierpipe", connect_wait_s: float = 0.0
+    ) -> None:
         self.settings = settings
         self.name = name
         self.connect_wait_s = connect_wait_s
         self._closing = False
+        self._connected = False
         self.nc: nats.NATS | None = None
         self.js: Any = None
 
@@ -101,7 +104,8 @@ class Bus:
                     servers,
                     name=self.name,
                     connect_timeout=s.connect_timeout_s,
-                    max_reconnect_attempts=-1,
+                    # Bounded while connecting (so a dead address fails); unlimited once up.
+                    max_reconnect_attempts=1,
                     reconnect_time_wait=0.5,
                     allow_reconnect=True,
                     error_cb=self._on_error,
@@ -110,12 +114,15 @@ class Bus:
                 )
                 break
             except Exception as e:
+                self.nc = None
                 if time.monotonic() + delay > deadline:
                     raise BusUnavailableError(
                         f"cannot reach NATS at {redact_url(s.nats_url)}: {e or type(e).__name__}"
                     ) from e
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+        self.nc.options["max_reconnect_attempts"] = -1
+        self._connected = True
         self.js = self.nc.jetstream(timeout=s.request_timeout_s)
         log.debug("bus_connected", url=redact_url(s.nats_url), name=self.name)
 
@@ -132,7 +139,8 @@ class Bus:
         await nc.close()
 
     async def _on_error(self, e: Exception) -> None:
-        log.warning("bus_error", error=str(e) or type(e).__name__)
+        if self._connected:  # failed first attempts are reported by connect() itself
+            log.warning("bus_error", error=str(e) or type(e).__name__)
 
     async def _on_disconnected(self) -> None:
         if not self._closing:
@@ -269,7 +277,9 @@ class Bus:
             return None
 
     @asynccontextmanager
-    async def replay(self, subject: str, *, batch: int = 1000) -> AsyncIterator[AsyncIterator[tuple[int, Event | None, Msg]]]:
+    async def replay(
+        self, subject: str, *, batch: int = 1000
+    ) -> AsyncIterator[AsyncIterator[tuple[int, Event | None, Msg]]]:
         """Every stored message on `subject` (wildcards allowed), oldest first, then stop.
 
         Yields `(stream_seq, event or None if undecodable, msg)` through an ephemeral
@@ -294,7 +304,9 @@ class Bus:
             remaining = info.num_pending
             while remaining > 0:
                 try:
-                    msgs = await sub.fetch(min(batch, remaining), timeout=self.settings.request_timeout_s)
+                    msgs = await sub.fetch(
+                        min(batch, remaining), timeout=self.settings.request_timeout_s
+                    )
                 except nats.errors.TimeoutError as e:
                     raise BusUnavailableError(f"replay {subject} stalled") from e
                 for m in msgs:

@@ -27,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     from stages import AGENT_STAGES
 
     worker = sub.add_parser("worker", help="run node-agent stages until SIGTERM/SIGINT")
-    worker.add_argument("stages", nargs="+", choices=[*AGENT_STAGES, "all"],
-                        help="stages to run in this process ('all': every stage of this node)")  # fmt: skip
+    worker.add_argument(
+        "stages",
+        nargs="+",
+        choices=[*AGENT_STAGES, "all"],
+        help="stages to run in this process ('all': every stage of this node)",
+    )
 
     status = sub.add_parser("status", help="where every shard of a job is, from the event stream")
     status.add_argument("--job", required=True)
@@ -38,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--ranks", type=int, default=2)
     demo.add_argument("--steps", type=int, default=6)
     demo.add_argument("--every", type=int, default=2)
-    demo.add_argument("--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data")
+    demo.add_argument(
+        "--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data"
+    )
 
     args = parser.parse_args(argv)
     try:
@@ -46,14 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.log_format)
         match args.command:
             case "worker":
-                names = list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+                names = (
+                    list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+                )
                 return _run_worker(settings, names)
             case "status":
                 return _status(settings, validate_token("job", args.job), as_json=args.json)
             case "demo":
                 from pipeline.demo import run_demo
 
-                return run_demo(settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data)
+                return run_demo(
+                    settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data
+                )
     except TierpipeError as e:
         print(f"tierpipe: error: {e}", file=sys.stderr)
         return 2
@@ -75,7 +85,10 @@ def _run_worker(settings: Settings, names: list[str]) -> int:
 async def replay_catalog(settings: Settings, job: str) -> Catalog:
     """Fold every stored event of `job` into a catalog."""
     catalog = Catalog()
-    async with Bus(settings, name="tierpipe-cli") as bus, bus.replay(f"{SUBJECT_ROOT}.{job}.>") as events:
+    async with (
+        Bus(settings, name="tierpipe-cli") as bus,
+        bus.replay(f"{SUBJECT_ROOT}.{job}.>") as events,
+    ):
         async for _, event, _ in events:
             if event is not None:
                 catalog.apply(event)
@@ -88,27 +101,48 @@ def shard_table(shards: list[Shard]) -> str:
     for s in shards:
         ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
         nvme = next((c for (t, _), c in s.copies.items() if t == "nvme"), None)
-        rows.append((
-            str(s.step), f"{s.rank}/{s.world_size}",
-            "-" if ram is None else "released" if ram.evicted else "staged",
-            "-" if nvme is None else "evicted" if nvme.evicted else f"{nvme.node}",
-            "-" if nvme is None else "CORRUPT" if nvme.corrupt else "yes" if nvme.verified else "no",
-            "" if nvme is None else nvme.location,
-        ))  # fmt: skip
+        rows.append(
+            (
+                str(s.step),
+                f"{s.rank}/{s.world_size}",
+                "-" if ram is None else "released" if ram.evicted else "staged",
+                "-" if nvme is None else "evicted" if nvme.evicted else f"{nvme.node}",
+                "-"
+                if nvme is None
+                else "CORRUPT"
+                if nvme.corrupt
+                else "yes"
+                if nvme.verified
+                else "no",
+                "" if nvme is None else nvme.location,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 def _shard_json(s: Shard) -> dict[str, Any]:
     return {
-        "job": s.job, "step": s.step, "rank": s.rank, "world_size": s.world_size,
+        "job": s.job,
+        "step": s.step,
+        "rank": s.rank,
+        "world_size": s.world_size,
         "copies": [
-            {"tier": c.tier, "node": c.node, "location": c.location, "nbytes": c.nbytes,
-             "verified": c.verified, "corrupt": c.corrupt, "evicted": c.evicted}
+            {
+                "tier": c.tier,
+                "node": c.node,
+                "location": c.location,
+                "nbytes": c.nbytes,
+                "verified": c.verified,
+                "corrupt": c.corrupt,
+                "evicted": c.evicted,
+            }
             for c in s.copies.values()
         ],
         "failures": [f.message for f in s.failures],
-    }  # fmt: skip
+    }
 
 
 def _status(settings: Settings, job: str, *, as_json: bool) -> int:

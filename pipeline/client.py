@@ -70,8 +70,12 @@ class SaveHandle:
             self._host_copied.set()
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self._error else max(
-            self._events, key=_ORDER.__getitem__, default="copying"
+        state = (
+            "skipped"
+            if self.skipped
+            else "failed"
+            if self._error
+            else max(self._events, key=_ORDER.__getitem__, default="copying")
         )
         return f"<SaveHandle step={self.step} {state}>"
 
@@ -164,7 +168,9 @@ class _BusThread:
             self.loop = uvloop.new_event_loop()
         except ImportError:
             self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="tierpipe-bus", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="tierpipe-bus", daemon=True
+        )
         self._thread.start()
         self.bus = Bus(settings, name=name)
         try:
@@ -220,7 +226,9 @@ class Checkpointer:
         settings: Settings | None = None,
     ) -> None:
         self.settings = settings or load_settings()
-        configure_logging(self.settings.log_level, self.settings.log_format, only_if_unconfigured=True)
+        configure_logging(
+            self.settings.log_level, self.settings.log_format, only_if_unconfigured=True
+        )
         self.job = validate_token("job", job)
         self.node = node_name(node or self.settings.node)
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -235,7 +243,9 @@ class Checkpointer:
         self._inflight: tuple[SaveHandle, concurrent.futures.Future[None]] | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._subject = f"{SUBJECT_ROOT}.{self.job}.{{kind}}.{self.node}.{self.rank}"
-        self._pool = SlotPool(self.settings.staging_root, self.job, self.rank, self.settings.staging_slots)
+        self._pool = SlotPool(
+            self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
+        )
         try:
             self._bus = _BusThread(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
         except BaseException:
@@ -284,14 +294,26 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow the last saved step {self._last_step}")
         t0 = time.perf_counter()
-        plan = plan_state(state, job=self.job, step=step, rank=self.rank,
-                          world_size=self.world_size, node=self.node)  # fmt: skip
+        plan = plan_state(
+            state,
+            job=self.job,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            node=self.node,
+        )
         s = self.settings
         slot = self._pool.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
         if slot is None:
             self.stats.skipped += 1
-            log.warning("save_skipped", job=self.job, step=step, rank=self.rank,
-                        reason="no free staging slot", busy_steps=sorted(self._pool.busy().values()))  # fmt: skip
+            log.warning(
+                "save_skipped",
+                job=self.job,
+                step=step,
+                rank=self.rank,
+                reason="no free staging slot",
+                busy_steps=sorted(self._pool.busy().values()),
+            )
             return SaveHandle(None, step, skipped=True)
         self._last_step = step
         image = self._snapshot.prepare(slot, plan)
@@ -305,7 +327,9 @@ class Checkpointer:
                 self._abandon(handle, e)
                 raise
             handle._host_copied.set()
-            self._publish(handle, slot, plan, time.perf_counter() - t0, blocking=True, raise_errors=True)
+            self._publish(
+                handle, slot, plan, time.perf_counter() - t0, blocking=True, raise_errors=True
+            )
             return handle
         try:
             copy = self._snapshot.start_copy(slot, plan, image)
@@ -314,7 +338,9 @@ class Checkpointer:
             raise
         handle._cuda_events = copy.cuda_events
         if self._copier is None:
-            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierpipe-copy")
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierpipe-copy"
+            )
         self._inflight = (handle, self._copier.submit(self._finish_copy, handle, copy, t0))
         return handle
 
@@ -324,19 +350,40 @@ class Checkpointer:
         except BaseException as e:
             self._abandon(handle, e)
             return
-        self._publish(handle, copy.slot, copy.plan, time.perf_counter() - t0, blocking=False, raise_errors=False)
+        self._publish(
+            handle,
+            copy.slot,
+            copy.plan,
+            time.perf_counter() - t0,
+            blocking=False,
+            raise_errors=False,
+        )
 
     def _publish(
-        self, handle: SaveHandle, slot: Slot, plan: StatePlan, stall_s: float, *, blocking: bool,
+        self,
+        handle: SaveHandle,
+        slot: Slot,
+        plan: StatePlan,
+        stall_s: float,
+        *,
+        blocking: bool,
         raise_errors: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._pool.mark(slot, handle.step)
         event = ShardStaged(
-            job=self.job, node=self.node, ts=time.time(), step=handle.step, rank=self.rank,
-            world_size=self.world_size, staging_path=str(slot.path), slot=slot.index,
-            nbytes=plan.nbytes, tensors=len(plan.header.tensors), stall_s=round(stall_s, 6),
+            job=self.job,
+            node=self.node,
+            ts=time.time(),
+            step=handle.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            staging_path=str(slot.path),
+            slot=slot.index,
+            nbytes=plan.nbytes,
+            tensors=len(plan.header.tensors),
+            stall_s=round(stall_s, 6),
             blocking=blocking,
-        )  # fmt: skip
+        )
         try:
             published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
             if published.duplicate:
@@ -354,12 +401,25 @@ class Checkpointer:
         handle._staged.set()
         self.stats.staged += 1
         self.stats.last_stall_s = stall_s
-        log.debug("shard_staged", job=self.job, step=handle.step, rank=self.rank,
-                  nbytes=plan.nbytes, stall_s=round(stall_s, 6), blocking=blocking)  # fmt: skip
+        log.debug(
+            "shard_staged",
+            job=self.job,
+            step=handle.step,
+            rank=self.rank,
+            nbytes=plan.nbytes,
+            stall_s=round(stall_s, 6),
+            blocking=blocking,
+        )
 
     def _abandon(self, handle: SaveHandle, error: BaseException) -> None:
         self.stats.failed += 1
-        log.error("save_failed", job=self.job, step=handle.step, rank=self.rank, error=str(error) or type(error).__name__)
+        log.error(
+            "save_failed",
+            job=self.job,
+            step=handle.step,
+            rank=self.rank,
+            error=str(error) or type(error).__name__,
+        )
         handle._fail(error)
         with self._lock:
             self._handles.pop(handle.step, None)

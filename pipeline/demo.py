@@ -50,7 +50,10 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
         "TIERPIPE_STAGING_ROOT": str(staging),
         "TIERPIPE_LOG_LEVEL": os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
     }
-    print(f"tierpipe demo: {ranks} ranks x {steps} steps, a save every {every}; NATS {'embedded' if server else url}")
+    print(
+        f"tierpipe demo: {ranks} ranks x {steps} steps, a save every {every}; "
+        f"NATS {'embedded' if server else url}"
+    )
     print(f"  NVMe root {env['TIERPIPE_NVME_ROOT']}\n  staging   {staging}")
     agent = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "all"], env=env)
     t0 = time.monotonic()
@@ -58,10 +61,12 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
         trainers = [
             subprocess.Popen(
                 [sys.executable, "-m", "pipeline.demo", str(r), str(ranks), str(steps), str(every)],
-                env=env, stdout=subprocess.PIPE, text=True,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             for r in range(ranks)
-        ]  # fmt: skip
+        ]
         results = []
         for p in trainers:
             out, _ = p.communicate(timeout=300)
@@ -85,8 +90,10 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
     print(shard_table(shards))
     print("\ntrainers:")
     for r in results:
-        print(f"  rank {r['rank']}: step {r['step']} reloaded from NVMe, bitwise equal to the live "
-              f"state: {r['bitwise_equal']}; longest save() stall {r['max_stall_ms']:.2f} ms")  # fmt: skip
+        print(
+            f"  rank {r['rank']}: step {r['step']} reloaded from NVMe, bitwise equal to the live "
+            f"state: {r['bitwise_equal']}; longest save() stall {r['max_stall_ms']:.2f} ms"
+        )
     ok = all(r["bitwise_equal"] for r in results) and all(
         any(c.tier == "nvme" and c.verified for c in s.copies.values()) for s in shards
     )
@@ -121,18 +128,29 @@ def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, obje
             optim.step()
             if step % every == 0:
                 t = time.perf_counter()
-                handles.append(ckpt.save(step, {
-                    "model": model, "optim": optim, "step": step,
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                }))  # fmt: skip
+                handles.append(
+                    ckpt.save(
+                        step,
+                        {
+                            "model": model,
+                            "optim": optim,
+                            "step": step,
+                            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                        },
+                    )
+                )
                 stalls.append(time.perf_counter() - t)
         verified = handles[-1].wait("verified", timeout=120)
     _, saved = load_shard(verified.path)
     live = model.state_dict()
     equal = all(torch.equal(saved["model"][k], v) for k, v in live.items())
     equal &= saved["model"]["embed.weight"].data_ptr() == saved["model"]["head.weight"].data_ptr()
-    return {"rank": rank, "step": handles[-1].step, "bitwise_equal": bool(equal),
-            "max_stall_ms": max(stalls) * 1e3}  # fmt: skip
+    return {
+        "rank": rank,
+        "step": handles[-1].step,
+        "bitwise_equal": bool(equal),
+        "max_stall_ms": max(stalls) * 1e3,
+    }
 
 
 if __name__ == "__main__":

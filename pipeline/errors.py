@@ -78,9 +78,7 @@ class IntegrityError(PermanentError):
         self.what = what
         self.expected = expected
         self.actual = actual
-        super().__init__(
-            f"digest mismatch in {path} ({what}): expected {expected}, got {actual}"
-        )
+        super().__init__(f"digest mismatch in {path} ({what}): expected {expected}, got {actual}")
 
 
 class StagingGoneError(PermanentError):
@@ -101,8 +99,7 @@ class NoSpaceError(RetryableError):
         self.free = free
         self.reserve = reserve
         super().__init__(
-            f"no room for {needed} bytes under {path}: {free} bytes free, "
-            f"{reserve} bytes reserved"
+            f"no room for {needed} bytes under {path}: {free} bytes free, {reserve} bytes reserved"
         )
 
 

@@ -1,4 +1,4 @@
-"""structlog configuration: JSON lines when stderr is not a terminal, a console renderer when it is."""
+"""structlog configuration: JSON lines when stderr is not a terminal, else a console renderer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import structlog
 __all__ = ["configure_logging"]
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", *, only_if_unconfigured: bool = False) -> None:
+def configure_logging(
+    level: str = "info", fmt: str = "auto", *, only_if_unconfigured: bool = False
+) -> None:
     """Configure structlog once for this process.
 
     Args:

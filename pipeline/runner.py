@@ -70,7 +70,9 @@ class _Drain:
             self._inflight.discard(scope)
 
 
-_drain: contextvars.ContextVar[_Drain | None] = contextvars.ContextVar("tierpipe_drain", default=None)
+_drain: contextvars.ContextVar[_Drain | None] = contextvars.ContextVar(
+    "tierpipe_drain", default=None
+)
 
 
 async def serve(
@@ -104,9 +106,15 @@ async def serve(
 
 class _Worker:
     def __init__(
-        self, bus: Bus, settings: Settings, stage: str, node: str, kinds: tuple[str, ...],
-        handler: Handler, drain: _Drain,
-    ) -> None:  # fmt: skip
+        self,
+        bus: Bus,
+        settings: Settings,
+        stage: str,
+        node: str,
+        kinds: tuple[str, ...],
+        handler: Handler,
+        drain: _Drain,
+    ) -> None:
         self.bus, self.settings, self.stage, self.node = bus, settings, stage, node
         self.kinds, self.handler, self.drain = kinds, handler, drain
 
@@ -128,7 +136,9 @@ class _Worker:
                 error = await self._run(msg, event, attempt)
                 if error is None:
                     await _quietly(msg.ack())
-                    log.debug("message_acked", attempt=attempt, seconds=round(time.perf_counter() - t0, 4))
+                    log.debug(
+                        "message_acked", attempt=attempt, seconds=round(time.perf_counter() - t0, 4)
+                    )
                 elif isinstance(error, PermanentError):
                     await self._fail(msg, event, seq, attempt, error, retryable=False)
                 else:
@@ -167,18 +177,33 @@ class _Worker:
         assert isinstance(event, ShardEvent)
         await self._report(
             StageFailed(
-                job=event.job, node=self.node, ts=time.time(), stage=self.stage,
-                error=type(e).__name__, message=text, retryable=not final, attempt=attempt,
-                step=event.step, rank=event.rank, world_size=event.world_size,
-                subject=msg.subject, stream_seq=seq,
+                job=event.job,
+                node=self.node,
+                ts=time.time(),
+                stage=self.stage,
+                error=type(e).__name__,
+                message=text,
+                retryable=not final,
+                attempt=attempt,
+                step=event.step,
+                rank=event.rank,
+                world_size=event.world_size,
+                subject=msg.subject,
+                stream_seq=seq,
             )
-        )  # fmt: skip
+        )
         if final:
             log.error("message_terminated", error=type(e).__name__, message=text, attempt=attempt)
             await _quietly(msg.term())
         else:
             delay = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (attempt - 1))
-            log.warning("message_retried", error=type(e).__name__, message=text, attempt=attempt, delay_s=delay)
+            log.warning(
+                "message_retried",
+                error=type(e).__name__,
+                message=text,
+                attempt=attempt,
+                delay_s=delay,
+            )
             await _quietly(msg.nak(delay=delay))
 
     async def _poison(self, msg: Any, seq: int, attempt: int, e: Exception) -> None:
@@ -191,11 +216,18 @@ class _Worker:
         log.error("message_poisoned", subject=msg.subject, stream_seq=seq, error=str(e))
         await self._report(
             StageFailed(
-                job=job, node=self.node, ts=time.time(), stage=self.stage, error=type(e).__name__,
-                message=text, retryable=False, attempt=attempt, subject=msg.subject,
+                job=job,
+                node=self.node,
+                ts=time.time(),
+                stage=self.stage,
+                error=type(e).__name__,
+                message=text,
+                retryable=False,
+                attempt=attempt,
+                subject=msg.subject,
                 stream_seq=seq,
             )
-        )  # fmt: skip
+        )
         await _quietly(msg.term())
 
     async def _report(self, failure: StageFailed) -> None:

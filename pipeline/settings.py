@@ -75,13 +75,30 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             _check(getattr(self, name) > 0, name, getattr(self, name))
         for name in ("max_deliver", "max_ack_pending", "staging_slots", "io_queue_depth"):
             _check(getattr(self, name) >= 1, name, getattr(self, name))
-        _check(self.io_chunk_bytes >= 4096 and self.io_chunk_bytes % 4096 == 0,
-               "io_chunk_bytes", self.io_chunk_bytes)
+        _check(
+            self.io_chunk_bytes >= 4096 and self.io_chunk_bytes % 4096 == 0,
+            "io_chunk_bytes",
+            self.io_chunk_bytes,
+        )
         _check(self.nvme_reserve_bytes >= 0, "nvme_reserve_bytes", self.nvme_reserve_bytes)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated)."""
         return load_settings(path=None, env={}, base=self, **changes)
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as `TIERPIPE_*` variables, to hand to a worker process."""
+        env = {}
+        for name, value in msgspec.structs.asdict(self).items():
+            text = (
+                ""
+                if value is None
+                else str(value).lower()
+                if isinstance(value, bool)
+                else str(value)
+            )
+            env[_ENV_PREFIX + name.upper()] = text
+        return env
 
 
 def _check(ok: object, name: str, value: object) -> None:
@@ -118,7 +135,7 @@ def load_settings(
     fields = set(Settings.__struct_fields__)
     for key, raw in env.items():
         if key.startswith(_ENV_PREFIX) and key != "TIERPIPE_CONFIG":
-            name = key[len(_ENV_PREFIX):].lower()
+            name = key[len(_ENV_PREFIX) :].lower()
             if name in fields:
                 values[name] = _from_env(name, raw)
     values.update({k: v for k, v in overrides.items()})

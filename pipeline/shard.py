@@ -41,12 +41,27 @@ _MAX_HEADER_NBYTES = 1 << 30
 #: Every dtype a shard may hold, with its element size. Loading maps names through this table
 #: only, so a header can never name an arbitrary attribute.
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ShardHeader)
@@ -114,7 +129,9 @@ def parse_prefix(prefix: bytes | memoryview, path: str) -> tuple[int, int, bytes
     if magic != MAGIC:
         raise ShardFormatError(path, f"not a tierpipe shard (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
-        raise ShardFormatError(path, f"format version {version} (this build reads {FORMAT_VERSION})")
+        raise ShardFormatError(
+            path, f"format version {version} (this build reads {FORMAT_VERSION})"
+        )
     if not 0 < header_len <= _MAX_HEADER_NBYTES:
         raise ShardFormatError(path, f"implausible header length {header_len}")
     if nbytes < align_up(PREFIX_NBYTES + header_len) or nbytes % ALIGN:
@@ -143,7 +160,9 @@ def parse_head(
     """
     header_len, nbytes, digest, is_sealed = parse_prefix(buf, path)
     if actual_nbytes is not None and actual_nbytes != nbytes:
-        raise ShardFormatError(path, f"truncated or padded: {actual_nbytes} bytes, header says {nbytes}")
+        raise ShardFormatError(
+            path, f"truncated or padded: {actual_nbytes} bytes, header says {nbytes}"
+        )
     if sealed and not is_sealed:
         raise ShardFormatError(path, "image is not sealed (a staging copy, not a written shard)")
     end = PREFIX_NBYTES + header_len
@@ -178,7 +197,12 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
             raise ShardFormatError(path, f"tensor {t.path!r} has unknown dtype {t.dtype!r}")
         if not 0 <= t.blob < len(header.blobs):
             raise ShardFormatError(path, f"tensor {t.path!r} refers to missing blob {t.blob}")
-        if len(t.shape) != len(t.stride) or min(t.shape, default=0) < 0 or min(t.stride, default=0) < 0 or t.offset < 0:
+        if (
+            len(t.shape) != len(t.stride)
+            or min(t.shape, default=0) < 0
+            or min(t.stride, default=0) < 0
+            or t.offset < 0
+        ):
             raise ShardFormatError(path, f"tensor {t.path!r} has a malformed shape or stride")
         blob = header.blobs[t.blob]
         if 0 in t.shape:

@@ -25,7 +25,13 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.errors import ConfigError, NoSpaceError, ShardFormatError, SlotTimeoutError, StagingGoneError
+from pipeline.errors import (
+    ConfigError,
+    NoSpaceError,
+    ShardFormatError,
+    SlotTimeoutError,
+    StagingGoneError,
+)
 from pipeline.names import validate_token
 from pipeline.shard import Head, parse_head
 from schemas import ShardStaged
@@ -72,7 +78,9 @@ class Slot:
         self.unmap()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
-            capacity = max(os.fstat(fd).st_size, -(-(nbytes + (1 << 20)) // _GROW_ALIGN) * _GROW_ALIGN)
+            capacity = max(
+                os.fstat(fd).st_size, -(-(nbytes + (1 << 20)) // _GROW_ALIGN) * _GROW_ALIGN
+            )
             # Allocate now: a shared-memory mapping that runs out of room later kills the trainer
             # with SIGBUS mid-copy; here it is a clear error instead.
             try:
@@ -81,7 +89,9 @@ class Slot:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 st = os.statvfs(self.path.parent)
-                raise NoSpaceError(str(self.path.parent), capacity, st.f_bavail * st.f_frsize, 0) from e
+                raise NoSpaceError(
+                    str(self.path.parent), capacity, st.f_bavail * st.f_frsize, 0
+                ) from e
             self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -110,7 +120,9 @@ class SlotPool:
         self.dir = rank_dir(root, job, rank)
         self.job, self.rank = job, rank
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.dir / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self._lock_fd = os.open(
+            self.dir / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640
+        )
         # An agent may hold the lock shared for a moment while it deletes an orphaned slot.
         deadline = time.monotonic() + 2.0
         while True:
@@ -153,7 +165,9 @@ class SlotPool:
 
     def mark(self, slot: Slot, step: int) -> None:
         """Mark `slot` busy with `step` (after the copy, before `staged` is published)."""
-        fd = os.open(_marker(self.dir, slot.index, step), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)
+        fd = os.open(
+            _marker(self.dir, slot.index, step), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640
+        )
         os.close(fd)
 
     def unmark(self, slot: Slot, step: int) -> None:
@@ -221,7 +235,9 @@ def open_image(root: str | os.PathLike[str], event: ShardStaged) -> StagedImage:
     image = _map(path, event.job, event.step, event.rank, event.world_size)
     if image.head.file_nbytes != event.nbytes:
         image.close()
-        raise StagingGoneError(str(path), f"slot holds {image.head.file_nbytes} bytes, event says {event.nbytes}")
+        raise StagingGoneError(
+            str(path), f"slot holds {image.head.file_nbytes} bytes, event says {event.nbytes}"
+        )
     return image
 
 
@@ -254,7 +270,9 @@ def _map(path: Path, job: str, step: int, rank: int, world_size: int) -> StagedI
         if (h.job, h.step, h.rank, h.world_size) != (job, step, rank, world_size):
             raise StagingGoneError(str(path), f"slot now holds step {h.step} of rank {h.rank}")
         if head.file_nbytes > len(mm):
-            raise StagingGoneError(str(path), f"slot holds {len(mm)} bytes, image needs {head.file_nbytes}")
+            raise StagingGoneError(
+                str(path), f"slot holds {len(mm)} bytes, image needs {head.file_nbytes}"
+            )
     except BaseException:
         mm.close()
         raise

@@ -12,6 +12,7 @@ No pickle: a shard holds data only.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 import time
@@ -24,7 +25,14 @@ import torch
 import xxhash
 
 from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
-from pipeline.shard import DTYPE_SIZES, PREFIX_NBYTES, align_up, encode_head, parse_head, parse_prefix
+from pipeline.shard import (
+    DTYPE_SIZES,
+    PREFIX_NBYTES,
+    align_up,
+    encode_head,
+    parse_head,
+    parse_prefix,
+)
 from schemas import BlobEntry, ShardHeader, TensorEntry
 
 __all__ = ["StatePlan", "load_shard", "plan_state", "rebuild_state", "tensor_buffer", "write_shard"]
@@ -117,7 +125,12 @@ def plan_state(
             t = tensors[members[0]]
             nbytes = t.numel() * t.element_size()
             entries[members[0]] = TensorEntry(
-                paths[members[0]], _dtype_name(t.dtype), tuple(t.shape), _contiguous(t.shape), blob, 0
+                paths[members[0]],
+                _dtype_name(t.dtype),
+                tuple(t.shape),
+                _contiguous(t.shape),
+                blob,
+                0,
             )
             src, raw = t, False
         else:
@@ -129,7 +142,11 @@ def plan_state(
             for (s, _), i in spans:
                 t = tensors[i]
                 entries[i] = TensorEntry(
-                    paths[i], _dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), blob,
+                    paths[i],
+                    _dtype_name(t.dtype),
+                    tuple(t.shape),
+                    tuple(t.stride()),
+                    blob,
                     (s - start) // t.element_size(),
                 )
             src = torch.empty(0, dtype=torch.uint8, device=first.device)
@@ -140,9 +157,16 @@ def plan_state(
         offset = align_up(offset + nbytes)
 
     header = ShardHeader(
-        job=job, step=step, rank=rank, world_size=world_size, node=node, created=time.time(),
-        tree=tree_bytes, tensors=tuple(e for e in entries if e is not None), blobs=tuple(blobs),
-    )  # fmt: skip
+        job=job,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        node=node,
+        created=time.time(),
+        tree=tree_bytes,
+        tensors=tuple(e for e in entries if e is not None),
+        blobs=tuple(blobs),
+    )
     head = encode_head(header, sealed=False)
     data_offset = len(head)
     return StatePlan(
@@ -203,11 +227,11 @@ def write_shard(
     from pipeline.storage.nvme import seal_image
 
     plan = plan_state(state, job=job, step=step, rank=rank, world_size=world_size, node=node)
-    image = torch.empty(plan.nbytes, dtype=torch.uint8)
-    buf = tensor_buffer(image)
+    buf = mmap.mmap(-1, plan.nbytes)  # page-aligned, so the writer can use O_DIRECT
     buf[: len(plan.head)] = plan.head
-    plan.copy_into(image)
-    return seal_image(buf, os.fspath(path)).header_digest
+    plan.copy_into(torch.frombuffer(buf, dtype=torch.uint8))
+    with memoryview(buf) as view:
+        return seal_image(view, os.fspath(path)).header_digest
 
 
 def load_shard(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[ShardHeader, Any]:
@@ -248,7 +272,7 @@ def _blob_names(header: ShardHeader) -> list[str]:
     return names
 
 
-# --- the state tree: msgpack values; containers and references are arrays tagged by their first item
+# --- the state tree: msgpack values; containers and references are arrays tagged by their 1st item
 
 
 def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int]) -> Any:
@@ -281,7 +305,10 @@ def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int])
             for k, item in v.items():
                 if not isinstance(k, str | int):
                     raise UnsupportedStateError(path, f"dict key {k!r} is not a str or int")
-                out += [_encode(k, path, tensors, paths, active), _encode(item, (*path, k), tensors, paths, active)]
+                out += [
+                    _encode(k, path, tensors, paths, active),
+                    _encode(item, (*path, k), tensors, paths, active),
+                ]
             return out
         if isinstance(v, list | tuple):
             items = [_encode(x, (*path, i), tensors, paths, active) for i, x in enumerate(v)]
@@ -348,7 +375,9 @@ def _check_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
             path, f"tensor subclass {type(t).__qualname__} (save its local tensor instead)"
         )
     if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
-        raise UnsupportedStateError(path, f"only dense strided tensors are supported (got {t.layout})")
+        raise UnsupportedStateError(
+            path, f"only dense strided tensors are supported (got {t.layout})"
+        )
     _dtype_name(t.dtype, path)
     return t.detach()
 
@@ -372,4 +401,3 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset() * t.element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return start, start + extent * t.element_size()
-

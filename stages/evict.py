@@ -40,12 +40,25 @@ async def run(
             return
         await bus.publish(
             ShardEvicted(
-                job=event.job, node=node, ts=time.time(), step=event.step, rank=event.rank,
-                world_size=event.world_size, tier="ram", location=str(slot),
+                job=event.job,
+                node=node,
+                ts=time.time(),
+                step=event.step,
+                rank=event.rank,
+                world_size=event.world_size,
+                tier="ram",
+                location=str(slot),
                 reason="nvme copy verified",
             )
-        )  # fmt: skip
+        )
         log.info("staging_released", slot=str(slot))
 
-    await serve(bus, settings, stage=STAGE, node=node, kinds=("verified",), handler=handle,
-                task_status=task_status)  # fmt: skip
+    await serve(
+        bus,
+        settings,
+        stage=STAGE,
+        node=node,
+        kinds=("verified",),
+        handler=handle,
+        task_status=task_status,
+    )

@@ -41,19 +41,37 @@ async def run(
             result = await anyio.to_thread.run_sync(_write, store, settings.staging_root, event)
             await bus.publish(
                 ShardWritten(
-                    job=event.job, node=node, ts=time.time(), step=event.step, rank=event.rank,
-                    world_size=event.world_size, path=result.path, nbytes=result.nbytes,
-                    header_digest=result.header_digest, tensors=result.tensors,
+                    job=event.job,
+                    node=node,
+                    ts=time.time(),
+                    step=event.step,
+                    rank=event.rank,
+                    world_size=event.world_size,
+                    path=result.path,
+                    nbytes=result.nbytes,
+                    header_digest=result.header_digest,
+                    tensors=result.tensors,
                     seconds=round(result.seconds, 6),
                 )
-            )  # fmt: skip
+            )
             log.info(
-                "shard_written", path=result.path, nbytes=result.nbytes, existed=result.existed,
-                seconds=round(result.seconds, 4), mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-            )  # fmt: skip
+                "shard_written",
+                path=result.path,
+                nbytes=result.nbytes,
+                existed=result.existed,
+                seconds=round(result.seconds, 4),
+                mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+            )
 
-        await serve(bus, settings, stage=STAGE, node=node, kinds=("staged",), handler=handle,
-                    task_status=task_status)  # fmt: skip
+        await serve(
+            bus,
+            settings,
+            stage=STAGE,
+            node=node,
+            kinds=("staged",),
+            handler=handle,
+            task_status=task_status,
+        )
 
 
 def _write(store: NvmeStore, staging_root: str, event: ShardStaged) -> WriteResult:
@@ -79,6 +97,13 @@ def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:
     except (OSError, TierpipeError):
         return None
     h = head.header
-    if (h.job, h.step, h.rank, h.world_size) != (event.job, event.step, event.rank, event.world_size):
+    if (h.job, h.step, h.rank, h.world_size) != (
+        event.job,
+        event.step,
+        event.rank,
+        event.world_size,
+    ):
         return None
-    return WriteResult(str(final), head.file_nbytes, head.header_digest.hex(), len(h.tensors), 0.0, True)
+    return WriteResult(
+        str(final), head.file_nbytes, head.header_digest.hex(), len(h.tensors), 0.0, True
+    )

@@ -132,8 +132,9 @@ def _host_register(mm: mmap.mmap) -> bool:
     err = torch.cuda.cudart().cudaHostRegister(_address(mm), len(mm), 0)
     if int(err) != 0:
         log.warning(
-            "staging_pin_failed", error=int(err),
+            "staging_pin_failed",
+            error=int(err),
             hint="device-to-host copies fall back to synchronous pageable copies",
-        )  # fmt: skip
+        )
         return False
     return True

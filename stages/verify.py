@@ -38,49 +38,79 @@ async def run(
     with NvmeStore.from_settings(settings) as store:
 
         async def handle(event: ShardWritten, attempt: int) -> None:
-            final = store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
+            final = store.path_for(
+                shard_relpath(event.job, event.step, event.rank, event.world_size)
+            )
             if Path(event.path) != final:
                 raise ShardFormatError(event.path, f"not this node's shard path {final}")
             rewritten = False
             try:
                 result = await anyio.to_thread.run_sync(_verify, store, final, event)
             except (IntegrityError, ShardFormatError) as corrupt:
-                result = await anyio.to_thread.run_sync(_rewrite, store, settings.staging_root, final, event)
+                result = await anyio.to_thread.run_sync(
+                    _rewrite, store, settings.staging_root, final, event
+                )
                 if result is None:
                     raise
                 rewritten = True
                 await bus.publish(
                     StageFailed(
-                        job=event.job, node=node, ts=time.time(), stage=STAGE,
+                        job=event.job,
+                        node=node,
+                        ts=time.time(),
+                        stage=STAGE,
                         error=type(corrupt).__name__,
                         message=f"{corrupt}; rewritten from the staging copy and verified",
-                        retryable=True, attempt=attempt, step=event.step, rank=event.rank,
+                        retryable=True,
+                        attempt=attempt,
+                        step=event.step,
+                        rank=event.rank,
                         world_size=event.world_size,
                     )
-                )  # fmt: skip
+                )
                 log.warning("shard_rewritten", path=str(final), error=str(corrupt))
             await bus.publish(
                 ShardVerified(
-                    job=event.job, node=node, ts=time.time(), step=event.step, rank=event.rank,
-                    world_size=event.world_size, path=result.path, nbytes=result.nbytes,
-                    header_digest=result.header_digest, seconds=round(result.seconds, 6),
+                    job=event.job,
+                    node=node,
+                    ts=time.time(),
+                    step=event.step,
+                    rank=event.rank,
+                    world_size=event.world_size,
+                    path=result.path,
+                    nbytes=result.nbytes,
+                    header_digest=result.header_digest,
+                    seconds=round(result.seconds, 6),
                     rewritten=rewritten,
                 )
-            )  # fmt: skip
+            )
             log.info(
-                "shard_verified", path=result.path, nbytes=result.nbytes, rewritten=rewritten,
-                seconds=round(result.seconds, 4), mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-            )  # fmt: skip
+                "shard_verified",
+                path=result.path,
+                nbytes=result.nbytes,
+                rewritten=rewritten,
+                seconds=round(result.seconds, 4),
+                mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+            )
 
-        await serve(bus, settings, stage=STAGE, node=node, kinds=("written",), handler=handle,
-                    task_status=task_status)  # fmt: skip
+        await serve(
+            bus,
+            settings,
+            stage=STAGE,
+            node=node,
+            kinds=("written",),
+            handler=handle,
+            task_status=task_status,
+        )
 
 
 def _verify(store: NvmeStore, final: Path, event: ShardWritten) -> VerifyResult:
     return store.verify(final, header_digest=event.header_digest, nbytes=event.nbytes)
 
 
-def _rewrite(store: NvmeStore, staging_root: str, final: Path, event: ShardWritten) -> VerifyResult | None:
+def _rewrite(
+    store: NvmeStore, staging_root: str, final: Path, event: ShardWritten
+) -> VerifyResult | None:
     """Rewrite a corrupt shard from its staging copy once; None if there is no staging copy."""
     try:
         image = open_staged(staging_root, event.job, event.rank, event.step, event.world_size)

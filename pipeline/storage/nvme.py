@@ -24,8 +24,8 @@ from pathlib import Path, PurePosixPath
 import structlog
 import xxhash
 
-from pipeline.settings import Settings
 from pipeline.errors import IntegrityError, NoSpaceError, RetryableError, ShardFormatError
+from pipeline.settings import Settings
 from pipeline.shard import (
     PREFIX_NBYTES,
     Head,
@@ -142,21 +142,31 @@ class NvmeStore:
         t0 = time.perf_counter()
         existing = self._existing(final, head.header)
         if existing is not None:
-            return WriteResult(str(final), head.file_nbytes, existing, len(head.header.tensors),
-                               time.perf_counter() - t0, True)  # fmt: skip
+            return WriteResult(
+                str(final),
+                head.file_nbytes,
+                existing,
+                len(head.header.tensors),
+                time.perf_counter() - t0,
+                True,
+            )
         if len(image) < head.file_nbytes:
-            raise ShardFormatError("<staging image>", f"{len(image)} bytes, header says {head.file_nbytes}")
-        _makedirs_durable(final.parent)
+            raise ShardFormatError(
+                "<staging image>", f"{len(image)} bytes, header says {head.file_nbytes}"
+            )
         self._check_space(final.parent, head.file_nbytes)
+        _makedirs_durable(final.parent)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             _fallocate(fd, head.file_nbytes, final.parent, self.reserve_bytes)
             hashing = self._pool.submit(_blob_digests, image, head)
             writes = [
-                self._pool.submit(_pwrite_all, fd, image[off : min(off + self.chunk_bytes, head.file_nbytes)], off)
+                self._pool.submit(
+                    _pwrite_all, fd, image[off : min(off + self.chunk_bytes, head.file_nbytes)], off
+                )
                 for off in range(head.data_offset, head.file_nbytes, self.chunk_bytes)
-            ]  # fmt: skip
+            ]
             _wait_all([*writes, hashing])
             header = seal_header(head.header, hashing.result())
             sealed = encode_head(header, sealed=True)
@@ -173,9 +183,17 @@ class NvmeStore:
         os.close(fd)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        digest = xxhash.xxh3_128_hexdigest(sealed[PREFIX_NBYTES : PREFIX_NBYTES + len(head.header_bytes)])
-        return WriteResult(str(final), head.file_nbytes, digest, len(header.tensors),
-                           time.perf_counter() - t0, False)  # fmt: skip
+        digest = xxhash.xxh3_128_hexdigest(
+            sealed[PREFIX_NBYTES : PREFIX_NBYTES + len(head.header_bytes)]
+        )
+        return WriteResult(
+            str(final),
+            head.file_nbytes,
+            digest,
+            len(header.tensors),
+            time.perf_counter() - t0,
+            False,
+        )
 
     def _existing(self, final: Path, header: ShardHeader) -> str | None:
         """Header digest of `final` if it holds this very save (same identity, time and layout)."""
@@ -187,16 +205,33 @@ class NvmeStore:
             log.warning("existing_shard_replaced", path=str(final), error=str(e))
             return None
         old = head.header
-        same = (old.job, old.step, old.rank, old.world_size, old.created, old.tree, old.tensors) == (
-            header.job, header.step, header.rank, header.world_size, header.created, header.tree,
+        same = (
+            old.job,
+            old.step,
+            old.rank,
+            old.world_size,
+            old.created,
+            old.tree,
+            old.tensors,
+        ) == (
+            header.job,
+            header.step,
+            header.rank,
+            header.world_size,
+            header.created,
+            header.tree,
             header.tensors,
-        ) and [(b.offset, b.nbytes) for b in old.blobs] == [(b.offset, b.nbytes) for b in header.blobs]
+        ) and [(b.offset, b.nbytes) for b in old.blobs] == [
+            (b.offset, b.nbytes) for b in header.blobs
+        ]
         if not same:
             log.warning("existing_shard_replaced", path=str(final), reason="different save")
             return None
         return head.header_digest.hex()
 
     def _check_space(self, directory: Path, nbytes: int) -> None:
+        while not directory.exists():  # not created yet: ask its filesystem
+            directory = directory.parent
         st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize
         if free - nbytes < self.reserve_bytes:
@@ -258,7 +293,9 @@ class NvmeStore:
         pending: dict[int, Future[int]] = {}
         try:
             for i in range(len(bufs)):
-                pending[i] = self._pool.submit(_pread_into, fd, bufs[i], offsets[i], head.file_nbytes)
+                pending[i] = self._pool.submit(
+                    _pread_into, fd, bufs[i], offsets[i], head.file_nbytes
+                )
             for i, off in enumerate(offsets):
                 n = pending.pop(i).result()
                 buf = bufs[i % len(bufs)]
@@ -266,7 +303,9 @@ class NvmeStore:
                     hasher.feed(off - head.data_offset, mv[:n])
                 if i + len(bufs) < len(offsets):
                     j = i + len(bufs)
-                    pending[j] = self._pool.submit(_pread_into, fd, buf, offsets[j], head.file_nbytes)
+                    pending[j] = self._pool.submit(
+                        _pread_into, fd, buf, offsets[j], head.file_nbytes
+                    )
         finally:
             for f in pending.values():
                 f.cancel()
@@ -408,7 +447,7 @@ def _wait_all(futures: list[Future]) -> None:
     for f in futures:
         try:
             f.result()
-        except BaseException as e:  # noqa: BLE001  (first error wins; the rest are drained)
+        except BaseException as e:
             error = error or e
     if error is not None:
         raise error

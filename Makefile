@@ -1,0 +1,37 @@
+# Two commands matter (see README): `make demo` and `make test`. Both create or refresh .venv.
+PYTHON ?= python3
+VENV   := .venv
+# CI pins the CPU wheel; on a GPU machine pass your own, e.g. `make test TORCH=torch`.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
+
+.PHONY: demo test lint format bench-stall bench-nvme clean
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet "$(TORCH)" -e ".[dev]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/tierpipe demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench-stall: $(STAMP)
+	$(VENV)/bin/python -m bench stall --size-gib 2
+
+bench-nvme: $(STAMP)
+	$(VENV)/bin/python -m bench nvme --size-gib 2
+
+clean:
+	rm -rf $(VENV) tierpipe-data .pytest_cache .ruff_cache .hypothesis

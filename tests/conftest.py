@@ -1,0 +1,154 @@
+"""Fixtures: a real nats-server per session, isolated settings per test, agent processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pipeline.bus import Bus
+from pipeline.embedded import NatsServer
+from pipeline.names import SUBJECT_ROOT
+from pipeline.settings import Settings, load_settings
+from schemas import Event
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def job(uid: str) -> str:
+    return f"job-{uid}"
+
+
+@pytest.fixture
+def settings(nats_server: NatsServer, tmp_path: Path, uid: str) -> Iterator[Settings]:
+    """Settings isolated per test: own node name (so own consumers), NVMe and staging roots."""
+    staging = Path(f"/dev/shm/tierpipe-test-{uid}")
+    yield load_settings(
+        env={},
+        nats_url=nats_server.url,
+        node=f"node-{uid}",
+        nvme_root=str(tmp_path / "nvme"),
+        staging_root=str(staging),
+        ack_wait_s=5.0,
+        retry_base_s=0.1,
+        retry_max_s=1.0,
+        max_deliver=5,
+        slot_wait_timeout_s=10.0,
+        drain_timeout_s=5.0,
+        log_level="info",
+        log_format="json",
+    )
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+class Agent:
+    """A `tierpipe worker ...` process, as operators run it."""
+
+    def __init__(self, settings: Settings, stages: tuple[str, ...], log_path: Path) -> None:
+        self.settings, self.stages, self.log_path = settings, stages, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Agent:
+        env = {**os.environ, **self.settings.as_env()}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "worker", *self.stages],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> Agent:
+        """Until the log says every stage bound its consumer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if b"agent_ready" in self.log_path.read_bytes():
+                return self
+            assert self.proc is not None and self.proc.poll() is None, self.log()
+            time.sleep(0.02)
+        raise AssertionError(f"agent not ready in {timeout} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def agent(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
+    """Start node-agent processes: `agent("nvme-write", "verify")`, default all stages."""
+    started: list[Agent] = []
+
+    def start(*stages: str, settings: Settings = settings) -> Agent:
+        a = Agent(settings, stages or ("all",), tmp_path / f"agent-{len(started)}.log")
+        started.append(a.start())
+        return a
+
+    yield start
+    for a in started:
+        if a.proc is not None and a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait()
+
+
+class Events:
+    """Reads a job's events back from the stream (what recovery and operators see)."""
+
+    def __init__(self, settings: Settings, job: str) -> None:
+        self.settings, self.job = settings, job
+
+    def all(self, kind: str = "*") -> list[Event]:
+        async def replay() -> list[Event]:
+            async with (
+                Bus(self.settings) as bus,
+                bus.replay(f"{SUBJECT_ROOT}.{self.job}.{kind}.>") as msgs,
+            ):
+                return [e async for _, e, _ in msgs if e is not None]
+
+        return anyio.run(replay)
+
+    def wait_for(
+        self, predicate: Callable[[Event], bool], *, kind: str = "*", timeout: float = 30.0
+    ) -> Event:
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.all(kind):
+                if predicate(event):
+                    return event
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no matching {kind} event in {timeout} s: {self.all()}")
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def events(settings: Settings, job: str) -> Events:
+    return Events(settings, job)

@@ -1,0 +1,124 @@
+"""The bus against a real nats-server: stream and consumer management, dedup, readable events."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from pipeline.bus import Bus, redact_url
+from pipeline.embedded import NatsServer
+from pipeline.errors import BusUnavailableError
+from pipeline.settings import Settings, load_settings
+from schemas import ShardStaged, decode_event
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A server of this test's own (stream config changes must not leak into other tests)."""
+    with NatsServer(tmp_path / "nats") as server:
+        yield server
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url) as r:
+        return json.loads(r.read())
+
+
+def staged(job: str, node: str, step: int = 1) -> ShardStaged:
+    return ShardStaged(
+        job=job,
+        node=node,
+        ts=time.time(),
+        step=step,
+        rank=0,
+        world_size=1,
+        staging_path="/dev/shm/x",
+        slot=0,
+        nbytes=4096,
+        tensors=1,
+        stall_s=0.001,
+    )
+
+
+async def test_ensure_stream_is_idempotent_and_applies_changes(own_server: NatsServer) -> None:
+    """Ensuring twice changes nothing; a changed setting is applied to the existing stream."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.ensure_stream()
+        with capture_logs() as logs:
+            await bus.ensure_stream()
+        assert [e["event"] for e in logs if e["event"].startswith("stream_")] == []
+        info = await bus.js.stream_info(s.stream)
+        assert info.config.subjects == ["tp.>"] and info.config.allow_direct
+        assert (
+            info.config.deny_delete and info.config.max_msgs_per_subject == s.max_msgs_per_subject
+        )
+        assert info.config.retention == "limits" and info.config.duplicate_window == 120
+    changed = s.replace(max_msgs_per_subject=77, duplicate_window_s=30.0)
+    async with Bus(changed) as bus:
+        await bus.ensure_stream()
+        info = await bus.js.stream_info(s.stream)
+        assert info.config.max_msgs_per_subject == 77 and info.config.duplicate_window == 30
+
+
+async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) -> None:
+    """Re-ensuring a durable consumer with a new ack_wait updates it in place."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.ensure_stream()
+        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        bus.settings = s.replace(ack_wait_s=12.0, max_deliver=3)
+        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        info = await bus.js.consumer_info(s.stream, "verify_n1")
+        assert info.config.ack_wait == 12.0 and info.config.max_deliver == 3
+
+
+async def test_republished_event_is_deduplicated(settings: Settings, job: str) -> None:
+    """Publishing the same event twice (a redelivered stage) stores it once."""
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        first = await bus.publish(staged(job, settings.node or ""))
+        again = await bus.publish(staged(job, settings.node or ""))
+        assert not first.duplicate and again.duplicate and again.seq == first.seq
+
+
+async def test_events_are_readable_json_with_headers(
+    settings: Settings, job: str, nats_server: NatsServer
+) -> None:
+    """Operators see compact JSON bodies with kind/schema headers (as `nats stream view` shows)."""
+    event = staged(job, settings.node or "", step=4)
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        await bus.publish(event)
+        raw = await bus.js.get_last_msg(settings.stream, f"tp.{job}.staged.{settings.node}.0")
+    body = json.loads(raw.data)
+    assert body["kind"] == "staged" and body["step"] == 4 and body["v"] == 1
+    assert raw.headers["Tp-Kind"] == "staged" and raw.headers["Nats-Msg-Id"] == f"{job}/4/0/staged"
+    assert decode_event(raw.data) == event
+    jsz = await anyio.to_thread.run_sync(get_json, f"{nats_server.monitor_url}/jsz?streams=true")
+    streams = [s["name"] for a in jsz["account_details"] for s in a["stream_detail"]]
+    assert settings.stream in streams
+
+
+async def test_unreachable_server_is_a_clear_retryable_error() -> None:
+    """Connecting to a dead address fails with BusUnavailableError naming it, without secrets."""
+    s = load_settings(env={}, nats_url="nats://user:hunter2@127.0.0.1:1", connect_timeout_s=0.5)
+    with pytest.raises(BusUnavailableError) as err:
+        async with Bus(s):
+            pass
+    assert "127.0.0.1:1" in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_redact_url_hides_credentials() -> None:
+    """Credentials in server URLs never reach logs."""
+    assert redact_url("nats://u:p@h:4222,nats://h2:4223") == "nats://***@h:4222,nats://h2:4223"

@@ -1,0 +1,92 @@
+"""Names, subjects, message ids and event decoding: unsafe input never becomes a subject or path."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from pipeline.errors import InvalidNameError
+from pipeline.names import event_subject, msg_id, shard_relpath, validate_token
+from schemas import ShardEvicted, ShardWritten, StageFailed, decode_event, encode_event
+
+
+def written(**kw: object) -> ShardWritten:
+    fields = dict(
+        job="j1",
+        node="n1",
+        ts=time.time(),
+        step=12,
+        rank=3,
+        world_size=8,
+        path="/x",
+        nbytes=4096,
+        header_digest="0" * 32,
+        tensors=2,
+        seconds=0.5,
+    )
+    fields.update(kw)
+    return ShardWritten(**fields)  # type: ignore[arg-type]
+
+
+def test_subjects_and_ids_follow_the_design() -> None:
+    """Subjects are tp.<job>.<kind>.<node>.<rank>; msg ids dedupe per shard, kind and tier."""
+    e = written()
+    assert event_subject(e) == "tp.j1.written.n1.3"
+    assert msg_id(e) == "j1/12/3/written"
+    ev = ShardEvicted(
+        job="j1",
+        node="n1",
+        ts=0,
+        step=12,
+        rank=3,
+        world_size=8,
+        tier="nvme",
+        location="/x",
+        reason="retention",
+    )
+    assert msg_id(ev) == "j1/12/3/evicted/nvme"
+    f = StageFailed(
+        job="j1",
+        node="n1",
+        ts=0,
+        stage="verify",
+        error="E",
+        message="m",
+        retryable=False,
+        attempt=2,
+        step=12,
+        rank=3,
+        world_size=8,
+    )
+    assert msg_id(f) == "j1/12/3/failed/verify/2" and event_subject(f) == "tp.j1.failed.n1.3"
+
+
+def test_shard_paths_are_zero_padded_keys() -> None:
+    """One shard's key on every tier."""
+    assert str(shard_relpath("j1", 12, 3, 8)) == "j1/step-000000000012/rank-00003-of-00008.shard"
+    with pytest.raises(ValueError, match="rank"):
+        shard_relpath("j1", 1, 8, 8)
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a*", ">", "", "a/b", "..", "x" * 65, 5, None])
+def test_unsafe_tokens_are_rejected(bad: object) -> None:
+    """Anything but [A-Za-z0-9_-]{1,64} is refused, with the value in the message."""
+    with pytest.raises(InvalidNameError, match="job name must match"):
+        validate_token("job", bad)
+
+
+def test_decoding_validates_names_and_ranges() -> None:
+    """Events with unsafe names or impossible ranks do not decode."""
+    good = encode_event(written())
+    assert decode_event(good) == msgspec.json.decode(good, type=ShardWritten)
+    for bad in (written(job="a.b"), written(node="*"), written(header_digest="zz")):
+        with pytest.raises(msgspec.ValidationError):
+            decode_event(encode_event(bad))
+    with pytest.raises(msgspec.ValidationError, match="out of range"):
+        decode_event(good.replace(b'"rank":3', b'"rank":8'))
+    with pytest.raises(ValueError, match="out of range"):
+        written(rank=8)  # not even constructible
+    with pytest.raises(msgspec.ValidationError):
+        decode_event(b'{"kind":"bogus","job":"j"}')

@@ -1,0 +1,92 @@
+"""The NVMe store: atomic sealed writes, temp sweeping, full disks, verification reads."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.errors import NoSpaceError, ShardFormatError
+from pipeline.shard import parse_head
+from pipeline.state import plan_state
+from pipeline.storage.nvme import NvmeStore
+
+
+def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:
+    plan = plan_state(
+        {"x": torch.arange(nbytes // 4, dtype=torch.int32)},
+        job="j",
+        step=1,
+        rank=0,
+        world_size=1,
+        node="n",
+    )
+    buf = mmap.mmap(-1, plan.nbytes)
+    buf[: len(plan.head)] = plan.head
+    plan.copy_into(torch.frombuffer(buf, dtype=torch.uint8))
+    return buf, parse_head(memoryview(buf), "<test>", sealed=False)
+
+
+def test_write_is_idempotent_and_verifies(tmp_path: Path) -> None:
+    """Writing the same staged image twice finds the first copy; it verifies from the device."""
+    buf, head = staged_image(1 << 20)
+    with NvmeStore(tmp_path) as store:
+        final = tmp_path / "j" / "a.shard"
+        first = store.write_image(memoryview(buf), head, final)
+        again = store.write_image(memoryview(buf), head, final)
+        assert not first.existed and again.existed and again.header_digest == first.header_digest
+        ok = store.verify(final, header_digest=first.header_digest, nbytes=first.nbytes)
+        assert ok.nbytes == os.path.getsize(final)
+        with pytest.raises(ShardFormatError, match="bytes on disk"):
+            store.verify(final, header_digest=first.header_digest, nbytes=first.nbytes + 4096)
+        with pytest.raises(ShardFormatError, match="missing"):
+            store.verify(tmp_path / "nope.shard", header_digest=first.header_digest, nbytes=1)
+
+
+def test_sweep_removes_only_dead_writers_temp_files(tmp_path: Path) -> None:
+    """Temp files of dead processes are removed; a live writer's temp file is kept."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    d = tmp_path / "j" / "step-000000000001"
+    d.mkdir(parents=True)
+    stale = d / f".rank-00000-of-00001.shard.{dead.pid}.tmp"
+    live = d / f".rank-00001-of-00002.shard.{os.getpid()}.tmp"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    with NvmeStore(tmp_path) as store:
+        assert store.sweep_temp() == [str(stale)]
+    assert live.exists() and not stale.exists()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (needs root, as in CI and this project's dev machines)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a tmpfs needs root; test_pipeline covers the reserve check")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_filesystem_fails_before_any_byte_and_retries_cleanly(tiny_fs: Path) -> None:
+    """ENOSPC surfaces as NoSpaceError from preallocation, leaving no file; once there is room,
+    the same write succeeds."""
+    buf, head = staged_image(4 << 20)
+    final = tiny_fs / "j" / "a.shard"
+    with NvmeStore(tiny_fs) as store:
+        store.reserve_bytes = 0
+        with pytest.raises(NoSpaceError) as err:
+            store.write_image(memoryview(buf), head, final)
+        assert err.value.needed == head.file_nbytes
+        assert not final.parent.exists()  # nothing created, not even the directory
+        subprocess.run(["mount", "-o", "remount,size=16m", str(tiny_fs)], check=True)
+        assert not store.write_image(memoryview(buf), head, final).existed
+    assert final.exists()

@@ -1,0 +1,185 @@
+"""The stage runner's delivery semantics against a real JetStream consumer."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pipeline.bus import Bus
+from pipeline.errors import PermanentError, RetryableError
+from pipeline.runner import serve
+from pipeline.settings import Settings
+from schemas import ShardStaged, StageFailed
+from tests.conftest import Events
+
+pytestmark = pytest.mark.anyio
+
+
+def staged(settings: Settings, job: str, step: int) -> ShardStaged:
+    return ShardStaged(
+        job=job,
+        node=settings.node or "",
+        ts=time.time(),
+        step=step,
+        rank=0,
+        world_size=1,
+        staging_path="/dev/shm/x",
+        slot=0,
+        nbytes=4096,
+        tensors=1,
+        stall_s=0.0,
+    )
+
+
+async def run_stage(settings: Settings, handler, seconds: float, *events: ShardStaged) -> None:
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        for e in events:
+            await bus.publish(e)
+        with anyio.move_on_after(seconds):
+            await serve(
+                bus,
+                settings,
+                stage="test",
+                node=settings.node or "",
+                kinds=("staged",),
+                handler=handler,
+            )
+
+
+async def test_retryable_errors_back_off_then_succeed(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """A retryable failure is retried with a growing delay; each attempt is reported."""
+    times: list[float] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        times.append(time.monotonic())
+        if attempt < 4:
+            raise RetryableError(f"transient #{attempt}")
+
+    s = settings.replace(retry_base_s=0.2, retry_max_s=10.0)
+    await run_stage(s, handler, 4.0, staged(s, job, 1))
+    assert len(times) == 4
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps[0] >= 0.18 and gaps[1] >= 0.38 and gaps[2] >= 0.78 and gaps[2] > gaps[0]
+    failed = await anyio.to_thread.run_sync(events.all, "failed")
+    assert [f.attempt for f in failed] == [1, 2, 3] and all(f.retryable for f in failed)
+
+
+async def test_permanent_error_terminates_with_one_failed_event(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """A permanent failure is reported once and the message is not redelivered."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        raise PermanentError("bad input")
+
+    await run_stage(settings.replace(ack_wait_s=1.0), handler, 3.0, staged(settings, job, 2))
+    assert calls == [1]
+    (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
+    assert (
+        isinstance(failed, StageFailed) and not failed.retryable and failed.message == "bad input"
+    )
+    assert (failed.stage, failed.step, failed.error) == ("test", 2, "PermanentError")
+
+
+async def test_attempts_are_bounded_by_max_deliver(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """An error that never clears is given up after max_deliver attempts, with a final report."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        raise ValueError("bug")  # unexpected errors are retried like retryable ones
+
+    s = settings.replace(max_deliver=3, retry_base_s=0.05)
+    await run_stage(s, handler, 3.0, staged(s, job, 3))
+    assert calls == [1, 2, 3]
+    failed = await anyio.to_thread.run_sync(events.all, "failed")
+    assert [f.retryable for f in failed] == [True, True, False]
+    assert "gave up after 3 attempts" in failed[-1].message
+
+
+async def test_long_work_is_not_redelivered(settings: Settings, job: str) -> None:
+    """Heartbeats keep a message that takes 3x ack_wait from being redelivered."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        await anyio.sleep(3.0)
+
+    await run_stage(settings.replace(ack_wait_s=1.0), handler, 5.0, staged(settings, job, 4))
+    assert calls == [1]
+
+
+def test_sigterm_drains_in_flight_work(
+    settings: Settings, job: str, tmp_path: Path, events: Events
+) -> None:
+    """On SIGTERM the worker stops fetching but finishes (and acks) the message in hand."""
+    script = tmp_path / "worker.py"
+    done = tmp_path / "done"
+    script.write_text(
+        textwrap.dedent(f"""
+        import anyio, sys
+        from pipeline.log import configure_logging
+        from pipeline.runner import run_agent, serve
+        from pipeline.settings import load_settings
+
+        async def stage(settings, bus, *, task_status):
+            async def handle(event, attempt):
+                print("started", flush=True)
+                await anyio.sleep(1.5)
+                open({str(done)!r}, "w").write(str(attempt))
+            await serve(bus, settings, stage="drain", node=settings.node, kinds=("staged",),
+                        handler=handle, task_status=task_status)
+
+        s = load_settings()
+        configure_logging(s.log_level, "json")  # logs to stderr; stdout is for the test
+        anyio.run(lambda: run_agent(s, [stage], node=s.node))
+        print("exited", flush=True)
+    """)
+    )
+
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, **settings.as_env()},
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+
+        async def publish() -> None:
+            async with Bus(settings) as bus:
+                await bus.ensure_stream()
+                await bus.publish(staged(settings, job, 9))
+
+        anyio.run(publish)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert proc.stdout.read().strip() == "exited"
+        assert done.read_text() == "1"  # finished, not abandoned
+    finally:
+        proc.kill()
+
+    async def pending() -> int:
+        async with Bus(settings) as bus:
+            info = await bus.js.consumer_info(settings.stream, f"drain_{settings.node}")
+            return info.num_ack_pending + info.num_pending
+
+    assert anyio.run(pending) == 0  # it was acked before exit
