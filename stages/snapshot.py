@@ -129,7 +129,7 @@ def _address(mm: mmap.mmap) -> int:
 
 def _host_register(mm: mmap.mmap) -> bool:
     """Page-lock a slot mapping for asynchronous device-to-host copies; False if refused."""
-    err = torch.cuda.cudart().cudaHostRegister(_address(mm), len(mm), 0)
+    err = torch.cuda.cudart().cudaHostRegister(_address(mm), len(mm), 1)  # 1: portable
     if int(err) != 0:
         log.warning(
             "staging_pin_failed",

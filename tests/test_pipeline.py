@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,3 +268,29 @@ def test_nvme_without_room_fails_before_any_final_file(
     assert isinstance(failed, StageFailed)
     assert failed.error == "NoSpaceError" and failed.retryable and failed.stage == "nvme-write"
     assert not final_path(full, job, 1).parent.exists()  # no final file, no temp file
+
+
+def test_trainer_crash_after_save_loses_nothing(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+) -> None:
+    """A trainer killed right after save() returns still gets its shard written and verified
+    (the bytes live in shared memory), and its orphaned slot is cleaned up on release."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from pipeline.client import Checkpointer\n"
+        "from pipeline.settings import load_settings\n"
+        f"c = Checkpointer({job!r}, rank=0, world_size=1, settings=load_settings())\n"
+        "c.save(42, {'w': torch.arange(1000.0)})\n"
+        "os._exit(9)  # no close(), no cleanup\n"
+    )
+    env = {**os.environ, **settings.as_env()}
+    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=60)
+    assert proc.returncode == 9
+    agent()
+    verified = events.wait_for(lambda e: isinstance(e, ShardVerified), kind="verified")
+    _, saved = load_shard(verified.path)  # type: ignore[union-attr]
+    assert torch.equal(saved["w"], torch.arange(1000.0))
+    events.wait_for(lambda e: getattr(e, "tier", None) == "ram", kind="evicted")
+    slots = Path(settings.staging_root) / job / "rank-00000"
+    assert sorted(p.name for p in slots.iterdir()) == ["owner.lock"]
