@@ -268,6 +268,20 @@ class Checkpointer:
 
     # --- saving
 
+    def reserve(self, state: Any) -> None:
+        """Allocate every free staging slot for a state like `state`, before training starts.
+
+        Optional: otherwise a slot is allocated by the first save that uses it, which then
+        blocks for the allocation too (about a second per GiB).
+        """
+        plan = plan_state(
+            state, job=self.job, step=0, rank=self.rank, world_size=self.world_size, node=self.node
+        )
+        busy = self._pool.busy()
+        for slot in self._pool.slots:
+            if slot.index not in busy:
+                self._snapshot.reserve(slot, plan)
+
     def save(self, step: int, state: Any, *, blocking: bool = True) -> SaveHandle:
         """Snapshot `state` at `step`; block only for the copy into shared memory.
 
@@ -316,13 +330,13 @@ class Checkpointer:
             )
             return SaveHandle(None, step, skipped=True)
         self._last_step = step
-        image = self._snapshot.prepare(slot, plan)
+        dsts = self._snapshot.prepare(slot, plan)
         handle = SaveHandle(self, step)
         with self._lock:
             self._handles[step] = handle
         if blocking:
             try:
-                self._snapshot.copy(slot, plan, image)
+                self._snapshot.copy(slot, plan, dsts)
             except BaseException as e:
                 self._abandon(handle, e)
                 raise
@@ -332,7 +346,7 @@ class Checkpointer:
             )
             return handle
         try:
-            copy = self._snapshot.start_copy(slot, plan, image)
+            copy = self._snapshot.start_copy(slot, plan, dsts)
         except BaseException as e:
             self._abandon(handle, e)
             raise

@@ -16,13 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-import structlog
-
 from pipeline.errors import ConfigError, TierpipeError
 
 __all__ = ["NatsServer", "find_binary"]
-
-log = structlog.get_logger(__name__)
 
 
 def find_binary(name: str) -> Path:
@@ -106,7 +102,6 @@ class NatsServer:
                 self.stop()
                 raise TierpipeError(f"nats-server did not become ready within {timeout_s} s")
             time.sleep(0.01)
-        log.debug("nats_server_started", url=self.url, store_dir=str(self.store_dir))
         return self
 
     def stop(self, *, timeout_s: float = 10.0) -> None:

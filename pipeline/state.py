@@ -42,6 +42,7 @@ KeyPath = tuple[str | int, ...]
 _ZERO = bytes(16)
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 _tree_encoder = msgspec.msgpack.Encoder()
 _tree_decoder = msgspec.msgpack.Decoder()
 
@@ -66,31 +67,38 @@ class StatePlan:
     copies: tuple[_Copy, ...]
     #: CUDA devices the state's tensors live on (empty for a CPU-only state).
     cuda_devices: frozenset[torch.device]
+    #: Where each copy lands, as (offset, nbytes, dtype, shape): equal layouts can reuse the
+    #: destination views of an earlier save into the same image.
+    layout: tuple[tuple[int, int, torch.dtype, tuple[int, ...]], ...]
 
     @property
     def tensor_nbytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
 
+    def destinations(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `image` (a CPU uint8 tensor of at least `nbytes`) that the copies fill."""
+        dsts = []
+        for c in self.copies:
+            dst = image[c.offset : c.offset + c.nbytes]
+            dsts.append(dst if c.raw else dst.view(c.src.dtype).view(c.src.shape))
+        return dsts
+
     def copy_into(
         self,
-        image: torch.Tensor,
+        dsts: list[torch.Tensor],
         *,
         device: torch.device | None = None,
         non_blocking: bool = False,
     ) -> None:
-        """Copy the tensors' bytes into `image` (a CPU uint8 tensor of at least `nbytes`).
+        """Copy the tensors' bytes into their `destinations()`.
 
         The head is not written here: the caller owns the image's buffer. `device` limits the
         copy to tensors on that device. With `non_blocking`, copies from CUDA tensors are queued
         on the current stream and the caller synchronises.
         """
-        for c in self.copies:
-            if device is not None and c.src.device != device:
-                continue
-            dst = image[c.offset : c.offset + c.nbytes]
-            if not c.raw:
-                dst = dst.view(c.src.dtype).view(c.src.shape)
-            dst.copy_(c.src, non_blocking=non_blocking)
+        for c, dst in zip(self.copies, dsts, strict=True):
+            if device is None or c.src.device == device:
+                dst.copy_(c.src, non_blocking=non_blocking)
 
 
 def plan_state(
@@ -169,14 +177,16 @@ def plan_state(
     )
     head = encode_head(header, sealed=False)
     data_offset = len(head)
+    plan_copies = tuple(
+        _Copy(data_offset + blobs[b].offset, n, src, raw) for b, n, src, raw in copies if n
+    )
     return StatePlan(
         header=header,
         head=head,
         nbytes=data_offset + align_up(offset),
-        copies=tuple(
-            _Copy(data_offset + blobs[b].offset, n, src, raw) for b, n, src, raw in copies if n
-        ),
+        copies=plan_copies,
         cuda_devices=frozenset(t.device for t in tensors if t.is_cuda),
+        layout=tuple((c.offset, c.nbytes, c.src.dtype, tuple(c.src.shape)) for c in plan_copies),
     )
 
 
@@ -229,7 +239,7 @@ def write_shard(
     plan = plan_state(state, job=job, step=step, rank=rank, world_size=world_size, node=node)
     buf = mmap.mmap(-1, plan.nbytes)  # page-aligned, so the writer can use O_DIRECT
     buf[: len(plan.head)] = plan.head
-    plan.copy_into(torch.frombuffer(buf, dtype=torch.uint8))
+    plan.copy_into(plan.destinations(torch.frombuffer(buf, dtype=torch.uint8)))
     with memoryview(buf) as view:
         return seal_image(view, os.fspath(path)).header_digest
 
@@ -276,7 +286,7 @@ def _blob_names(header: ShardHeader) -> list[str]:
 
 
 def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int]) -> Any:
-    if v is None or type(v) in (bool, float, str, bytes):
+    if type(v) in _SCALARS and type(v) is not int:
         return v
     if isinstance(v, torch.Tensor):
         paths.append(path)
@@ -311,8 +321,13 @@ def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int])
                 ]
             return out
         if isinstance(v, list | tuple):
+            tag = "l" if isinstance(v, list) else "t"
+            if all(type(x) in _SCALARS for x in v) and all(
+                _INT_MIN <= x <= _UINT_MAX for x in v if type(x) is int
+            ):  # e.g. random.getstate(): 625 ints, encoded as they are
+                return [tag, *v]
             items = [_encode(x, (*path, i), tensors, paths, active) for i, x in enumerate(v)]
-            return ["l" if isinstance(v, list) else "t", *items]
+            return [tag, *items]
         if callable(getattr(v, "state_dict", None)):
             return _encode(v.state_dict(), path, tensors, paths, active)
     finally:

@@ -20,7 +20,7 @@ from pipeline.errors import StagingGoneError, TierpipeError
 from pipeline.names import node_name, shard_relpath
 from pipeline.runner import serve
 from pipeline.settings import Settings
-from pipeline.staging import open_image
+from pipeline.staging import StagedImage, open_image
 from pipeline.storage.nvme import NvmeStore, WriteResult, read_head
 from schemas import ShardStaged, ShardWritten
 
@@ -38,22 +38,14 @@ async def run(
         await anyio.to_thread.run_sync(store.sweep_temp)
 
         async def handle(event: ShardStaged, attempt: int) -> None:
-            result = await anyio.to_thread.run_sync(_write, store, settings.staging_root, event)
-            await bus.publish(
-                ShardWritten(
-                    job=event.job,
-                    node=node,
-                    ts=time.time(),
-                    step=event.step,
-                    rank=event.rank,
-                    world_size=event.world_size,
-                    path=result.path,
-                    nbytes=result.nbytes,
-                    header_digest=result.header_digest,
-                    tensors=result.tensors,
-                    seconds=round(result.seconds, 6),
-                )
+            result, image = await anyio.to_thread.run_sync(
+                _write, store, settings.staging_root, event
             )
+            try:
+                await bus.publish(_written(event, node, result))
+            finally:
+                if image is not None:  # unmapping a large slot takes tens of ms: after the event
+                    await anyio.to_thread.run_sync(image.close)
             log.info(
                 "shard_written",
                 path=result.path,
@@ -74,7 +66,26 @@ async def run(
         )
 
 
-def _write(store: NvmeStore, staging_root: str, event: ShardStaged) -> WriteResult:
+def _written(event: ShardStaged, node: str, result: WriteResult) -> ShardWritten:
+    return ShardWritten(
+        job=event.job,
+        node=node,
+        ts=time.time(),
+        step=event.step,
+        rank=event.rank,
+        world_size=event.world_size,
+        path=result.path,
+        nbytes=result.nbytes,
+        header_digest=result.header_digest,
+        tensors=result.tensors,
+        seconds=round(result.seconds, 6),
+    )
+
+
+def _write(
+    store: NvmeStore, staging_root: str, event: ShardStaged
+) -> tuple[WriteResult, StagedImage | None]:
+    """Write the shard; returns the result and the still-mapped staging image (caller closes)."""
     final = store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
     try:
         image = open_image(staging_root, event)
@@ -83,12 +94,13 @@ def _write(store: NvmeStore, staging_root: str, event: ShardStaged) -> WriteResu
         done = _already_written(final, event)
         if done is None:
             raise
-        return done
+        return done, None
     try:
         with image.view() as view:
-            return store.write_image(view, image.head, final)
-    finally:
+            return store.write_image(view, image.head, final), image
+    except BaseException:
         image.close()
+        raise
 
 
 def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:

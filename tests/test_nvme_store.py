@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from pipeline.errors import NoSpaceError, ShardFormatError
 from pipeline.shard import parse_head
-from pipeline.state import plan_state
+from pipeline.state import load_shard, plan_state, tensor_buffer
 from pipeline.storage.nvme import NvmeStore
 
 
@@ -28,7 +29,7 @@ def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:
     )
     buf = mmap.mmap(-1, plan.nbytes)
     buf[: len(plan.head)] = plan.head
-    plan.copy_into(torch.frombuffer(buf, dtype=torch.uint8))
+    plan.copy_into(plan.destinations(torch.frombuffer(buf, dtype=torch.uint8)))
     return buf, parse_head(memoryview(buf), "<test>", sealed=False)
 
 
@@ -90,3 +91,22 @@ def test_full_filesystem_fails_before_any_byte_and_retries_cleanly(tiny_fs: Path
         subprocess.run(["mount", "-o", "remount,size=16m", str(tiny_fs)], check=True)
         assert not store.write_image(memoryview(buf), head, final).existed
     assert final.exists()
+
+
+def test_unaligned_source_buffer_falls_back_to_buffered_writes(tmp_path: Path) -> None:
+    """A source buffer O_DIRECT refuses is written buffered (decided once, race-free)."""
+    plan = plan_state({"x": torch.randn(6 << 20)}, job="j", step=1, rank=0, world_size=1, node="n")
+    raw = torch.empty(plan.nbytes + 4096, dtype=torch.uint8)
+    shift = (64 - raw.data_ptr()) % 512  # 64 bytes past a sector boundary: O_DIRECT refuses
+    image = raw[shift : shift + plan.nbytes]
+    buf = tensor_buffer(image)
+    buf[: len(plan.head)] = plan.head
+    plan.copy_into(plan.destinations(image))
+    head = parse_head(buf, "<test>", sealed=False)
+    with NvmeStore(tmp_path, chunk_bytes=1 << 20, queue_depth=4) as store:
+        with capture_logs() as logs:
+            for i in range(5):
+                store.write_image(buf, head, tmp_path / f"{i}.shard")
+    assert [e["event"] for e in logs].count("direct_io_unavailable") == 5
+    _, state = load_shard(tmp_path / "4.shard")
+    assert torch.equal(state["x"], plan.copies[0].src)

@@ -161,18 +161,19 @@ class NvmeStore:
         try:
             _fallocate(fd, head.file_nbytes, final.parent, self.reserve_bytes)
             hashing = self._pool.submit(_blob_digests, image, head)
-            writes = [
-                self._pool.submit(
-                    _pwrite_all, fd, image[off : min(off + self.chunk_bytes, head.file_nbytes)], off
-                )
+            chunks = [
+                (off, image[off : min(off + self.chunk_bytes, head.file_nbytes)])
                 for off in range(head.data_offset, head.file_nbytes, self.chunk_bytes)
             ]
+            if chunks:  # alone first: it settles whether O_DIRECT works for this buffer
+                _pwrite_all(fd, chunks[0][1], chunks[0][0], may_fall_back=True)
+            writes = [self._pool.submit(_pwrite_all, fd, data, off) for off, data in chunks[1:]]
             _wait_all([*writes, hashing])
             header = seal_header(head.header, hashing.result())
             sealed = encode_head(header, sealed=True)
             if len(sealed) != head.data_offset:  # digests are fixed-size, so this cannot move
                 raise AssertionError("sealed head changed size")
-            _pwrite_all(fd, _aligned_copy(sealed), 0)
+            _pwrite_all(fd, _aligned_copy(sealed), 0, may_fall_back=True)
             os.fsync(fd)
         except BaseException as e:
             os.close(fd)
@@ -398,16 +399,21 @@ def _blob_names(header: ShardHeader) -> list[str]:
     return names
 
 
-def _pwrite_all(fd: int, data: memoryview | bytes | mmap.mmap, offset: int) -> None:
+def _pwrite_all(
+    fd: int, data: memoryview | bytes | mmap.mmap, offset: int, *, may_fall_back: bool = False
+) -> None:
+    """Write all of `data` at `offset`. With `may_fall_back` (only ever for a write issued
+    alone), an O_DIRECT refusal of this buffer or filesystem switches the file to buffered I/O."""
     view = memoryview(data)
     while view:
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as e:
-            if e.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if not may_fall_back or e.errno != errno.EINVAL or not flags & _O_DIRECT:
                 raise
-            # The buffer or filesystem refuses O_DIRECT after all: carry on buffered.
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            log.debug("direct_io_unavailable", fd=fd, hint="writing buffered, fsync still applies")
             continue
         view, offset = view[n:], offset + n
 
