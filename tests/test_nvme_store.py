@@ -103,10 +103,9 @@ def test_unaligned_source_buffer_falls_back_to_buffered_writes(tmp_path: Path) -
     buf[: len(plan.head)] = plan.head
     plan.copy_into(plan.destinations(image))
     head = parse_head(buf, "<test>", sealed=False)
-    with NvmeStore(tmp_path, chunk_bytes=1 << 20, queue_depth=4) as store:
-        with capture_logs() as logs:
-            for i in range(5):
-                store.write_image(buf, head, tmp_path / f"{i}.shard")
+    with NvmeStore(tmp_path, chunk_bytes=1 << 20, queue_depth=4) as store, capture_logs() as logs:
+        for i in range(5):
+            store.write_image(buf, head, tmp_path / f"{i}.shard")
     assert [e["event"] for e in logs].count("direct_io_unavailable") == 5
     _, state = load_shard(tmp_path / "4.shard")
     assert torch.equal(state["x"], plan.copies[0].src)
