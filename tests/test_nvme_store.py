@@ -109,3 +109,17 @@ def test_unaligned_source_buffer_falls_back_to_buffered_writes(tmp_path: Path) -
     assert [e["event"] for e in logs].count("direct_io_unavailable") == 5
     _, state = load_shard(tmp_path / "4.shard")
     assert torch.equal(state["x"], plan.copies[0].src)
+
+
+def test_shard_without_tensor_data_writes_and_verifies(tmp_path: Path) -> None:
+    """A state of plain values only (no data region) still seals and verifies."""
+    plan = plan_state(
+        {"step": 3, "e": torch.empty(0)}, job="j", step=1, rank=0, world_size=1, node="n"
+    )
+    buf = mmap.mmap(-1, plan.nbytes)
+    buf[: len(plan.head)] = plan.head
+    head = parse_head(memoryview(buf), "<test>", sealed=False)
+    with NvmeStore(tmp_path) as store:
+        done = store.write_image(memoryview(buf), head, tmp_path / "a.shard")
+        store.verify(tmp_path / "a.shard", header_digest=done.header_digest, nbytes=done.nbytes)
+    assert load_shard(tmp_path / "a.shard")[1]["step"] == 3

@@ -16,6 +16,7 @@ import fcntl
 import mmap
 import os
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,6 +85,9 @@ class NvmeStore:
         self.reserve_bytes = reserve_bytes
         # One extra thread: the hasher runs beside `queue_depth` concurrent reads or writes.
         self._pool = ThreadPoolExecutor(queue_depth + 1, thread_name_prefix="tierpipe-io")
+        # Aligned read buffers, allocated once: fresh memory costs page faults on every verify.
+        self._read_bufs: list[mmap.mmap] = []
+        self._read_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> NvmeStore:
@@ -104,6 +108,9 @@ class NvmeStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for buf in self._read_bufs:
+            buf.close()
+        self._read_bufs.clear()
 
     def path_for(self, relpath: PurePosixPath) -> Path:
         """The absolute path of a shard key (keys come from `names.shard_relpath`)."""
@@ -287,13 +294,21 @@ class NvmeStore:
 
     def _hash_file(self, fd: int, head: Head, path: str) -> list[bytes]:
         """Read the data region at queue depth `queue_depth` and hash it in order, overlapped."""
-        chunk, depth = self.chunk_bytes, self.queue_depth
+        chunk = self.chunk_bytes
         offsets = list(range(head.data_offset, head.file_nbytes, chunk))
-        bufs = [mmap.mmap(-1, chunk) for _ in range(min(depth, len(offsets)))]
+        with self._read_lock:
+            if not self._read_bufs:
+                self._read_bufs = [mmap.mmap(-1, chunk) for _ in range(self.queue_depth)]
+            bufs = self._read_bufs[: max(1, min(self.queue_depth, len(offsets)))]
+            return self._hash_with(fd, head, path, offsets, bufs)
+
+    def _hash_with(
+        self, fd: int, head: Head, path: str, offsets: list[int], bufs: list[mmap.mmap]
+    ) -> list[bytes]:
         hasher = _BlobHasher(head)
         pending: dict[int, Future[int]] = {}
         try:
-            for i in range(len(bufs)):
+            for i in range(min(len(bufs), len(offsets))):
                 pending[i] = self._pool.submit(
                     _pread_into, fd, bufs[i], offsets[i], head.file_nbytes
                 )
@@ -312,8 +327,6 @@ class NvmeStore:
                 f.cancel()
                 if not f.cancelled():
                     f.exception()
-            for b in bufs:
-                b.close()
         if hasher.missing():
             raise ShardFormatError(path, "truncated data region")
         return hasher.digests()
