@@ -176,18 +176,14 @@ class _Worker:
             text = f"gave up after {attempt} attempts: {text}"
         assert isinstance(event, ShardEvent)
         await self._report(
-            StageFailed(
-                job=event.job,
+            event.follow(
+                StageFailed,
                 node=self.node,
-                ts=time.time(),
                 stage=self.stage,
                 error=type(e).__name__,
                 message=text,
                 retryable=not final,
                 attempt=attempt,
-                step=event.step,
-                rank=event.rank,
-                world_size=event.world_size,
                 subject=msg.subject,
                 stream_seq=seq,
             )

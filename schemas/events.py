@@ -7,7 +7,8 @@ references (paths, sizes, digests).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import time
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -43,6 +44,9 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     ts: float
 
 
+E = TypeVar("E", bound=_Event)
+
+
 class ShardEvent(_Event, frozen=True, kw_only=True):
     """Common identity of one rank's shard of one step."""
 
@@ -53,6 +57,18 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
+
+    def follow(self, kind: type[E], *, node: str, **fields: Any) -> E:
+        """The next event about the same shard (what a stage publishes for its input)."""
+        return kind(
+            job=self.job,
+            node=node,
+            ts=time.time(),
+            step=self.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            **fields,
+        )
 
 
 class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):

@@ -7,8 +7,6 @@ publishes `evicted` with tier `ram`; a slot whose trainer has exited is deleted.
 
 from __future__ import annotations
 
-import time
-
 import anyio
 import structlog
 from anyio.abc import TaskStatus
@@ -39,16 +37,8 @@ async def run(
             log.debug("staging_already_released")
             return
         await bus.publish(
-            ShardEvicted(
-                job=event.job,
-                node=node,
-                ts=time.time(),
-                step=event.step,
-                rank=event.rank,
-                world_size=event.world_size,
-                tier="ram",
-                location=str(slot),
-                reason="nvme copy verified",
+            event.follow(
+                ShardEvicted, node=node, tier="ram", location=str(slot), reason="nvme copy verified"
             )
         )
         log.info("staging_released", slot=str(slot))

@@ -8,7 +8,6 @@ event finds the final file holding the same save and only republishes (deduplica
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
@@ -42,7 +41,17 @@ async def run(
                 _write, store, settings.staging_root, event
             )
             try:
-                await bus.publish(_written(event, node, result))
+                await bus.publish(
+                    event.follow(
+                        ShardWritten,
+                        node=node,
+                        path=result.path,
+                        nbytes=result.nbytes,
+                        header_digest=result.header_digest,
+                        tensors=result.tensors,
+                        seconds=round(result.seconds, 6),
+                    )
+                )
             finally:
                 if image is not None:  # unmapping a large slot takes tens of ms: after the event
                     await anyio.to_thread.run_sync(image.close)
@@ -64,22 +73,6 @@ async def run(
             handler=handle,
             task_status=task_status,
         )
-
-
-def _written(event: ShardStaged, node: str, result: WriteResult) -> ShardWritten:
-    return ShardWritten(
-        job=event.job,
-        node=node,
-        ts=time.time(),
-        step=event.step,
-        rank=event.rank,
-        world_size=event.world_size,
-        path=result.path,
-        nbytes=result.nbytes,
-        header_digest=result.header_digest,
-        tensors=result.tensors,
-        seconds=round(result.seconds, 6),
-    )
 
 
 def _write(

@@ -9,7 +9,6 @@ and the shard is rewritten from staging once and checked again.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import anyio
@@ -54,29 +53,21 @@ async def run(
                     raise
                 rewritten = True
                 await bus.publish(
-                    StageFailed(
-                        job=event.job,
+                    event.follow(
+                        StageFailed,
                         node=node,
-                        ts=time.time(),
                         stage=STAGE,
                         error=type(corrupt).__name__,
                         message=f"{corrupt}; rewritten from the staging copy and verified",
                         retryable=True,
                         attempt=attempt,
-                        step=event.step,
-                        rank=event.rank,
-                        world_size=event.world_size,
                     )
                 )
                 log.warning("shard_rewritten", path=str(final), error=str(corrupt))
             await bus.publish(
-                ShardVerified(
-                    job=event.job,
+                event.follow(
+                    ShardVerified,
                     node=node,
-                    ts=time.time(),
-                    step=event.step,
-                    rank=event.rank,
-                    world_size=event.world_size,
                     path=result.path,
                     nbytes=result.nbytes,
                     header_digest=result.header_digest,
