@@ -19,7 +19,24 @@ from pipeline.bus import Bus
 from pipeline.embedded import NatsServer
 from pipeline.names import SUBJECT_ROOT
 from pipeline.settings import Settings, load_settings
-from schemas import Event
+from schemas import Event, ShardStaged
+
+
+def make_staged(job: str, node: str, step: int = 1) -> ShardStaged:
+    """A well-formed `staged` event for tests that exercise the bus and runner directly."""
+    return ShardStaged(
+        job=job,
+        node=node,
+        ts=time.time(),
+        step=step,
+        rank=0,
+        world_size=1,
+        staging_path="/dev/shm/x",
+        slot=0,
+        nbytes=4096,
+        tensors=1,
+        stall_s=0.0,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,8 @@ from pipeline.bus import Bus, redact_url
 from pipeline.embedded import NatsServer
 from pipeline.errors import BusUnavailableError
 from pipeline.settings import Settings, load_settings
-from schemas import ShardStaged, decode_event
+from schemas import decode_event
+from tests.conftest import make_staged as staged
 
 pytestmark = pytest.mark.anyio
 
@@ -31,22 +31,6 @@ def own_server(tmp_path: Path) -> Iterator[NatsServer]:
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url) as r:
         return json.loads(r.read())
-
-
-def staged(job: str, node: str, step: int = 1) -> ShardStaged:
-    return ShardStaged(
-        job=job,
-        node=node,
-        ts=time.time(),
-        step=step,
-        rank=0,
-        world_size=1,
-        staging_path="/dev/shm/x",
-        slot=0,
-        nbytes=4096,
-        tensors=1,
-        stall_s=0.001,
-    )
 
 
 async def test_ensure_stream_is_idempotent_and_applies_changes(own_server: NatsServer) -> None:

@@ -19,25 +19,13 @@ from pipeline.errors import PermanentError, RetryableError
 from pipeline.runner import serve
 from pipeline.settings import Settings
 from schemas import ShardStaged, StageFailed
-from tests.conftest import Events
+from tests.conftest import Events, make_staged
 
 pytestmark = pytest.mark.anyio
 
 
 def staged(settings: Settings, job: str, step: int) -> ShardStaged:
-    return ShardStaged(
-        job=job,
-        node=settings.node or "",
-        ts=time.time(),
-        step=step,
-        rank=0,
-        world_size=1,
-        staging_path="/dev/shm/x",
-        slot=0,
-        nbytes=4096,
-        tensors=1,
-        stall_s=0.0,
-    )
+    return make_staged(job, settings.node or "", step)
 
 
 async def run_stage(settings: Settings, handler, seconds: float, *events: ShardStaged) -> None:
