@@ -263,16 +263,35 @@ class Bus:
         """A core (non-JetStream) subscription: live events only, no replay."""
         return await self.nc.subscribe(subject, cb=callback)
 
-    async def last_event(self, subject: str) -> Event | None:
-        """The newest event on an exact subject, or None (direct get)."""
+    async def publish_raw(self, subject: str, data: bytes) -> int:
+        """Publish a non-event message (a control command) into the stream; returns its seq."""
+        try:
+            ack = await self.js.publish(
+                subject, data, timeout=self.settings.request_timeout_s, stream=self.settings.stream
+            )
+        except nats.js.errors.APIError as e:
+            raise BusError(f"publish to {subject} refused: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
+        return ack.seq
+
+    async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
+        """(stream seq, body) of the newest message on an exact subject, or None."""
         try:
             raw = await self.js.get_last_msg(self.settings.stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
         except _UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
+        return raw.seq or 0, raw.data or b""
+
+    async def last_event(self, subject: str) -> Event | None:
+        """The newest event on an exact subject, or None (direct get)."""
+        raw = await self.last_raw(subject)
+        if raw is None:
+            return None
         try:
-            return decode_event(raw.data or b"")
+            return decode_event(raw[1])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
 

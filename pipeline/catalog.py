@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from schemas import (
     Event,
     ShardEvicted,
+    ShardFlushed,
     ShardStaged,
     ShardVerified,
     ShardWritten,
@@ -30,6 +31,8 @@ class Copy:
     location: str
     nbytes: int
     header_digest: str | None = None
+    #: The node whose agent made this copy (for object storage: the one that uploaded it).
+    by: str = ""
     verified: bool = False
     corrupt: bool = False
     evicted: bool = False
@@ -50,6 +53,10 @@ class Shard:
 
     def copy(self, tier: Tier, node: str = "") -> Copy | None:
         return self.copies.get((tier, node))
+
+    def usable(self, tier: Tier) -> list[Copy]:
+        """Verified, intact, present copies on `tier`."""
+        return [c for (t, _), c in self.copies.items() if t == tier and c.usable]
 
 
 class Catalog:
@@ -72,22 +79,39 @@ class Catalog:
         match event:
             case ShardStaged():
                 shard.copies.setdefault(
-                    ("ram", event.node), Copy("ram", event.node, event.staging_path, event.nbytes)
+                    ("ram", event.node),
+                    Copy("ram", event.node, event.staging_path, event.nbytes, by=event.node),
                 )
             case ShardWritten():
                 nvme = shard.copy("nvme", event.node)
                 if nvme is None or nvme.header_digest != event.header_digest:
                     # A first write, or a rewrite of a different save: verification starts over.
                     shard.copies[("nvme", event.node)] = Copy(
-                        "nvme", event.node, event.path, event.nbytes, event.header_digest
+                        "nvme",
+                        event.node,
+                        event.path,
+                        event.nbytes,
+                        event.header_digest,
+                        event.node,
                     )
             case ShardVerified():
                 nvme = shard.copy("nvme", event.node)
                 if nvme is None or nvme.header_digest != event.header_digest:
                     nvme = shard.copies[("nvme", event.node)] = Copy(
-                        "nvme", event.node, event.path, event.nbytes, event.header_digest
+                        "nvme",
+                        event.node,
+                        event.path,
+                        event.nbytes,
+                        event.header_digest,
+                        event.node,
                     )
                 nvme.verified, nvme.corrupt, nvme.evicted = True, False, False
+            case ShardFlushed():
+                # The store confirmed size and checksum after the upload: a verified copy.
+                location = f"s3://{event.bucket}/{event.key}"
+                shard.copies[("s3", "")] = Copy(
+                    "s3", "", location, event.nbytes, event.header_digest, event.node, verified=True
+                )
             case ShardEvicted():
                 key = (event.tier, "" if event.tier == "s3" else event.node)
                 found = shard.copies.get(key)
@@ -112,3 +136,22 @@ class Catalog:
 
     def shard(self, job: str, step: int, rank: int) -> Shard | None:
         return self._shards.get((job, step, rank))
+
+    def steps(self, job: str) -> dict[int, list[Shard]]:
+        """step -> its shards (by rank), oldest step first."""
+        out: dict[int, list[Shard]] = {}
+        for shard in self.shards(job):
+            out.setdefault(shard.step, []).append(shard)
+        return out
+
+    def complete_steps(self, job: str, tiers: tuple[Tier, ...]) -> list[int]:
+        """Steps (ascending) where every rank has a usable copy on one of `tiers`."""
+        done = []
+        for step, shards in self.steps(job).items():
+            world = shards[0].world_size
+            ranks = {
+                s.rank for s in shards if s.world_size == world and any(s.usable(t) for t in tiers)
+            }
+            if world and ranks == set(range(world)):
+                done.append(step)
+        return done

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import time
 from typing import Any
 
 import anyio
+import msgspec
 
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog, Shard
-from pipeline.errors import TierpipeError
+from pipeline.errors import ConfigError, TierpipeError
 from pipeline.log import configure_logging
-from pipeline.names import SUBJECT_ROOT, node_name, validate_token
+from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, validate_token
 from pipeline.settings import Settings, load_settings
+from schemas import FlushControl
 
-__all__ = ["main", "replay_catalog", "shard_table"]
+__all__ = ["main", "parse_rate", "replay_catalog", "shard_table"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--job", required=True)
     status.add_argument("--json", action="store_true", help="one JSON object per shard")
 
+    flush = sub.add_parser("flush", help="change the upload rate to object storage at run time")
+    flush.add_argument("action", choices=["rate", "pause", "resume"])
+    flush.add_argument("rate", nargs="?", default=None,
+                       help="for `rate`: bytes/s, e.g. 50MiB, 200MB, 0 for unlimited")  # fmt: skip
+    flush.add_argument("--node", help="only this node (default: every node)")
+
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
     demo.add_argument("--ranks", type=int, default=2)
     demo.add_argument("--steps", type=int, default=6)
@@ -58,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _run_worker(settings, names)
             case "status":
                 return _status(settings, validate_token("job", args.job), as_json=args.json)
+            case "flush":
+                return _flush(settings, args.action, args.rate, args.node)
             case "demo":
                 from pipeline.demo import run_demo
 
@@ -96,17 +108,18 @@ async def replay_catalog(settings: Settings, job: str) -> Catalog:
 
 
 def shard_table(shards: list[Shard]) -> str:
-    """A human-readable table of shards and their copies."""
-    rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "LOCATION")]
+    """A human-readable table of shards and where their copies are."""
+    rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "S3", "NVME PATH")]
     for s in shards:
         ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
         nvme = next((c for (t, _), c in s.copies.items() if t == "nvme"), None)
+        obj = s.copy("s3")
         rows.append(
             (
                 str(s.step),
                 f"{s.rank}/{s.world_size}",
                 "-" if ram is None else "released" if ram.evicted else "staged",
-                "-" if nvme is None else "evicted" if nvme.evicted else f"{nvme.node}",
+                "-" if nvme is None else "evicted" if nvme.evicted else nvme.node,
                 "-"
                 if nvme is None
                 else "CORRUPT"
@@ -114,7 +127,8 @@ def shard_table(shards: list[Shard]) -> str:
                 else "yes"
                 if nvme.verified
                 else "no",
-                "" if nvme is None else nvme.location,
+                "-" if obj is None else "evicted" if obj.evicted else "flushed",
+                "" if nvme is None or nvme.evicted else nvme.location,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -143,6 +157,33 @@ def _shard_json(s: Shard) -> dict[str, Any]:
         ],
         "failures": [f.message for f in s.failures],
     }
+
+
+def parse_rate(text: str) -> int:
+    """`50MiB`, `200MB`, `1.5GiB`, `1048576`, `0` -> bytes/s."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*?)(?:/s)?\s*", text)
+    if m is None or m.group(2).lower() not in units:
+        raise ConfigError(f"cannot read a rate from {text!r} (try 50MiB or 200MB)")
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+def _flush(settings: Settings, action: str, rate: str | None, node: str | None) -> int:
+    if (action == "rate") != (rate is not None):
+        raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
+    control = FlushControl(action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0,  # type: ignore[arg-type]
+                           ts=time.time())  # fmt: skip
+    subject = f"{CONTROL_FLUSH}.{validate_token('node', node)}" if node else CONTROL_FLUSH
+
+    async def send() -> int:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            await bus.ensure_stream(update=False)
+            return await bus.publish_raw(subject, msgspec.json.encode(control))
+
+    seq = anyio.run(send)
+    print(f"{action} sent on {subject} (stream seq {seq})")
+    return 0
 
 
 def _status(settings: Settings, job: str, *, as_json: bool) -> int:

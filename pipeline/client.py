@@ -24,11 +24,11 @@ from torch.utils.hooks import RemovableHandle
 from pipeline.bus import Bus
 from pipeline.errors import ConfigError, ShardFailedError, TierpipeError
 from pipeline.log import configure_logging
-from pipeline.names import SUBJECT_ROOT, node_name, validate_token
+from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, validate_token
 from pipeline.settings import Settings, load_settings
 from pipeline.staging import Slot, SlotPool
 from pipeline.state import StatePlan, plan_state
-from schemas import Event, ShardEvent, ShardStaged, StageFailed, decode_event
+from schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
 from stages.snapshot import Snapshot, StagedCopy
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveStats"]
@@ -467,6 +467,25 @@ class Checkpointer:
         for device, event in handle._cuda_events:
             torch.cuda.current_stream(device).wait_event(event)  # ordered on the GPU, no host wait
         handle._host_copied.wait()
+
+    # --- object-storage uploads (the flush stage), e.g. around network-heavy phases
+
+    def pause_flush(self, *, this_node_only: bool = False) -> None:
+        """Hold uploads to object storage (every node's, or this node's) until `resume_flush()`."""
+        self._control(FlushControl(action="pause", ts=time.time()), this_node_only)
+
+    def resume_flush(self, *, this_node_only: bool = False) -> None:
+        self._control(FlushControl(action="resume", ts=time.time()), this_node_only)
+
+    def set_flush_rate(self, bytes_per_s: int, *, this_node_only: bool = False) -> None:
+        """Limit uploads to `bytes_per_s` (0: unlimited), on every node or this node."""
+        control = FlushControl(action="rate", rate_bytes_per_s=bytes_per_s, ts=time.time())
+        self._control(control, this_node_only)
+
+    def _control(self, control: FlushControl, this_node_only: bool) -> None:
+        subject = f"{CONTROL_FLUSH}.{self.node}" if this_node_only else CONTROL_FLUSH
+        data = msgspec.json.encode(control)
+        self._bus.run(self._bus.bus.publish_raw(subject, data), self.settings.publish_timeout_s)
 
     # --- progress
 

@@ -1,10 +1,11 @@
 """`tierpipe demo`: a small end-to-end session on this machine.
 
-Starts an embedded nats-server (unless `TIERPIPE_NATS_URL` is set) and one node agent
-(`tierpipe worker all`), then a few trainer ranks as separate processes, each training a tiny
-transformer and saving every few steps. At the end it replays the event stream and prints where
-every shard is and whether it verified; each rank reloads its last shard from NVMe and checks it
-bitwise against its live state.
+Starts an embedded nats-server and S3 store (SeaweedFS) unless `TIERPIPE_NATS_URL` /
+`TIERPIPE_S3_ENDPOINT` point at real ones, one node agent (`tierpipe worker all`), then a few
+trainer ranks as separate processes, each training a tiny transformer and saving every few steps.
+Retention keeps the newest 2 complete steps on NVMe and 3 in S3, so older steps are evicted as
+the run goes. At the end it replays the event stream and prints where every shard is; each rank
+reloads its last shard from NVMe and checks it bitwise against its live state.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import anyio
 
-from pipeline.embedded import NatsServer
+from pipeline.catalog import Catalog
+from pipeline.embedded import NatsServer, S3Server
 from pipeline.settings import Settings
 
 __all__ = ["run_demo"]
@@ -31,33 +35,35 @@ _NODE = "demo-node"
 
 
 def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: str) -> int:
-    from pipeline.cli import replay_catalog, shard_table
+    from pipeline.cli import shard_table
 
     root = Path(data).absolute()
     shutil.rmtree(root, ignore_errors=True)
     staging = Path(settings.staging_root).absolute() / f"demo-{os.getpid()}"
-    server = None
-    if "TIERPIPE_NATS_URL" in os.environ:
-        url = os.environ["TIERPIPE_NATS_URL"]
-    else:
-        server = NatsServer(root / "nats").start()
-        url = server.url
-    env = {
-        **os.environ,
-        "TIERPIPE_NATS_URL": url,
-        "TIERPIPE_NODE": _NODE,
-        "TIERPIPE_NVME_ROOT": str(root / "nvme"),
-        "TIERPIPE_STAGING_ROOT": str(staging),
-        "TIERPIPE_LOG_LEVEL": os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
-    }
-    print(
-        f"tierpipe demo: {ranks} ranks x {steps} steps, a save every {every}; "
-        f"NATS {'embedded' if server else url}"
-    )
-    print(f"  NVMe root {env['TIERPIPE_NVME_ROOT']}\n  staging   {staging}")
-    agent = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "all"], env=env)
-    t0 = time.monotonic()
-    try:
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, staging, True)
+        env = {**os.environ, **_services(stack, root)}
+        env.update(
+            TIERPIPE_NODE=_NODE,
+            TIERPIPE_NVME_ROOT=str(root / "nvme"),
+            TIERPIPE_STAGING_ROOT=str(staging),
+            TIERPIPE_NVME_KEEP_LATEST_K=os.environ.get("TIERPIPE_NVME_KEEP_LATEST_K", "2"),
+            TIERPIPE_S3_KEEP_LATEST_K=os.environ.get("TIERPIPE_S3_KEEP_LATEST_K", "3"),
+            TIERPIPE_LOG_LEVEL=os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
+        )
+        demo = settings.replace(
+            nats_url=env["TIERPIPE_NATS_URL"],
+            nvme_keep_latest_k=int(env["TIERPIPE_NVME_KEEP_LATEST_K"]),
+        )
+        print(f"tierpipe demo: {ranks} ranks x {steps} steps, a save every {every}")
+        print(
+            f"  NATS      {env['TIERPIPE_NATS_URL']}\n  S3        {env['TIERPIPE_S3_ENDPOINT']}"
+            f" bucket {env['TIERPIPE_S3_BUCKET']}\n  NVMe root {env['TIERPIPE_NVME_ROOT']}"
+            f"\n  staging   {staging}"
+        )
+        t0 = time.monotonic()
+        agent = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "all"], env=env)
+        stack.callback(_stop, agent)
         trainers = [
             subprocess.Popen(
                 [sys.executable, "-m", "pipeline.demo", str(r), str(ranks), str(steps), str(every)],
@@ -74,17 +80,8 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
                 print(f"trainer exited with {p.returncode}", file=sys.stderr)
                 return 1
             results.append(json.loads(out.strip().splitlines()[-1]))
-        demo_settings = settings.replace(nats_url=url)
-        catalog = anyio.run(replay_catalog, demo_settings, _JOB)
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(30)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-        if server is not None:
-            server.stop()
-        shutil.rmtree(staging, ignore_errors=True)
+        last = max(r["step"] for r in results)
+        catalog = anyio.run(_settled, demo, last, ranks)
     shards = catalog.shards(_JOB)
     print("\nshards (from the event stream):")
     print(shard_table(shards))
@@ -94,11 +91,60 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
             f"  rank {r['rank']}: step {r['step']} reloaded from NVMe, bitwise equal to the live "
             f"state: {r['bitwise_equal']}; longest save() stall {r['max_stall_ms']:.2f} ms"
         )
-    ok = all(r["bitwise_equal"] for r in results) and all(
-        any(c.tier == "nvme" and c.verified for c in s.copies.values()) for s in shards
+    newest_on_s3 = catalog.complete_steps(_JOB, ("s3",))
+    ok = all(r["bitwise_equal"] for r in results) and last in newest_on_s3
+    print(
+        f"\nnewest step {last} verified on NVMe and flushed to S3 for every rank: "
+        f"{last in newest_on_s3}; steps complete on NVMe "
+        f"{catalog.complete_steps(_JOB, ('nvme',))}, in S3 {newest_on_s3} "
+        f"({time.monotonic() - t0:.1f} s)"
     )
-    print(f"\n{len(shards)} shards, all verified on NVMe: {ok}  ({time.monotonic() - t0:.1f} s)")
     return 0 if ok else 1
+
+
+def _services(stack: ExitStack, root: Path) -> dict[str, str]:
+    """NATS and S3 settings: the environment's, or embedded servers on loopback."""
+    env = {}
+    if "TIERPIPE_NATS_URL" not in os.environ:
+        nats = stack.enter_context(NatsServer(root / "nats"))
+        env["TIERPIPE_NATS_URL"] = nats.url
+    if "TIERPIPE_S3_ENDPOINT" not in os.environ:
+        s3 = stack.enter_context(
+            S3Server(
+                root / "s3", access_key="demo", secret_key=secrets.token_hex(16), bucket="demo"
+            )
+        )
+        env.update(
+            TIERPIPE_S3_ENDPOINT=s3.endpoint,
+            TIERPIPE_S3_BUCKET=s3.bucket,
+            TIERPIPE_S3_ACCESS_KEY_ID=s3.access_key,
+            TIERPIPE_S3_SECRET_ACCESS_KEY=s3.secret_key,
+        )
+    env.setdefault("TIERPIPE_S3_BUCKET", os.environ.get("TIERPIPE_S3_BUCKET", "tierpipe"))
+    env.setdefault("TIERPIPE_S3_ENDPOINT", os.environ.get("TIERPIPE_S3_ENDPOINT", ""))
+    return env
+
+
+async def _settled(settings: Settings, last: int, ranks: int, timeout_s: float = 60.0) -> Catalog:
+    """The job's catalog once the newest step reached S3 on every rank and retention caught up."""
+    from pipeline.cli import replay_catalog
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        catalog = await replay_catalog(settings, _JOB)
+        flushed = last in catalog.complete_steps(_JOB, ("s3",))
+        nvme = catalog.complete_steps(_JOB, ("nvme",))
+        if (flushed and len(nvme) <= settings.nvme_keep_latest_k) or time.monotonic() > deadline:
+            return catalog
+        await anyio.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:

@@ -21,6 +21,9 @@ __all__ = [
     "ShardFormatError",
     "SlotTimeoutError",
     "StagingGoneError",
+    "StorageAuthError",
+    "StorageConflictError",
+    "StorageUnavailableError",
     "TierpipeError",
     "UnsupportedStateError",
 ]
@@ -45,10 +48,13 @@ class ConfigError(PermanentError, ValueError):
 class InvalidNameError(ConfigError):
     """A job or node name is not a safe subject token and path part."""
 
-    def __init__(self, what: str, value: object) -> None:
+    def __init__(self, what: str, value: object, *, reserved: bool = False) -> None:
         self.what = what
         self.value = value
-        super().__init__(f"{what} name must match [A-Za-z0-9_-]{{1,64}} (got {value!r})")
+        if reserved:
+            super().__init__(f"{what} name {value!r} is reserved (control subjects use it)")
+        else:
+            super().__init__(f"{what} name must match [A-Za-z0-9_-]{{1,64}} (got {value!r})")
 
 
 class UnsupportedStateError(PermanentError, TypeError):
@@ -126,6 +132,23 @@ class ShardFailedError(TierpipeError):
         self.error = error
         self.message = message
         super().__init__(f"{stage} failed permanently: {error}: {message}")
+
+
+class StorageUnavailableError(RetryableError):
+    """The object store is down, slow or failing (5xx, timeouts, refused connections)."""
+
+
+class StorageAuthError(PermanentError):
+    """The object store refused the request: credentials, permissions or a missing bucket."""
+
+
+class StorageConflictError(PermanentError):
+    """A write-once key already holds different content."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        self.location = location
+        self.reason = reason
+        super().__init__(f"{location}: {reason}")
 
 
 class BusError(TierpipeError):

@@ -14,6 +14,7 @@ from pipeline.errors import InvalidNameError
 from schemas import TOKEN_PATTERN, Event, ShardEvent, ShardEvicted, StageFailed
 
 __all__ = [
+    "CONTROL_FLUSH",
     "SUBJECT_ROOT",
     "consumer_name",
     "event_subject",
@@ -25,6 +26,10 @@ __all__ = [
 ]
 
 SUBJECT_ROOT = "tp"
+#: Run-time commands for the flush stage (`FlushControl`); `.<node>` addresses one node.
+CONTROL_FLUSH = f"{SUBJECT_ROOT}.ctl.flush"
+#: Job names that would collide with control subjects.
+_RESERVED_JOBS = frozenset({"ctl"})
 _TOKEN = re.compile(TOKEN_PATTERN)
 
 
@@ -36,6 +41,8 @@ def validate_token(what: str, value: object) -> str:
     """
     if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise InvalidNameError(what, value)
+    if what == "job" and value in _RESERVED_JOBS:
+        raise InvalidNameError(what, value, reserved=True)
     return value
 
 

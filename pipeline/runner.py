@@ -83,11 +83,14 @@ async def serve(
     node: str,
     kinds: tuple[str, ...],
     handler: Handler,
+    every_node: bool = False,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run `handler` for every event of `kinds` addressed to `node`, forever."""
+    """Run `handler` for every event of `kinds` published on `node` (or on any node with
+    `every_node`), forever, on the stage's durable consumer for this node."""
     durable = consumer_name(stage, node)
-    await bus.ensure_consumer(durable, [filter_subject(k, node=node) for k in kinds])
+    filters = [filter_subject(k, node="*" if every_node else node) for k in kinds]
+    await bus.ensure_consumer(durable, filters)
     sub = await bus.pull(durable)
     drain = _drain.get() or _Drain(settings.drain_timeout_s)
     log.info("stage_started", stage=stage, node=node, consumer=durable)

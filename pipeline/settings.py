@@ -59,6 +59,39 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     io_chunk_bytes: int = 8 << 20
     io_queue_depth: int = 4
 
+    # --- object storage (S3 API)
+    #: Endpoint URL; None: AWS's default for the region. The demo starts an embedded SeaweedFS
+    #: when `TIERPIPE_S3_ENDPOINT` is not set.
+    s3_endpoint: str | None = None
+    s3_region: str = "us-east-1"
+    s3_bucket: str = "tierpipe"
+    #: Key prefix under which `<job>/step-.../rank-....shard` objects live.
+    s3_prefix: str = ""
+    #: Credentials; None: the standard AWS chain (AWS_ACCESS_KEY_ID, profiles, instance roles).
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    part_size_bytes: int = 64 << 20
+    part_concurrency: int = 4
+    #: Upload rate limit in bytes/s (0: unlimited); changeable at run time on `tp.ctl.flush`.
+    flush_max_bytes_per_s: int = 0
+    s3_connect_timeout_s: float = 5.0
+    s3_read_timeout_s: float = 60.0
+    #: Multipart uploads under the prefix older than this are aborted at start, whoever began
+    #: them (this node's own are aborted at once).
+    orphan_upload_max_age_s: float = 86400.0
+
+    # --- retention
+    #: Complete steps kept on NVMe (torchtitan's keep_latest_k); at least 2.
+    nvme_keep_latest_k: int = 3
+    #: Complete steps kept in object storage.
+    s3_keep_latest_k: int = 10
+    #: Also keep every step divisible by this in object storage (0: off; Orbax's keep_period).
+    s3_keep_period: int = 0
+    #: Remove NVMe copies that were never flushed (for deployments without object storage).
+    evict_unflushed: bool = False
+    #: Below this many free bytes on the NVMe filesystem, the oldest flushed copies go first.
+    nvme_min_free_bytes: int = 0
+
     # --- trainer
     staging_slots: int = 2
     slot_policy: SlotPolicy = "wait"
@@ -81,6 +114,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             self.io_chunk_bytes,
         )
         _check(self.nvme_reserve_bytes >= 0, "nvme_reserve_bytes", self.nvme_reserve_bytes)
+        # The newest NVMe copy may still be in flight, so one is never enough on the fast tier.
+        _check(self.nvme_keep_latest_k >= 2, "nvme_keep_latest_k", self.nvme_keep_latest_k)
+        _check(self.s3_keep_latest_k >= 1, "s3_keep_latest_k", self.s3_keep_latest_k)
+        _check(self.s3_keep_period >= 0, "s3_keep_period", self.s3_keep_period)
+        # S3 multipart parts are 5 MiB .. 5 GiB (the last part may be smaller).
+        _check(5 << 20 <= self.part_size_bytes <= 5 << 30, "part_size_bytes", self.part_size_bytes)
+        _check(self.part_concurrency >= 1, "part_concurrency", self.part_concurrency)
+        _check(self.flush_max_bytes_per_s >= 0, "flush_max_bytes_per_s", self.flush_max_bytes_per_s)
+        _check(
+            not self.s3_prefix.startswith("/") and ".." not in self.s3_prefix.split("/"),
+            "s3_prefix",
+            self.s3_prefix,
+        )
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated)."""

@@ -17,8 +17,10 @@ from schemas.names import Token
 __all__ = [
     "SCHEMA_VERSION",
     "Event",
+    "FlushControl",
     "ShardEvent",
     "ShardEvicted",
+    "ShardFlushed",
     "ShardStaged",
     "ShardVerified",
     "ShardWritten",
@@ -110,6 +112,20 @@ class ShardVerified(ShardEvent, frozen=True, kw_only=True, tag="verified"):
     rewritten: bool = False
 
 
+class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):
+    """The shard was uploaded to object storage, and its size and checksum confirmed there."""
+
+    bucket: str
+    key: str
+    etag: str
+    #: The store's own checksum of the object (S3 composite CRC32C, `<base64>-<parts>`).
+    checksum: str
+    #: The shard's header digest, recorded as object metadata too.
+    header_digest: Digest
+    nbytes: NonNegInt
+    seconds: float
+
+
 class ShardEvicted(ShardEvent, frozen=True, kw_only=True, tag="evicted"):
     """A copy of the shard was removed from a tier (for `ram`, its staging slot was released)."""
 
@@ -137,7 +153,18 @@ class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
     stream_seq: NonNegInt | None = None
 
 
-Event = ShardStaged | ShardWritten | ShardVerified | ShardEvicted | StageFailed
+Event = ShardStaged | ShardWritten | ShardVerified | ShardFlushed | ShardEvicted | StageFailed
+
+
+class FlushControl(msgspec.Struct, frozen=True, kw_only=True):
+    """A run-time command for the flush stage, on `tp.ctl.flush` (every node) or
+    `tp.ctl.flush.<node>`: change the upload rate, or hold and release uploads."""
+
+    v: int = SCHEMA_VERSION
+    action: Literal["rate", "pause", "resume"]
+    #: For `rate`: bytes/s, 0 for unlimited.
+    rate_bytes_per_s: NonNegInt = 0
+    ts: float = 0.0
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)

@@ -1,26 +1,41 @@
-"""Evict stage: retention for every tier, without ever losing the last good copy.
+"""Evict stage: retention on every tier, without ever losing the last good copy.
 
-The RAM tier's rule lives here: a staging slot is released once the shard's NVMe copy is
-verified (never earlier: verify rewrites a corrupt file from the staging copy). Each release
-publishes `evicted` with tier `ram`; a slot whose trainer has exited is deleted.
+Each node's evict worker folds every node's events into one catalog (rebuilt by replaying the
+stream at start), so it knows when a step is complete on a tier. After each event it asks
+`retention.plan_evictions` what this node may remove, removes it (its own NVMe files, and the
+objects it uploaded), and publishes `evicted` for each removal.
+
+The RAM tier's rule lives here too: a staging slot is released once the shard's NVMe copy is
+verified (never earlier: verify rewrites a corrupt file from the staging copy); a slot whose
+trainer has exited is deleted.
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.bus import Bus
-from pipeline.names import node_name
+from pipeline.catalog import Catalog
+from pipeline.errors import ConfigError, ShardFormatError
+from pipeline.names import SUBJECT_ROOT, node_name, shard_relpath
+from pipeline.retention import Eviction, Policy, plan_evictions
 from pipeline.runner import serve
 from pipeline.settings import Settings
 from pipeline.staging import release
-from schemas import ShardEvicted, ShardVerified
+from pipeline.storage.nvme import NvmeStore
+from pipeline.storage.s3 import S3Store
+from schemas import Event, ShardEvicted, ShardVerified
 
 __all__ = ["STAGE", "run"]
 
 STAGE = "evict"
+KINDS = ("written", "verified", "flushed", "evicted", "failed")
 log = structlog.get_logger(__name__)
 
 
@@ -28,27 +43,95 @@ async def run(
     settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     node = node_name(settings.node)
+    policy = Policy.from_settings(settings)
+    catalog = Catalog()
+    async with bus.replay(f"{SUBJECT_ROOT}.*.*.*.*") as history:
+        async for _, event, _ in history:
+            if event is not None:
+                catalog.apply(event)
+    log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
 
-    async def handle(event: ShardVerified, attempt: int) -> None:
-        slot = await anyio.to_thread.run_sync(
-            release, settings.staging_root, event.job, event.rank, event.step
-        )
-        if slot is None:
-            log.debug("staging_already_released")
-            return
-        await bus.publish(
-            event.follow(
-                ShardEvicted, node=node, tier="ram", location=str(slot), reason="nvme copy verified"
-            )
-        )
-        log.info("staging_released", slot=str(slot))
+    async with AsyncExitStack() as stack:
+        nvme = stack.enter_context(NvmeStore.from_settings(settings))
+        s3: S3Store | None = None
 
-    await serve(
-        bus,
-        settings,
-        stage=STAGE,
-        node=node,
-        kinds=("verified",),
-        handler=handle,
-        task_status=task_status,
-    )
+        async def object_store() -> S3Store:
+            nonlocal s3  # connected on first use: a node without object storage never needs it
+            if s3 is None:
+                s3 = await stack.enter_async_context(S3Store(settings))
+            return s3
+
+        async def remove(e: Eviction) -> None:
+            if e.tier == "nvme":
+                path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+                if Path(e.location) != path:
+                    raise ShardFormatError(e.location, f"not this node's shard path {path}")
+                await anyio.to_thread.run_sync(nvme.remove, path)
+            else:
+                store = await object_store()
+                bucket, _, key = e.location.removeprefix("s3://").partition("/")
+                if bucket != store.bucket:
+                    raise ConfigError(
+                        f"{e.location} is not in the configured bucket {store.bucket}"
+                    )
+                await store.delete(key)
+
+        async def publish(evicted: ShardEvicted) -> None:
+            await bus.publish(evicted)
+            catalog.apply(evicted)
+
+        async def handle(event: Event, attempt: int) -> None:
+            catalog.apply(event)
+            if isinstance(event, ShardVerified) and event.node == node:
+                slot = await anyio.to_thread.run_sync(
+                    release, settings.staging_root, event.job, event.rank, event.step
+                )
+                if slot is not None:
+                    await publish(
+                        event.follow(
+                            ShardEvicted,
+                            node=node,
+                            tier="ram",
+                            location=str(slot),
+                            reason="nvme copy verified",
+                        )
+                    )
+                    log.info("staging_released", slot=str(slot))
+            free = None
+            if policy.nvme_min_free_bytes:
+                free = await anyio.to_thread.run_sync(nvme.free_bytes)
+            for e in plan_evictions(catalog, event.job, policy, node=node, nvme_free_bytes=free):
+                await remove(e)
+                await publish(
+                    ShardEvicted(
+                        job=e.job,
+                        node=node,
+                        ts=time.time(),
+                        step=e.step,
+                        rank=e.rank,
+                        world_size=e.world_size,
+                        tier=e.tier,
+                        location=e.location,
+                        reason=e.reason,
+                    )
+                )
+                log.info(
+                    "copy_evicted",
+                    job=e.job,
+                    step=e.step,
+                    rank=e.rank,
+                    tier=e.tier,
+                    location=e.location,
+                    reason=e.reason,
+                )
+
+        await serve(
+            bus,
+            settings,
+            stage=STAGE,
+            node=node,
+            kinds=KINDS,
+            handler=handle,
+            every_node=True,
+            task_status=task_status,
+        )

@@ -1,4 +1,5 @@
-"""Fixtures: a real nats-server per session, isolated settings per test, agent processes."""
+"""Fixtures: a real nats-server and S3 store (SeaweedFS) per session, isolated settings and buckets
+per test, agent processes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import anyio
 import pytest
 
 from pipeline.bus import Bus
-from pipeline.embedded import NatsServer
+from pipeline.embedded import NatsServer, S3Server
 from pipeline.names import SUBJECT_ROOT
 from pipeline.settings import Settings, load_settings
 from schemas import Event, ShardStaged
@@ -45,6 +46,38 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
         yield server
 
 
+#: The only credentials the session's S3 server accepts.
+S3_ACCESS_KEY = "tierpipe-test"
+S3_SECRET_KEY = "tierpipe-test-secret"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS on loopback; tests may kill() and restart() it (same endpoint, same data)."""
+    with S3Server(
+        tmp_path_factory.mktemp("s3"),
+        access_key=S3_ACCESS_KEY,
+        secret_key=S3_SECRET_KEY,
+        bucket="tierpipe-test",
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, uid: str) -> Iterator[str]:
+    """A fresh bucket on the session's S3 server, deleted with its contents after the test."""
+    import boto3  # here: only S3 tests need it
+
+    s3_server.start()  # no-op unless an earlier test left it down
+    name = f"test-{uid}"
+    boto3.client("s3", **s3_server.client_kwargs()).create_bucket(Bucket=name)
+    yield name
+    s3_server.start()  # the test may have killed it
+    # A new client: a killed server's connections are dead. SeaweedFS deletes a non-empty bucket
+    # (objects, multipart uploads, its volumes), which keeps the session's disk use flat.
+    boto3.client("s3", **s3_server.client_kwargs()).delete_bucket(Bucket=name)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -61,12 +94,22 @@ def job(uid: str) -> str:
 
 
 @pytest.fixture
-def settings(nats_server: NatsServer, tmp_path: Path, uid: str) -> Iterator[Settings]:
-    """Settings isolated per test: own node name (so own consumers), NVMe and staging roots."""
+def settings(
+    nats_server: NatsServer, s3_server: S3Server, s3_bucket: str, tmp_path: Path, uid: str
+) -> Iterator[Settings]:
+    """Settings isolated per test: own node name (so own consumers), NVMe and staging roots,
+    and own bucket."""
     staging = Path(f"/dev/shm/tierpipe-test-{uid}")
     yield load_settings(
         env={},
         nats_url=nats_server.url,
+        s3_endpoint=s3_server.endpoint,
+        s3_bucket=s3_bucket,
+        s3_access_key_id=S3_ACCESS_KEY,
+        s3_secret_access_key=S3_SECRET_KEY,
+        s3_connect_timeout_s=1.0,
+        s3_read_timeout_s=10.0,
+        part_size_bytes=8 << 20,
         node=f"node-{uid}",
         nvme_root=str(tmp_path / "nvme"),
         staging_root=str(staging),

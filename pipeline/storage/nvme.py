@@ -11,6 +11,7 @@ GIL, so hashing and I/O overlap on separate cores.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -118,6 +119,26 @@ class NvmeStore:
             raise ValueError(f"unsafe shard key {relpath}")
         return self.root.joinpath(relpath)
 
+    def remove(self, path: Path) -> bool:
+        """Delete a shard file durably (and its step directory once empty). False if absent."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        _fsync_dir(path.parent)
+        with contextlib.suppress(OSError):  # not empty: other ranks still there
+            path.parent.rmdir()
+            _fsync_dir(path.parent.parent)
+        return True
+
+    def free_bytes(self) -> int:
+        """Free bytes for unprivileged writers on the NVMe filesystem."""
+        directory = self.root
+        while not directory.exists():
+            directory = directory.parent
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize
+
     def sweep_temp(self) -> list[str]:
         """Remove temp files left by writers that died mid-write. Returns what was removed."""
         removed = []
@@ -161,7 +182,7 @@ class NvmeStore:
             raise ShardFormatError(
                 "<staging image>", f"{len(image)} bytes, header says {head.file_nbytes}"
             )
-        self._check_space(final.parent, head.file_nbytes)
+        self._check_space(head.file_nbytes)
         _makedirs_durable(final.parent)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -237,13 +258,10 @@ class NvmeStore:
             return None
         return head.header_digest.hex()
 
-    def _check_space(self, directory: Path, nbytes: int) -> None:
-        while not directory.exists():  # not created yet: ask its filesystem
-            directory = directory.parent
-        st = os.statvfs(directory)
-        free = st.f_bavail * st.f_frsize
+    def _check_space(self, nbytes: int) -> None:
+        free = self.free_bytes()
         if free - nbytes < self.reserve_bytes:
-            raise NoSpaceError(str(directory), nbytes, free, self.reserve_bytes)
+            raise NoSpaceError(str(self.root), nbytes, free, self.reserve_bytes)
 
     def _open(self, path: Path, flags: int) -> int:
         flags |= os.O_CLOEXEC

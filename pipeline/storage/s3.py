@@ -1,0 +1,417 @@
+"""The object-storage tier: shard files uploaded to any S3-compatible store, write-once.
+
+One long-lived aioboto3 client per process. An upload is a multipart upload streamed from the
+NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC32C computed
+(awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies; the
+bytes go out in ~1 MiB pieces through the shared `Throttle`. The final key is write-once
+(`IfNoneMatch="*"`); an object already there with the same size and header digest counts as
+done. Size and checksum are confirmed with a HEAD after completion. botocore's exceptions stop
+here: callers see `StorageUnavailableError` (retryable) or `StorageAuthError` /
+`StorageConflictError` / `IntegrityError` (permanent).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import mmap
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import anyio
+import structlog
+from aiobotocore.config import AioConfig
+from awscrt import checksums
+from botocore.exceptions import BotoCoreError, ClientError
+
+from pipeline.errors import (
+    IntegrityError,
+    RetryableError,
+    StorageAuthError,
+    StorageConflictError,
+    StorageUnavailableError,
+    TierpipeError,
+)
+from pipeline.settings import Settings
+from pipeline.throttle import Throttle
+
+__all__ = ["S3Store", "Uploaded"]
+
+log = structlog.get_logger(__name__)
+
+_PIECE = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+               "ExpiredToken", "AuthorizationHeaderMalformed", "Forbidden", "403"}  # fmt: skip
+_CONFIG_CODES = {"NoSuchBucket", "InvalidBucketName", "PermanentRedirect"}
+
+
+@dataclass(frozen=True, slots=True)
+class Uploaded:
+    bucket: str
+    key: str
+    etag: str
+    checksum: str
+    nbytes: int
+    seconds: float
+    #: The object was already there with this content (a redelivered event).
+    existed: bool
+
+
+class S3Store:
+    """Async context manager: one S3 client for the life of a worker."""
+
+    def __init__(self, settings: Settings, *, throttle: Throttle | None = None) -> None:
+        self.settings = settings
+        self.bucket = settings.s3_bucket
+        self.prefix = settings.s3_prefix.strip("/")
+        self.throttle = throttle or Throttle(None)
+        self.client: Any = None
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> S3Store:
+        import aioboto3  # deferred: importing boto costs ~0.3 s, trainers never need it
+
+        s = self.settings
+        config = AioConfig(
+            connect_timeout=s.s3_connect_timeout_s,
+            read_timeout=s.s3_read_timeout_s,
+            # One quick retry inside botocore for a dropped connection; anything longer is the
+            # stage's business (nak with growing delay), so an outage is noticed in seconds.
+            retries={"total_max_attempts": 2, "mode": "standard"},
+            max_pool_connections=max(10, s.part_concurrency * 2),
+            # The CRC32C we send is a signed header and the store verifies it, so signing the
+            # payload too (SHA-256, ~1 GB/s of CPU) adds nothing but cost on plain-HTTP stores.
+            s3={"payload_signing_enabled": False, "addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        session = aioboto3.Session(
+            aws_access_key_id=s.s3_access_key_id,
+            aws_secret_access_key=s.s3_secret_access_key,
+            region_name=s.s3_region,
+        )
+        self.client = await self._stack.enter_async_context(
+            session.client("s3", endpoint_url=s.s3_endpoint, config=config)
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+        self.client = None
+
+    def key_for(self, relpath: PurePosixPath) -> str:
+        return f"{self.prefix}/{relpath}" if self.prefix else str(relpath)
+
+    # --- uploads
+
+    async def upload(self, path: Path, key: str, *, header_digest: str) -> Uploaded:
+        """Upload a shard file to `key`, write-once, and confirm it.
+
+        Raises:
+            StorageUnavailableError: the store is down or timing out (retry later).
+            StorageAuthError: credentials are refused.
+            StorageConflictError: another object with different content holds the key.
+            IntegrityError: the store's checksum or size disagrees after completion.
+        """
+        t0 = time.perf_counter()
+        nbytes = (await anyio.Path(path).stat()).st_size
+        found = await self._existing(key, nbytes, header_digest)
+        if found is not None:
+            return Uploaded(
+                self.bucket, key, found[0], found[1], nbytes, time.perf_counter() - t0, True
+            )
+        await self._abort_uploads(key)
+        async with _errors(key):
+            created = await self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C",
+                Metadata={"tp-header-digest": header_digest},
+            )  # fmt: skip
+        upload_id = created["UploadId"]
+        try:
+            parts = await self._upload_parts(path, key, upload_id, nbytes)
+            async with _errors(key):
+                done = await self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, IfNoneMatch="*",
+                    MultipartUpload={"Parts": [
+                        {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc}
+                        for n, etag, crc in parts
+                    ]},
+                )  # fmt: skip
+        except StorageConflictError:
+            await self._abort(key, upload_id)
+            found = await self._existing(key, nbytes, header_digest)
+            if found is None:
+                raise
+            return Uploaded(
+                self.bucket, key, found[0], found[1], nbytes, time.perf_counter() - t0, True
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abort(key, upload_id)
+            raise
+        expected = _composite([base64.b64decode(crc) for _, _, crc in parts])
+        checksum = await self._confirm(key, nbytes, expected)
+        etag = done.get("ETag", "").strip('"')
+        return Uploaded(self.bucket, key, etag, checksum, nbytes, time.perf_counter() - t0, False)
+
+    async def _upload_parts(
+        self, path: Path, key: str, upload_id: str, nbytes: int
+    ) -> list[tuple[int, str, str]]:
+        part = self.settings.part_size_bytes
+        count = max(1, -(-nbytes // part))
+        results: list[tuple[int, str, str]] = [("", "", "")] * count  # type: ignore[list-item]
+        limiter = anyio.Semaphore(self.settings.part_concurrency)
+        try:
+            fd = _open_direct(path)
+        except OSError as e:
+            raise RetryableError(f"cannot open {path}: {e}") from e
+
+        async def one(index: int) -> None:
+            async with limiter:
+                offset = index * part
+                size = min(part, nbytes - offset)
+                buf = mmap.mmap(-1, max(-(-size // 4096) * 4096, 4096))
+                try:
+                    crc = await anyio.to_thread.run_sync(_read_and_crc, fd, buf, offset, size, path)
+                    body = _PacedBody(memoryview(buf)[:size], self.throttle)
+                    async with _errors(key):
+                        r = await self.client.upload_part(
+                            Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=index + 1,
+                            Body=body, ContentLength=size, ChecksumCRC32C=crc,
+                        )  # fmt: skip
+                    results[index] = (index + 1, r["ETag"].strip('"'), r.get("ChecksumCRC32C", crc))
+                finally:
+                    body = None  # release the memoryview before closing the buffer
+                    with contextlib.suppress(BufferError):
+                        buf.close()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(count):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:
+            raise _first(group) from group
+        finally:
+            os.close(fd)
+        return results
+
+    async def _existing(self, key: str, nbytes: int, header_digest: str) -> tuple[str, str] | None:
+        """(etag, checksum) of an object at `key` holding this very shard, else None.
+
+        Raises:
+            StorageConflictError: something else holds the key.
+        """
+        head = await self._head(key)
+        if head is None:
+            return None
+        theirs = head.get("Metadata", {}).get("tp-header-digest")
+        if head["ContentLength"] != nbytes or theirs != header_digest:
+            raise StorageConflictError(
+                f"s3://{self.bucket}/{key}",
+                f"holds {head['ContentLength']} bytes with header digest {theirs}; "
+                f"this shard is {nbytes} bytes with {header_digest}",
+            )
+        return head.get("ETag", "").strip('"'), head.get("ChecksumCRC32C", "")
+
+    async def _confirm(self, key: str, nbytes: int, expected: str) -> str:
+        head = await self._head(key)
+        if head is None:
+            raise StorageUnavailableError(f"s3://{self.bucket}/{key} missing right after upload")
+        actual = head.get("ChecksumCRC32C", "")
+        if head["ContentLength"] != nbytes:
+            raise IntegrityError(
+                f"s3://{self.bucket}/{key}", "size", str(nbytes), str(head["ContentLength"])
+            )
+        if actual and actual != expected:
+            raise IntegrityError(f"s3://{self.bucket}/{key}", "CRC32C", expected, actual)
+        return actual or expected
+
+    async def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            async with _errors(key):
+                return await self.client.head_object(
+                    Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
+                )
+        except _NotFound:
+            return None
+
+    # --- orphans and removal
+
+    async def _abort_uploads(self, key: str) -> None:
+        """Abort earlier attempts at this very key (a killed or failed uploader's)."""
+        for upload in await self.list_uploads(key):
+            if upload["Key"] == key:
+                await self._abort(key, upload["UploadId"])
+
+    async def list_uploads(self, prefix: str) -> list[dict[str, Any]]:
+        """In-progress multipart uploads under `prefix`."""
+        uploads: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        async with _errors(prefix):
+            while True:
+                page = await self.client.list_multipart_uploads(**kwargs)
+                uploads += page.get("Uploads", [])
+                if not page.get("IsTruncated"):
+                    return uploads
+                kwargs.update(
+                    KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"]
+                )
+
+    async def abort_orphans(self, owned: Callable[[str], bool], *, max_age_s: float) -> int:
+        """Abort multipart uploads under the prefix that this node owns (`owned(key)`), or that
+        are older than `max_age_s` whoever started them. Returns how many were aborted."""
+        now = datetime.now(UTC)
+        aborted = 0
+        for upload in await self.list_uploads(self.prefix + "/" if self.prefix else ""):
+            started = upload.get("Initiated")
+            old = started is not None and (now - started).total_seconds() > max_age_s
+            if owned(upload["Key"]) or old:
+                await self._abort(upload["Key"], upload["UploadId"])
+                aborted += 1
+        if aborted:
+            log.info("orphan_uploads_aborted", count=aborted, bucket=self.bucket)
+        return aborted
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            async with _errors(key):
+                await self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id
+                )
+        except (_NotFound, TierpipeError) as e:
+            log.warning("upload_abort_failed", key=key, error=str(e))
+
+    async def delete(self, key: str) -> None:
+        """Remove an object (idempotent)."""
+        with contextlib.suppress(_NotFound):
+            async with _errors(key):
+                await self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    async def check(self) -> None:
+        """Fail fast on a missing bucket or refused credentials (at worker start).
+
+        Raises:
+            StorageAuthError: the bucket does not exist or the credentials are refused.
+            StorageUnavailableError: the store cannot be reached.
+        """
+        try:
+            async with _errors(self.bucket):
+                await self.client.head_bucket(Bucket=self.bucket)
+        except _NotFound:
+            raise StorageAuthError(
+                f"bucket {self.bucket!r} does not exist (check s3_bucket)"
+            ) from None
+
+
+class _PacedBody:
+    """A part's bytes as an async stream of ~1 MiB pieces, each let through by the throttle.
+
+    `read` exists only so botocore accepts it as a streaming body; aiohttp iterates it. It can be
+    iterated again from the start, so botocore's own retries resend the whole part.
+    """
+
+    def __init__(self, data: memoryview, throttle: Throttle) -> None:
+        self._data = data
+        self._throttle = throttle
+
+    def read(self, *_: object) -> bytes:
+        raise NotImplementedError("a paced body is streamed by iterating it")
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return 0
+
+    def tell(self) -> int:
+        return 0
+
+    def __aiter__(self) -> AsyncIterator[memoryview]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[memoryview]:
+        for start in range(0, len(self._data), _PIECE):
+            piece = self._data[start : start + _PIECE]
+            await self._throttle.acquire(len(piece))
+            yield piece
+
+
+def _read_and_crc(fd: int, buf: mmap.mmap, offset: int, size: int, path: Path) -> str:
+    """Read one part into `buf` (page-aligned, a multiple of 4 KiB, as O_DIRECT wants) and
+    return its CRC32C as S3 expects it: base64 of the 4 big-endian bytes."""
+    with memoryview(buf) as view:
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise RetryableError(f"{path} ended at {offset + got}, expected {offset + size}")
+            got += n
+        return base64.b64encode(checksums.crc32c(view[:size]).to_bytes(4, "big")).decode()
+
+
+def _open_direct(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this filesystem
+            raise
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The error that sank a group of part uploads (a project error if there is one)."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    return next((e for e in leaves if isinstance(e, TierpipeError)), leaves[0])
+
+
+def _composite(part_crcs: list[bytes]) -> str:
+    """S3's checksum of a multipart object: CRC32C of the parts' CRC32Cs, `-<part count>`."""
+    whole = checksums.crc32c(b"".join(part_crcs)).to_bytes(4, "big")
+    return f"{base64.b64encode(whole).decode()}-{len(part_crcs)}"
+
+
+class _NotFound(Exception):
+    pass
+
+
+@contextlib.asynccontextmanager
+async def _errors(key: str) -> AsyncIterator[None]:
+    """Translate botocore's exceptions into the project's error tree."""
+    try:
+        yield
+    except ClientError as e:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        message = err.get("Message") or code
+        if code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound") or (
+            status == 404 and code not in _CONFIG_CODES
+        ):
+            raise _NotFound(key) from e
+        if code in _AUTH_CODES or status == 403:
+            raise StorageAuthError(
+                f"object store refused the credentials ({code}): {message}"
+            ) from e
+        if code in ("PreconditionFailed", "412") or status == 412:
+            raise StorageConflictError(key, "an object already exists at this key") from e
+        if code in _CONFIG_CODES:
+            raise StorageAuthError(f"{code}: {message} (check s3_bucket / s3_endpoint)") from e
+        if status >= 500 or code in ("SlowDown", "RequestTimeout", "BadDigest", "InternalError"):
+            raise StorageUnavailableError(f"object store error on {key} ({code}): {message}") from e
+        raise StorageAuthError(
+            f"object store refused a request on {key} ({code}): {message}"
+        ) from e
+    except (BotoCoreError, OSError, TimeoutError) as e:
+        raise StorageUnavailableError(f"object store unreachable ({type(e).__name__}): {e}") from e
