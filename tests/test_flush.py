@@ -1,0 +1,258 @@
+"""Tier 2 end to end: flush to a real S3 store (SeaweedFS), outages, credentials, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from pipeline.client import Checkpointer
+from pipeline.embedded import S3Server
+from pipeline.names import shard_relpath
+from pipeline.settings import Settings
+from pipeline.state import load_shard
+from schemas import ShardEvicted, ShardFlushed, ShardVerified, StageFailed
+from tests.conftest import Agent, Events
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def s3(s3_server: S3Server) -> object:
+    return boto3.client("s3", **s3_server.client_kwargs())
+
+
+@pytest.fixture
+def ckpt(settings: Settings, job: str) -> Iterator[Checkpointer]:
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
+        yield c
+
+
+def nvme_file(settings: Settings, job: str, step: int, rank: int = 0, world: int = 1) -> Path:
+    return Path(settings.nvme_root).absolute() / shard_relpath(job, step, rank, world)
+
+
+def uploads(s3: object, bucket: str) -> list[dict]:
+    return s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])  # type: ignore[attr-defined]
+
+
+def exists(s3: object, bucket: str, key: str) -> bool:
+    try:
+        s3.head_object(Bucket=bucket, Key=key)  # type: ignore[attr-defined]
+    except s3.exceptions.ClientError:  # type: ignore[attr-defined]
+        return False
+    return True
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_flushed_object_holds_the_exact_shard(
+    ckpt: Checkpointer,
+    agent: Callable[..., Agent],
+    settings: Settings,
+    job: str,
+    events: Events,
+    s3,
+) -> None:
+    """staged -> ... -> flushed; the object's bytes equal the NVMe file and the saved tensors,
+    and the store confirmed its checksum."""
+    agent()
+    state = {"w": torch.randn(3 << 20), "step": 7}  # 12 MiB: two parts
+    ckpt.save(7, state)
+    flushed = events.wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
+    assert isinstance(flushed, ShardFlushed)
+    assert flushed.bucket == settings.s3_bucket
+    assert flushed.key == str(shard_relpath(job, 7, 0, 1))
+    assert flushed.checksum.endswith("-2")  # composite CRC32C over two parts
+    body = s3.get_object(Bucket=flushed.bucket, Key=flushed.key)["Body"].read()
+    local = nvme_file(settings, job, 7).read_bytes()
+    assert body == local and flushed.nbytes == len(body)
+    head = s3.head_object(Bucket=flushed.bucket, Key=flushed.key, ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == flushed.checksum
+    assert head["Metadata"]["tp-header-digest"] == flushed.header_digest
+    copy = Path(settings.nvme_root) / "from-s3.shard"
+    copy.write_bytes(body)
+    _, loaded = load_shard(copy)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
+
+
+def test_killed_flush_worker_leaves_no_object_and_completes_once(
+    ckpt: Checkpointer,
+    agent: Callable[..., Agent],
+    settings: Settings,
+    job: str,
+    events: Events,
+    s3,
+) -> None:
+    """SIGKILL mid-upload: no object at the final key, the orphaned multipart upload is aborted
+    by the restarted worker, and the shard is flushed exactly once."""
+    slow = settings.replace(flush_max_bytes_per_s=4 << 20, ack_wait_s=2.0)
+    agent("nvme-write", "verify")
+    flusher = agent("flush", settings=slow)
+    ckpt.save(1, {"w": torch.randn(4 << 20)})  # 16 MiB at 4 MiB/s: ~4 s
+    wait_until(lambda: uploads(s3, settings.s3_bucket), what="an upload to start")
+    time.sleep(0.5)
+    flusher.stop(signal.SIGKILL)
+    key = str(shard_relpath(job, 1, 0, 1))
+    assert not exists(s3, settings.s3_bucket, key)
+    (orphan,) = uploads(s3, settings.s3_bucket)
+    agent("flush")  # unthrottled
+    flushed = events.wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
+    assert exists(s3, settings.s3_bucket, key) and isinstance(flushed, ShardFlushed)
+    wait_until(lambda: not uploads(s3, settings.s3_bucket), what="the orphan to be aborted")
+    assert orphan["UploadId"] not in [u["UploadId"] for u in uploads(s3, settings.s3_bucket)]
+    time.sleep(1.0)
+    assert len(events.all("flushed")) == 1
+
+
+def test_store_outage_is_retried_and_nothing_is_evicted(
+    ckpt: Checkpointer,
+    agent: Callable[..., Agent],
+    settings: Settings,
+    job: str,
+    events: Events,
+    s3_server: S3Server,
+    s3,
+) -> None:
+    """S3 down mid-flush: retryable failures with growing delay, the NVMe copy stays, and the
+    flush completes once S3 is back."""
+    slow = settings.replace(
+        flush_max_bytes_per_s=4 << 20,
+        retry_base_s=0.2,
+        retry_max_s=1.0,
+        max_deliver=50,
+        nvme_keep_latest_k=2,
+        evict_unflushed=False,
+    )
+    agent(settings=slow)
+    ckpt.save(1, {"w": torch.randn(4 << 20)})
+    wait_until(lambda: uploads(s3, settings.s3_bucket), what="an upload to start")
+    s3_server.kill()
+    try:
+        failed = events.wait_for(
+            lambda e: isinstance(e, StageFailed) and e.stage == "flush" and e.attempt >= 2,
+            kind="failed",
+        )
+        assert isinstance(failed, StageFailed) and failed.retryable
+        assert failed.error == "StorageUnavailableError"
+        assert nvme_file(settings, job, 1).exists()
+    finally:
+        s3_server.restart()
+    flushed = events.wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed", timeout=60)
+    assert isinstance(flushed, ShardFlushed)
+    assert [e for e in events.all("evicted") if getattr(e, "tier", "") == "nvme"] == []
+    assert nvme_file(settings, job, 1).exists()
+    assert len(events.all("flushed")) == 1
+
+
+def test_wrong_credentials_fail_permanently_and_evict_nothing(
+    ckpt: Checkpointer, agent: Callable[..., Agent], settings: Settings, job: str, events: Events
+) -> None:
+    """Refused credentials give one clear permanent `failed` event; the NVMe copy stays."""
+    bad = settings.replace(s3_secret_access_key="not-the-secret")
+    agent(settings=bad)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, {"w": torch.ones(1000)})
+    failed = events.wait_for(
+        lambda e: isinstance(e, StageFailed) and e.stage == "flush", kind="failed"
+    )
+    assert isinstance(failed, StageFailed)
+    assert failed.error == "StorageAuthError" and not failed.retryable and failed.attempt == 1
+    assert "credentials" in failed.message and "not-the-secret" not in failed.message
+    events.wait_for(lambda e: isinstance(e, ShardVerified) and e.step == 4, kind="verified")
+    time.sleep(1.0)
+    assert [e for e in events.all("evicted") if getattr(e, "tier", "") != "ram"] == []
+    assert all(nvme_file(settings, job, s).exists() for s in (1, 2, 3, 4))
+
+
+def test_retention_over_twelve_steps_matches_the_policy(
+    agent: Callable[..., Agent], settings: Settings, job: str, events: Events, s3
+) -> None:
+    """12 steps x 2 ranks through the real stages with K=2, M=3, keep_period=4: exactly the
+    policy's steps remain on NVMe and in S3, and every removal was announced."""
+    policy = settings.replace(nvme_keep_latest_k=2, s3_keep_latest_k=3, s3_keep_period=4)
+    agent(settings=policy)
+    with (
+        Checkpointer(job, rank=0, world_size=2, settings=policy) as r0,
+        Checkpointer(job, rank=1, world_size=2, settings=policy) as r1,
+    ):
+        for step in range(1, 13):
+            for c in (r0, r1):
+                c.save(step, {"w": torch.full((1000,), float(step))})
+            for c in (r0, r1):
+                c.wait_until_finished(timeout=30)
+
+    def on_nvme() -> list[int]:
+        return sorted({int(p.parent.name[5:]) for p in Path(policy.nvme_root).rglob("*.shard")})
+
+    def in_s3() -> list[int]:
+        listing = s3.list_objects_v2(Bucket=policy.s3_bucket).get("Contents", [])
+        return sorted({int(o["Key"].split("/")[1][5:]) for o in listing})
+
+    wait_until(
+        lambda: on_nvme() == [11, 12] and in_s3() == [4, 8, 10, 11, 12],
+        timeout=60,
+        what=f"retention (nvme {on_nvme()}, s3 {in_s3()})",
+    )
+    evicted = [e for e in events.all("evicted") if isinstance(e, ShardEvicted) and e.tier != "ram"]
+    assert sorted((e.tier, e.step) for e in evicted if e.rank == 0) == sorted(
+        [("nvme", s) for s in range(1, 11)] + [("s3", s) for s in (1, 2, 3, 5, 6, 7, 9)]
+    )
+
+
+def test_flush_rate_can_be_changed_and_paused_at_run_time(
+    ckpt: Checkpointer, agent: Callable[..., Agent], settings: Settings, events: Events
+) -> None:
+    """`tierpipe flush pause|resume|rate` reach the running flush worker."""
+
+    def cli(*args: str) -> None:  # this node only: other tests' workers share the server
+        subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "flush", *args, "--node", settings.node or ""],
+            check=True,
+            env={**os.environ, **settings.as_env()},
+            capture_output=True,
+        )
+
+    crawl = settings.replace(flush_max_bytes_per_s=1 << 20)  # 16 MiB would take 16 s
+    agent(settings=crawl).wait_ready()
+    cli("pause")
+    ckpt.save(1, {"w": torch.randn(4 << 20)})
+    events.wait_for(lambda e: isinstance(e, ShardVerified), kind="verified")
+    time.sleep(1.0)
+    assert events.all("flushed") == []  # held
+    cli("rate", "0")  # unlimited, still paused
+    cli("resume")
+    t0 = time.monotonic()
+    events.wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed", timeout=20)
+    assert time.monotonic() - t0 < 8  # far below the 16 s the original rate needed
+    ckpt.set_flush_rate(2 << 20, this_node_only=True)  # the trainer's API: the same command
+    body = json.loads(_last_control(settings, f"tp.ctl.flush.{settings.node}"))
+    assert body["action"] == "rate" and body["rate_bytes_per_s"] == 2 << 20
+
+
+def _last_control(settings: Settings, subject: str) -> bytes:
+    import anyio
+
+    from pipeline.bus import Bus
+
+    async def get() -> bytes:
+        async with Bus(settings) as bus:
+            found = await bus.last_raw(subject)
+            assert found is not None
+            return found[1]
+
+    return anyio.run(get)
