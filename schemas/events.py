@@ -166,6 +166,7 @@ class FlushControl(msgspec.Struct, frozen=True, kw_only=True):
     rate_bytes_per_s: NonNegInt = 0
     ts: float = 0.0
 
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)
 

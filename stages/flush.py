@@ -73,6 +73,8 @@ async def run(
                 path = nvme.path_for(relpath)
                 if Path(event.path) != path:
                     raise ShardFormatError(event.path, f"not this node's shard path {path}")
+                if not await anyio.Path(path).exists():
+                    raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
                 done = await s3.upload(path, s3.key_for(relpath), header_digest=event.header_digest)
                 await bus.publish(
                     event.follow(
