@@ -87,10 +87,16 @@ def _volume(service: dict[str, Any], target: str) -> dict[str, Any]:
 
 def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_path: Path) -> None:
     """The node-a trainer shares its agent's node name, staging (tmpfs) and NVMe volumes at the same
-    paths, all services wait for a healthy JetStream, and no port is published beyond loopback."""
+    paths, all services wait for a healthy JetStream, agents for a healthy S3 store, and no port
+    is published beyond loopback."""
     model = _compose_model(tmp_path)
     services = model["services"]
-    assert set(services) == {"nats", "agent-node-a", "agent-node-b", "trainer"}
+    assert set(services) == {"nats", "s3", "agent-node-a", "agent-node-b", "trainer"}
+    assert services["s3"]["entrypoint"] == ["weed"] and services["s3"]["command"][0] == "mini"
+    for name in ("agent-node-a", "agent-node-b"):
+        assert services[name]["depends_on"]["s3"]["condition"] == "service_healthy", name
+        endpoint = services[name]["environment"]["TIERPIPE_S3_ENDPOINT"]
+        assert endpoint == "http://s3:8333", name
 
     nats = services["nats"]
     assert nats["command"] == ["-js", "-c", "/etc/nats/nats-server.conf"]
@@ -99,7 +105,7 @@ def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_pat
     for name, service in services.items():
         for port in service.get("ports", []):
             assert port.get("host_ip") == "127.0.0.1", (name, port)
-        if name != "nats":
+        if name not in ("nats", "s3"):
             assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
 
     agent, trainer = services["agent-node-a"], services["trainer"]
