@@ -2,7 +2,8 @@
 cache dropping, and a one-node tierpipe deployment (an embedded nats-server plus the node agent,
 `python -m pipeline.cli worker all`, as a subprocess) with guaranteed cleanup.
 
-Nothing here is measured by itself; `bench.stall` and `bench.nvme` do the measuring.
+Nothing here is measured by itself; `bench.stall`, `bench.nvme` and `bench.flush` do the
+measuring.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,13 +262,24 @@ class Compute:
 
 
 class Deployment:
-    """An embedded nats-server, a node agent subprocess (every agent stage) and the matching
-    trainer settings, all in private directories: an NVMe root under `SCRATCH` and a staging
-    root directly under /dev/shm. `close()` stops both processes and deletes every directory.
+    """An embedded nats-server, a node agent subprocess (every agent stage, or `stages`) and the
+    matching trainer settings (plus `env`, extra `TIERPIPE_*` values for both), all in private
+    directories: an NVMe root under `SCRATCH` and a staging root directly under /dev/shm.
+    `close()` stops both processes and deletes every directory.
     """
 
-    def __init__(self, tag: str) -> None:
+    def __init__(
+        self,
+        tag: str,
+        *,
+        stages: Sequence[str] = ("all",),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.tag = tag
+        #: The agent's `worker` arguments.
+        self.stages = tuple(stages)
+        #: Extra `TIERPIPE_*` settings for agent and trainer alike (e.g. the object store's).
+        self.extra_env = dict(env or {})
         self.dir: Path | None = None
         self.staging_root: Path | None = None
         self.server: Any = None
@@ -309,6 +321,7 @@ class Deployment:
             "TIERPIPE_NVME_ROOT": str(self.nvme_root),
             "TIERPIPE_STAGING_ROOT": str(self.staging_root),
             "TIERPIPE_LOG_LEVEL": "warning",
+            **self.extra_env,
         }
         # The trainer side reads the very same values, and nothing else from the environment.
         self.settings = load_settings(path=None, env=env_settings)
@@ -316,7 +329,7 @@ class Deployment:
         env.update(env_settings)
         with open(self.dir / "agent.log", "wb") as agent_log:
             self.agent = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "worker", "all"],
+                [sys.executable, "-m", "pipeline.cli", "worker", *self.stages],
                 env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=agent_log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -325,8 +338,10 @@ class Deployment:
             f"nvme {self.nvme_root}, staging {self.staging_root}")  # fmt: skip
 
     def _wait_agent_ready(self, timeout_s: float = 60.0) -> None:
-        """Until the agent's three durable consumers exist (seen on the monitoring port)."""
+        """Until the agent's durable consumers exist (seen on the monitoring port): three for
+        `all` (as before), else one per stage."""
         assert self.agent is not None
+        consumers = 3 if "all" in self.stages else len(self.stages)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.agent.poll() is not None:
@@ -335,7 +350,7 @@ class Deployment:
                 )
             try:
                 with urllib.request.urlopen(f"{self.server.monitor_url}/jsz", timeout=2) as r:
-                    if json.loads(r.read()).get("consumers", 0) >= 3:
+                    if json.loads(r.read()).get("consumers", 0) >= consumers:
                         return
             except (OSError, ValueError):
                 pass
