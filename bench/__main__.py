@@ -16,6 +16,8 @@ from bench.common import emit, log, sigterm_as_interrupt
 BENCHMARKS = {
     "stall": "blocking time of Checkpointer.save() vs memcpy, torch.save, DCP async_save",
     "nvme": "staged->written->verified through the agent vs dd O_DIRECT write/read",
+    "flush": "verified->flushed to S3 (SeaweedFS) through the agent vs boto3, raw aioboto3;"
+    " throttle accuracy",
 }
 
 

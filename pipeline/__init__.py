@@ -27,13 +27,14 @@ from pipeline.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from pipeline.client import Checkpointer, SaveHandle, SaveStats
-    from pipeline.state import load_shard, write_shard
+    from pipeline.restore import load_shard
+    from pipeline.state import write_shard
 
 _LAZY = {
     "Checkpointer": "pipeline.client",
     "SaveHandle": "pipeline.client",
     "SaveStats": "pipeline.client",
-    "load_shard": "pipeline.state",
+    "load_shard": "pipeline.restore",
     "write_shard": "pipeline.state",
 }
 

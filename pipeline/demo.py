@@ -152,7 +152,7 @@ def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, obje
     import torch
 
     from pipeline.client import Checkpointer
-    from pipeline.state import load_shard
+    from pipeline.restore import load_shard
 
     torch.manual_seed(1234 + rank)
     random.seed(rank)

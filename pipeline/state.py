@@ -22,20 +22,23 @@ from typing import Any
 
 import msgspec
 import torch
-import xxhash
 
-from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from pipeline.errors import ShardFormatError, UnsupportedStateError
 from pipeline.shard import (
     DTYPE_SIZES,
-    PREFIX_NBYTES,
     align_up,
     encode_head,
-    parse_head,
-    parse_prefix,
 )
 from schemas import BlobEntry, ShardHeader, TensorEntry
 
-__all__ = ["StatePlan", "load_shard", "plan_state", "rebuild_state", "tensor_buffer", "write_shard"]
+__all__ = [
+    "StatePlan",
+    "flatten_targets",
+    "plan_state",
+    "rebuild_state",
+    "tensor_buffer",
+    "write_shard",
+]
 
 KeyPath = tuple[str | int, ...]
 
@@ -190,11 +193,20 @@ def plan_state(
     )
 
 
-def rebuild_state(header: ShardHeader, blobs: list[torch.Tensor], path: str = "<shard>") -> Any:
-    """Rebuild the saved state from its header and one uint8 tensor per blob.
+def rebuild_state(
+    header: ShardHeader,
+    blobs: list[torch.Tensor],
+    path: str = "<shard>",
+    *,
+    tensors: list[torch.Tensor | None] | None = None,
+) -> Any:
+    """Rebuild the saved state from its header and one uint8 tensor per blob (or from the
+    tensors already built, one per header entry).
 
     Tensors are views of the blob tensors (no copy); tensors that shared a blob share storage.
     """
+    if tensors is not None:
+        return _rebuild_tree(header, tensors, path)
     tensors = []
     for e in header.tensors:
         dtype = getattr(torch, e.dtype)  # e.dtype was checked against DTYPE_SIZES
@@ -203,10 +215,39 @@ def rebuild_state(header: ShardHeader, blobs: list[torch.Tensor], path: str = "<
         base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
         t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
         tensors.append(t)
+    return _rebuild_tree(header, tensors, path)
+
+
+def _rebuild_tree(header: ShardHeader, tensors: list[Any], path: str) -> Any:
     try:
         return _decode(_tree_decoder.decode(header.tree), tensors)
     except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError, RecursionError) as e:
         raise ShardFormatError(path, f"garbled state tree: {e}") from e
+
+
+def flatten_targets(into: Any) -> tuple[dict[KeyPath, torch.Tensor], list[tuple[Any, KeyPath]]]:
+    """Key path -> tensor for every tensor in `into` (objects with `state_dict()` contribute
+    their state's tensors, which alias their parameters), and the objects with
+    `load_state_dict()` with their key paths, outermost first."""
+    targets: dict[KeyPath, torch.Tensor] = {}
+    loaders: list[tuple[Any, KeyPath]] = []
+
+    def walk(v: Any, path: KeyPath) -> None:
+        if isinstance(v, torch.Tensor):
+            targets[path] = v.detach()
+        elif isinstance(v, Mapping):
+            for k, item in v.items():
+                walk(item, (*path, k))
+        elif isinstance(v, list | tuple):
+            for i, item in enumerate(v):
+                walk(item, (*path, i))
+        elif callable(getattr(v, "state_dict", None)):
+            if callable(getattr(v, "load_state_dict", None)):
+                loaders.append((v, path))
+            walk(v.state_dict(), path)
+
+    walk(into, ())
+    return targets, loaders
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -242,44 +283,6 @@ def write_shard(
     plan.copy_into(plan.destinations(torch.frombuffer(buf, dtype=torch.uint8)))
     with memoryview(buf) as view:
         return seal_image(view, os.fspath(path)).header_digest
-
-
-def load_shard(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[ShardHeader, Any]:
-    """Read a sealed shard file and rebuild its state on the CPU.
-
-    Every blob's digest is checked before its bytes reach a tensor.
-
-    Raises:
-        ShardFormatError: truncated, garbled or not a shard (the message names the file).
-        IntegrityError: a digest does not match.
-    """
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        prefix = os.pread(fd, PREFIX_NBYTES, 0)
-        header_len = parse_prefix(prefix, path)[0]
-        head = parse_head(os.pread(fd, PREFIX_NBYTES + header_len, 0), path, actual_nbytes=size)
-        names = _blob_names(head.header)
-        blobs = []
-        for i, b in enumerate(head.header.blobs):
-            t = torch.empty(b.nbytes, dtype=torch.uint8)
-            buf = tensor_buffer(t)
-            if b.nbytes and os.preadv(fd, [buf], head.data_offset + b.offset) != b.nbytes:
-                raise ShardFormatError(path, f"truncated inside {names[i]}")
-            if verify:
-                actual = xxhash.xxh3_128_digest(buf)
-                if actual != b.digest:
-                    raise IntegrityError(path, names[i], b.digest.hex(), actual.hex())
-            blobs.append(t)
-    return head.header, rebuild_state(head.header, blobs, path)
-
-
-def _blob_names(header: ShardHeader) -> list[str]:
-    names = [f"blob {i}" for i in range(len(header.blobs))]
-    for e in reversed(header.tensors):
-        names[e.blob] = f"tensor {'/'.join(map(str, e.path))}"
-    return names
 
 
 # --- the state tree: msgpack values; containers and references are arrays tagged by their 1st item

@@ -18,8 +18,8 @@ import torch
 from pipeline.client import Checkpointer
 from pipeline.embedded import S3Server
 from pipeline.names import shard_relpath
+from pipeline.restore import load_shard
 from pipeline.settings import Settings
-from pipeline.state import load_shard
 from schemas import ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tests.conftest import Agent, Events
 

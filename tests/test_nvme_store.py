@@ -13,8 +13,9 @@ import torch
 from structlog.testing import capture_logs
 
 from pipeline.errors import NoSpaceError, ShardFormatError
+from pipeline.restore import load_shard
 from pipeline.shard import parse_head
-from pipeline.state import load_shard, plan_state, tensor_buffer
+from pipeline.state import plan_state, tensor_buffer
 from pipeline.storage.nvme import NvmeStore
 
 

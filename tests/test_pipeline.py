@@ -19,8 +19,8 @@ from pipeline.bus import Bus
 from pipeline.client import Checkpointer
 from pipeline.errors import InvalidNameError, SlotTimeoutError
 from pipeline.names import shard_relpath
+from pipeline.restore import load_shard
 from pipeline.settings import Settings
-from pipeline.state import load_shard
 from pipeline.storage.nvme import read_head
 from schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tests.conftest import Agent, Events

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from pipeline.restore import load_shard
 from pipeline.shard import PREFIX_NBYTES
-from pipeline.state import load_shard, write_shard
+from pipeline.state import write_shard
 from pipeline.storage.nvme import read_head
 from schemas import ALIGN
 

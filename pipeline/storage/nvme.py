@@ -38,7 +38,15 @@ from pipeline.shard import (
 )
 from schemas import ALIGN, ShardHeader
 
-__all__ = ["NvmeStore", "VerifyResult", "WriteResult", "read_head", "seal_image"]
+__all__ = [
+    "NvmeStore",
+    "VerifyResult",
+    "WriteResult",
+    "open_for_read",
+    "read_head",
+    "read_head_fd",
+    "seal_image",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -185,7 +193,7 @@ class NvmeStore:
         self._check_space(head.file_nbytes)
         _makedirs_durable(final.parent)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fd = self._create(tmp)
         try:
             _fallocate(fd, head.file_nbytes, final.parent, self.reserve_bytes)
             hashing = self._pool.submit(_blob_digests, image, head)
@@ -263,19 +271,15 @@ class NvmeStore:
         if free - nbytes < self.reserve_bytes:
             raise NoSpaceError(str(self.root), nbytes, free, self.reserve_bytes)
 
-    def _open(self, path: Path, flags: int) -> int:
-        flags |= os.O_CLOEXEC
+    def _create(self, path: Path) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         if self.direct_io:
             try:
                 return os.open(path, flags | _O_DIRECT, 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
                     raise
-        fd = os.open(path, flags, 0o644)
-        if flags & os.O_ACCMODE == os.O_RDONLY:
-            # No O_DIRECT: evict cached pages so the read below comes from the device.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return fd
+        return os.open(path, flags, 0o644)
 
     # --- verify
 
@@ -288,14 +292,14 @@ class NvmeStore:
         """
         t0 = time.perf_counter()
         try:
-            fd = self._open(path, os.O_RDONLY)
+            fd = open_for_read(path, direct_io=self.direct_io)
         except FileNotFoundError as e:
             raise ShardFormatError(str(path), "file is missing") from e
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:
                 raise ShardFormatError(str(path), f"{size} bytes on disk, {nbytes} written")
-            head = _read_head_fd(fd, str(path), size)
+            head = read_head_fd(fd, str(path), size)
             actual = head.header_digest.hex()
             if actual != header_digest:
                 raise IntegrityError(str(path), "header", header_digest, actual)
@@ -358,29 +362,44 @@ def seal_image(image: memoryview, path: str) -> WriteResult:
         return store.write_image(image, head, final)
 
 
+def open_for_read(path: str | os.PathLike[str], *, direct_io: bool = True) -> int:
+    """Open a shard for a cold read: O_DIRECT where supported, else with its cache dropped."""
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    if direct_io and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
+                raise
+    fd = os.open(path, flags)
+    # No O_DIRECT: evict cached pages so the read comes from the device.
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return fd
+
+
 def read_head(path: str | os.PathLike[str], *, direct_io: bool = False) -> Head:
     """Read and check the head of a sealed shard file."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct_io else 0))
     try:
-        return _read_head_fd(fd, os.fspath(path), os.fstat(fd).st_size)
+        return read_head_fd(fd, os.fspath(path), os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
-def _read_head_fd(fd: int, path: str, size: int) -> Head:
-    first = mmap.mmap(-1, ALIGN)
+def read_head_fd(fd: int, path: str, size: int) -> Head:
+    """Read and check the head of an open sealed shard file of `size` bytes."""
+    head = _read_start(fd, ALIGN, size)  # the prefix and usually the whole header
+    need = PREFIX_NBYTES + parse_prefix(head, path)[0]
+    if need > len(head):
+        head = _read_start(fd, -(-need // ALIGN) * ALIGN, size)
+    return parse_head(head[:need], path, actual_nbytes=size)
+
+
+def _read_start(fd: int, nbytes: int, size: int) -> bytes:
+    """The first `nbytes` of the file (fewer if it is shorter), through an aligned buffer."""
+    buf = mmap.mmap(-1, nbytes)
     try:
-        n = _pread_into(fd, first, 0, size)
-        header_len = parse_prefix(memoryview(first)[:n], path)[0]
-        need = PREFIX_NBYTES + header_len
-        if need <= n:
-            return parse_head(memoryview(first)[:need], path, actual_nbytes=size)
-    finally:
-        first.close()
-    buf = mmap.mmap(-1, -(-need // ALIGN) * ALIGN)
-    try:
-        n = _pread_into(fd, buf, 0, size)
-        return parse_head(memoryview(buf)[: min(n, need)], path, actual_nbytes=size)
+        return buf[: _pread_into(fd, buf, 0, size)]
     finally:
         buf.close()
 
