@@ -225,6 +225,7 @@ class _Flushes:
         from schemas import ShardFlushed, StageFailed
 
         deadline = time.monotonic() + SHARD_TIMEOUT_S
+        warned: set[tuple[str, int]] = set()
         while True:
             event = self.portal.call(self.bus.last_event, self.subject.format(kind="flushed"))
             if isinstance(event, ShardFlushed) and event.step == step:
@@ -233,7 +234,9 @@ class _Flushes:
             if isinstance(failed, StageFailed) and failed.step == step:
                 if not failed.retryable:
                     raise RuntimeError(f"step {step}: {failed.stage} failed: {failed.message}")
-                log(f"  WARNING: step {step}: {failed.stage} retrying: {failed.message}")
+                if (failed.stage, failed.attempt) not in warned:
+                    warned.add((failed.stage, failed.attempt))
+                    log(f"  WARNING: step {step}: {failed.stage} retrying: {failed.message}")
             self.dep.check_agent()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"step {step} not flushed within {SHARD_TIMEOUT_S} s")
