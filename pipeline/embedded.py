@@ -285,6 +285,7 @@ class S3Server:
                     _http_ok(f"{self.endpoint}/healthz")
                     and _bucket_ready(client, self.bucket)
                     and _volumes_registered(master_url, self.data_dir)
+                    and _writable(client, self.bucket)
                 ):
                     return True
                 if time.monotonic() > deadline:
@@ -420,6 +421,19 @@ def _bucket_ready(client: Any, bucket: str) -> bool:
     except BotoCoreError:
         pass
     return False  # HEAD again
+
+
+def _writable(client: Any, bucket: str) -> bool:
+    """Whether a small object can be written and removed. After a restart, reads can work
+    a few seconds before writes do (new writes wait for volume assignment)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client.put_object(Bucket=bucket, Key=".tierpipe-ready", Body=b"ok")
+        client.delete_object(Bucket=bucket, Key=".tierpipe-ready")
+    except (BotoCoreError, ClientError):
+        return False
+    return True
 
 
 def _volumes_registered(master_url: str, data_dir: Path) -> bool:
