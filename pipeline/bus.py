@@ -7,9 +7,9 @@ nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -295,55 +295,71 @@ class Bus:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
 
-    @asynccontextmanager
-    async def replay(
-        self, subject: str, *, batch: int = 1000
-    ) -> AsyncIterator[AsyncIterator[tuple[int, Event | None, Msg]]]:
-        """Every stored message on `subject` (wildcards allowed), oldest first, then stop.
+    async def history(self, subject: str) -> list[Event]:
+        """Every stored event on `subject` (wildcards allowed), oldest first, as of now.
 
-        Yields `(stream_seq, event or None if undecodable, msg)` through an ephemeral
-        consumer that is deleted afterwards.
+        Read through an ephemeral push consumer whose messages land straight in a callback
+        (no per-message task, unlike a pull fetch): ~35k events/s here, decoding included.
+        Undecodable messages are skipped (the stages report those when they meet them).
         """
+        nc = self.nc
+        inbox = nc.new_inbox()
+        bodies: list[bytes] = []
+        expected: int | None = None
+        done = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            status = msg.headers.get("Status") if msg.headers else None
+            if status is not None:  # flow control (answer it) or an idle heartbeat
+                if msg.reply:
+                    await nc.publish(msg.reply, b"")
+                return
+            bodies.append(msg.data)
+            if expected is not None and len(bodies) >= expected:
+                done.set()
+
         config = api.ConsumerConfig(
+            deliver_subject=inbox,
             deliver_policy=api.DeliverPolicy.ALL,
             ack_policy=api.AckPolicy.NONE,
             filter_subject=subject,
-            inactive_threshold=30.0,
+            flow_control=True,
+            idle_heartbeat=1.0,
             mem_storage=True,
+            inactive_threshold=30.0,
         )
+        sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        info = None
         try:
-            sub = await self.js.pull_subscribe(subject, stream=self.settings.stream, config=config)
-            info = await sub.consumer_info()
-        except nats.js.errors.APIError as e:
-            raise BusError(f"replay {subject}: {e.description or e}") from e
-        except _UNAVAILABLE as e:
-            raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
-
-        async def messages() -> AsyncIterator[tuple[int, Event | None, Msg]]:
-            remaining = info.num_pending
-            while remaining > 0:
-                try:
-                    msgs = await sub.fetch(
-                        min(batch, remaining), timeout=self.settings.request_timeout_s
-                    )
-                except nats.errors.TimeoutError as e:
-                    raise BusUnavailableError(f"replay {subject} stalled") from e
-                for m in msgs:
-                    remaining -= 1
-                    try:
-                        event: Event | None = decode_event(m.data)
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        event = None
-                    yield m.metadata.sequence.stream, event, m
-
-        try:
-            yield messages()
-        finally:
             try:
-                await sub.unsubscribe()
-                await self.js.delete_consumer(self.settings.stream, info.name)
-            except Exception as e:  # the consumer expires on its own anyway
-                log.debug("replay_cleanup_failed", error=str(e))
+                info = await self.js.add_consumer(self.settings.stream, config)
+            except nats.js.errors.APIError as e:
+                raise BusError(f"replay {subject}: {e.description or e}") from e
+            except _UNAVAILABLE as e:
+                raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
+            expected = info.num_pending
+            if len(bodies) >= expected:
+                done.set()
+            while not done.is_set():
+                seen = len(bodies)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), self.settings.request_timeout_s)
+                if not done.is_set() and len(bodies) == seen:
+                    raise BusUnavailableError(
+                        f"replay {subject} stalled at {seen} of {expected} messages"
+                    )
+        finally:
+            await sub.unsubscribe()
+            if info is not None:
+                with contextlib.suppress(Exception):  # it expires on its own anyway
+                    await self.js.delete_consumer(self.settings.stream, info.name)
+        events = []
+        for body in bodies[:expected]:
+            try:
+                events.append(decode_event(body))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        return events
 
 
 _STREAM_FIELDS = (

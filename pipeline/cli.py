@@ -97,13 +97,9 @@ def _run_worker(settings: Settings, names: list[str]) -> int:
 async def replay_catalog(settings: Settings, job: str) -> Catalog:
     """Fold every stored event of `job` into a catalog."""
     catalog = Catalog()
-    async with (
-        Bus(settings, name="tierpipe-cli") as bus,
-        bus.replay(f"{SUBJECT_ROOT}.{job}.>") as events,
-    ):
-        async for _, event, _ in events:
-            if event is not None:
-                catalog.apply(event)
+    async with Bus(settings, name="tierpipe-cli") as bus:
+        for event in await bus.history(f"{SUBJECT_ROOT}.{job}.>"):
+            catalog.apply(event)
     return catalog
 
 

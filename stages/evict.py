@@ -45,10 +45,8 @@ async def run(
     node = node_name(settings.node)
     policy = Policy.from_settings(settings)
     catalog = Catalog()
-    async with bus.replay(f"{SUBJECT_ROOT}.*.*.*.*") as history:
-        async for _, event, _ in history:
-            if event is not None:
-                catalog.apply(event)
+    for event in await bus.history(f"{SUBJECT_ROOT}.*.*.*.*"):
+        catalog.apply(event)
     log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
 
     async with AsyncExitStack() as stack:

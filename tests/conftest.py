@@ -188,11 +188,8 @@ class Events:
 
     def all(self, kind: str = "*") -> list[Event]:
         async def replay() -> list[Event]:
-            async with (
-                Bus(self.settings) as bus,
-                bus.replay(f"{SUBJECT_ROOT}.{self.job}.{kind}.>") as msgs,
-            ):
-                return [e async for _, e, _ in msgs if e is not None]
+            async with Bus(self.settings) as bus:
+                return await bus.history(f"{SUBJECT_ROOT}.{self.job}.{kind}.>")
 
         return anyio.run(replay)
 
