@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from schemas import (
     Event,
+    RecoveryPlanned,
+    RestoreReport,
     ShardEvicted,
     ShardFlushed,
     ShardStaged,
@@ -66,14 +68,17 @@ class Catalog:
         self._shards: dict[tuple[str, int, int], Shard] = {}
 
     def apply(self, event: Event) -> None:
+        if isinstance(event, RecoveryPlanned | RestoreReport):
+            return  # restore coordination, not copies
         if isinstance(event, StageFailed):
             if event.step is not None and event.rank is not None:
                 shard = self._shard(event.job, event.step, event.rank, event.world_size or 0)
                 if event not in shard.failures:
                     shard.failures.append(event)
-                nvme = shard.copy("nvme", event.node)
-                if nvme is not None and event.stage == "verify" and not event.retryable:
-                    nvme.corrupt = True
+                bad = event.tier or ("nvme" if event.stage == "verify" else None)
+                copy = shard.copy(bad, "" if bad == "s3" else event.node) if bad else None
+                if copy is not None and not event.retryable:
+                    copy.corrupt = True
             return
         shard = self._shard(event.job, event.step, event.rank, event.world_size)
         match event:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
+import functools
 import os
 import threading
 import time
@@ -16,17 +19,26 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import anyio
 import msgspec
 import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.bus import Bus
-from pipeline.errors import ConfigError, ShardFailedError, TierpipeError
+from pipeline.errors import (
+    ConfigError,
+    IntegrityError,
+    ShardFailedError,
+    ShardFormatError,
+    TierpipeError,
+)
 from pipeline.log import configure_logging
 from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, validate_token
+from pipeline.recovery import Restored, Source
 from pipeline.settings import Settings, load_settings
-from pipeline.staging import Slot, SlotPool
+from pipeline.shard import PREFIX_NBYTES, parse_head, parse_prefix
+from pipeline.staging import NodeSlots, Slot, SlotPool
 from pipeline.state import StatePlan, plan_state
 from schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
 from stages.snapshot import Snapshot, StagedCopy
@@ -242,6 +254,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._inflight: tuple[SaveHandle, concurrent.futures.Future[None]] | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writeback: concurrent.futures.Future[None] | None = None
+        self._s3: Any = None
         self._subject = f"{SUBJECT_ROOT}.{self.job}.{{kind}}.{self.node}.{self.rank}"
         self._pool = SlotPool(
             self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
@@ -468,6 +482,158 @@ class Checkpointer:
             torch.cuda.current_stream(device).wait_event(event)  # ordered on the GPU, no host wait
         handle._host_copied.wait()
 
+    # --- restoring
+
+    def restore(
+        self, into: Any = None, *, step: int | None = None, restart: str | None = None
+    ) -> Restored:
+        """Load the newest checkpoint every rank can reach (or exactly `step`); all ranks call it.
+
+        Rank 0 plans from the event stream (each rank reads its own node's NVMe copy if that
+        survived, else the object-storage copy) and publishes the plan on `tp.<job>.plan`; every
+        digest is checked before bytes reach a tensor; a bad copy falls back to the next source,
+        and if a rank has none left, all ranks move to an older step together. A shard read from
+        object storage is staged again afterwards, so this node's NVMe gets its copy back.
+
+        Args:
+            into: objects to restore into in place, shaped like what was saved (e.g.
+                `{"model": model, "optim": optimizer}`); tensors without a matching target come
+                back as new CPU tensors in `Restored.state`.
+            step: restore this step instead of the newest restorable one.
+            restart: an id every rank of this restart shares; default from torchelastic
+                (`TORCHELASTIC_RUN_ID`-`TORCHELASTIC_RESTART_COUNT`), else stream order.
+
+        Raises:
+            NoCheckpointError: nothing restorable (the message says why, step by step).
+            WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
+            RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
+        """
+        from pipeline.recovery import Restorer
+
+        self._await_inflight()
+        restorer = Restorer(
+            self._bus.bus,
+            self.settings,
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            node=self.node,
+            restart=restart or _restart_id(),
+            load=lambda source: self._load_source(source, into),
+        )
+        restored = self._bus.run(restorer.run(step=step), self.settings.restore_timeout_s + 60)
+        self._last_step = restored.step
+        if restored.image is not None:
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierpipe-copy"
+                )
+            self._writeback = self._copier.submit(self._stage_again, restored.step, *restored.image)
+        log.info(
+            "checkpoint_restored",
+            job=self.job,
+            rank=self.rank,
+            step=restored.step,
+            tier=restored.source.tier,
+            seconds=round(restored.seconds, 3),
+            rounds=restored.rounds,
+        )
+        return dataclasses.replace(restored, image=None)
+
+    async def _load_source(self, source: Source, into: Any) -> tuple[Any, Any]:
+        from pipeline.restore import load_image, load_into
+
+        s = self.settings
+        if source.tier == "nvme":
+            if source.node != self.node:
+                raise ShardFormatError(source.location, f"on node {source.node}, not {self.node}")
+            loaded = await anyio.to_thread.run_sync(
+                functools.partial(
+                    load_into,
+                    source.location,
+                    into,
+                    direct_io=s.direct_io,
+                    queue_depth=s.io_queue_depth,
+                    chunk_bytes=s.io_chunk_bytes,
+                )
+            )
+            return loaded, None
+        store = await self._object_store()
+        bucket, _, key = source.location.removeprefix("s3://").partition("/")
+        if bucket != store.bucket:
+            raise ShardFormatError(source.location, f"not in the configured bucket {store.bucket}")
+        reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
+        image = await store.download(key, source.nbytes, hold=reads.hold)
+        try:
+            head = parse_head(
+                image[: _head_bytes(image)], source.location, actual_nbytes=source.nbytes
+            )
+            if head.header_digest.hex() != source.header_digest:
+                raise IntegrityError(
+                    source.location, "header", source.header_digest, head.header_digest.hex()
+                )
+            loaded = await anyio.to_thread.run_sync(
+                load_image, memoryview(image), head, source.location, into
+            )
+        except BaseException:
+            with contextlib.suppress(BufferError):
+                image.close()
+            raise
+        return loaded, (image, head)
+
+    async def _object_store(self) -> Any:
+        if self._s3 is None:
+            from pipeline.storage.s3 import S3Store
+
+            self._s3 = await S3Store(self.settings).__aenter__()
+        return self._s3
+
+    def _stage_again(self, step: int, image: Any, head: Any) -> None:
+        """Stage a shard read from object storage, so this node's agent writes it to NVMe."""
+        try:
+            slot = self._pool.acquire(wait=True, timeout_s=self.settings.slot_wait_timeout_s)
+            assert slot is not None
+            mm = slot.ensure(head.file_nbytes)
+            mm[: head.file_nbytes] = image[: head.file_nbytes]
+            self._pool.mark(slot, step)
+            event = ShardStaged(
+                job=self.job,
+                node=self.node,
+                ts=time.time(),
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                staging_path=str(slot.path),
+                slot=slot.index,
+                nbytes=head.file_nbytes,
+                tensors=len(head.header.tensors),
+                stall_s=0.0,
+                origin="restore",
+            )
+            self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
+        except (TierpipeError, TimeoutError, OSError) as e:
+            log.warning("restore_writeback_failed", step=step, error=str(e))
+        finally:
+            with contextlib.suppress(BufferError):
+                image.close()
+
+    def latest_step(self) -> int | None:
+        """The newest step complete on some tier (every rank verified), from the event stream."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """Steps complete on NVMe or object storage, ascending."""
+        from pipeline.catalog import Catalog
+
+        async def fold() -> list[int]:
+            catalog = Catalog()
+            for event in await self._bus.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
+                catalog.apply(event)
+            return catalog.complete_steps(self.job, ("nvme", "s3"))
+
+        return self._bus.run(fold(), self.settings.request_timeout_s + 30)
+
     # --- object-storage uploads (the flush stage), e.g. around network-heavy phases
 
     def pause_flush(self, *, this_node_only: bool = False) -> None:
@@ -535,6 +701,10 @@ class Checkpointer:
         self._closed = True
         try:
             self._await_inflight()
+            if self._writeback is not None:
+                self._writeback.result()
+            if self._s3 is not None:
+                self._bus.run(self._s3.__aexit__(None, None, None), 30)
         finally:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
@@ -547,6 +717,17 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _restart_id() -> str:
+    run, count = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"{run}-{count}" if run and count is not None else "anonymous"
+
+
+def _head_bytes(image: Any) -> int:
+    """Bytes of prefix + header at the start of a sealed image."""
+    header_len = parse_prefix(image[:PREFIX_NBYTES], "<image>")[0]
+    return PREFIX_NBYTES + header_len
 
 
 def _terminal(event: Event) -> bool:

@@ -11,7 +11,18 @@ import socket
 from pathlib import PurePosixPath
 
 from pipeline.errors import InvalidNameError
-from schemas import TOKEN_PATTERN, Event, ShardEvent, ShardEvicted, StageFailed
+from schemas import (
+    TOKEN_PATTERN,
+    Event,
+    RecoveryPlanned,
+    RestoreReport,
+    ShardEvent,
+    ShardEvicted,
+    ShardFlushed,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+)
 
 __all__ = [
     "CONTROL_FLUSH",
@@ -21,6 +32,7 @@ __all__ = [
     "filter_subject",
     "msg_id",
     "node_name",
+    "plan_subject",
     "shard_relpath",
     "validate_token",
 ]
@@ -52,9 +64,16 @@ def node_name(configured: str | None) -> str:
 
 
 def event_subject(event: Event) -> str:
-    """`tp.<job>.<kind>.<node>.<rank>`; `_` stands for an unknown rank."""
+    """`tp.<job>.<kind>.<node>.<rank>`; `_` stands for an unknown rank; plans go to
+    `tp.<job>.plan`."""
+    if isinstance(event, RecoveryPlanned):
+        return plan_subject(event.job)
     rank = getattr(event, "rank", None)
     return f"{SUBJECT_ROOT}.{event.job}.{_kind(event)}.{event.node}.{'_' if rank is None else rank}"
+
+
+def plan_subject(job: str) -> str:
+    return f"{SUBJECT_ROOT}.{job}.plan"
 
 
 def filter_subject(kind: str, *, node: str, job: str = "*") -> str:
@@ -68,13 +87,26 @@ def msg_id(event: Event) -> str:
     `<job>/<step>/<rank>/<kind>[/<tier>]`; a failure names its stage and attempt, so every
     attempt is recorded once.
     """
+    if isinstance(event, RecoveryPlanned):
+        return (
+            f"{event.job}/plan/{event.restart}/{event.round}/{'final' if event.final else 'plan'}"
+        )
+    if isinstance(event, RestoreReport):
+        return f"{event.job}/restore/{event.restart}/{event.rank}/{event.phase}/{event.round}"
     if isinstance(event, StageFailed):
         if event.step is None:
             return f"{event.job}/poison/{event.stage}/{event.stream_seq}"
         return f"{event.job}/{event.step}/{event.rank}/failed/{event.stage}/{event.attempt}"
     assert isinstance(event, ShardEvent)
     base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}"
-    return f"{base}/{event.tier}" if isinstance(event, ShardEvicted) else base
+    if isinstance(event, ShardEvicted):
+        return f"{base}/{event.tier}"
+    if isinstance(event, ShardWritten | ShardVerified | ShardFlushed):
+        # Another save of the same step (a job that re-saves it after a restart) is new content,
+        # not a duplicate; so is a copy rewritten after a restore found it bad.
+        base = f"{base}/{event.header_digest[:12]}"
+    origin = getattr(event, "origin", "save")
+    return f"{base}/restore" if origin == "restore" else base
 
 
 def consumer_name(stage: str, node: str) -> str:

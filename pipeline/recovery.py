@@ -10,14 +10,47 @@ listed with the reason, for operators (`tierpipe plan`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from pipeline.catalog import Catalog, Shard
-from pipeline.errors import ConfigError, TierpipeError
-from schemas import Tier
+import anyio
+import msgspec
+import structlog
 
-__all__ = ["NoCheckpointError", "Plan", "Source", "WorldSizeMismatchError", "plan_recovery"]
+from pipeline.bus import Bus
+from pipeline.catalog import Catalog, Copy, Shard
+from pipeline.errors import (
+    ConfigError,
+    IntegrityError,
+    ShardFormatError,
+    StorageUnavailableError,
+    TierpipeError,
+)
+from pipeline.names import SUBJECT_ROOT, plan_subject
+from pipeline.settings import Settings
+from schemas import RecoveryPlanned, RestoreReport, SourceRef, StageFailed, decode_event
+
+log = structlog.get_logger(__name__)
+
+#: The restart id when neither torchelastic nor the caller names one: ranks then match up by
+#: stream order (a report counts only if published after this rank's `ready`).
+_ANONYMOUS = "anonymous"
+
+__all__ = [
+    "NoCheckpointError",
+    "Plan",
+    "RestoreTimeoutError",
+    "Restored",
+    "Restorer",
+    "Source",
+    "WorldSizeMismatchError",
+    "plan_recovery",
+]
 
 
 class NoCheckpointError(TierpipeError):
@@ -28,17 +61,11 @@ class WorldSizeMismatchError(ConfigError):
     """The checkpoint was saved with another world size (resharding is not supported)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    """One readable copy of one rank's shard."""
+class RestoreTimeoutError(TierpipeError, TimeoutError):
+    """The ranks of a restart did not all show up (or rank 0 never planned) in time."""
 
-    tier: Tier
-    #: The node whose NVMe holds it ("" for object storage).
-    node: str
-    #: A path on that node, or `s3://bucket/key`.
-    location: str
-    nbytes: int
-    header_digest: str
+
+Source = SourceRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +99,7 @@ def plan_recovery(
     rank_nodes: Mapping[int, str],
     step: int | None = None,
     exclude: Collection[int] = (),
+    local_steps: Mapping[int, Collection[int]] | None = None,
 ) -> Plan:
     """The newest restorable step (or exactly `step`) and every rank's sources.
 
@@ -80,6 +108,8 @@ def plan_recovery(
         rank_nodes: the new run's node for each rank.
         step: restore this step rather than the newest possible one.
         exclude: steps already found unusable (a bad copy at load time).
+        local_steps: per rank, the steps whose NVMe copy that rank found on its node (checked on
+            disk); when given, an NVMe copy counts only if it is listed.
 
     Raises:
         WorldSizeMismatchError: the newest checkpoint has another world size.
@@ -111,7 +141,8 @@ def plan_recovery(
         sources: dict[int, list[Source]] = {}
         problems = []
         for rank in range(world_size):
-            found = _sources(by_rank.get(rank), rank_nodes[rank], alive)
+            here = None if local_steps is None else s in local_steps.get(rank, ())
+            found = _sources(by_rank.get(rank), rank_nodes[rank], alive, here)
             if found:
                 sources[rank] = found
             else:
@@ -123,17 +154,29 @@ def plan_recovery(
     raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
 
 
-def _sources(shard: Shard | None, node: str, alive: Collection[str]) -> list[Source]:
+def _sources(
+    shard: Shard | None, node: str, alive: Collection[str], on_disk: bool | None
+) -> list[Source]:
     if shard is None:
         return []
     out = []
     nvme = shard.copy("nvme", node)
-    if nvme is not None and nvme.usable and node in alive:
-        out.append(Source("nvme", node, nvme.location, nvme.nbytes, nvme.header_digest or ""))
+    if nvme is not None and nvme.usable and node in alive and on_disk is not False:
+        out.append(_ref(nvme, node))
     obj = shard.copy("s3")
     if obj is not None and obj.usable:
-        out.append(Source("s3", "", obj.location, obj.nbytes, obj.header_digest or ""))
+        out.append(_ref(obj, ""))
     return out
+
+
+def _ref(copy: Copy, node: str) -> Source:
+    return Source(
+        tier=copy.tier,
+        node=node,
+        location=copy.location,
+        nbytes=copy.nbytes,
+        header_digest=copy.header_digest or "0" * 32,
+    )
 
 
 def _why_not(shard: Shard | None, rank: int, node: str, alive: Collection[str]) -> str:
@@ -152,3 +195,255 @@ def _why_not(shard: Shard | None, rank: int, node: str, alive: Collection[str]) 
     ]
     reason = ", ".join(held + states) or "no copy beyond RAM"
     return f"rank {rank} (on {node}) has no reachable verified copy [{reason}]"
+
+
+# --- one restart, as every rank runs it
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What `Checkpointer.restore()` returns."""
+
+    step: int
+    state: Any
+    #: Where this rank's shard came from.
+    source: Source
+    #: Every rank's planned sources (best first), as rank 0 decided.
+    sources: dict[int, list[Source]]
+    seconds: float
+    #: Plans it took (more than 1: a copy was bad and every rank moved to an older step).
+    rounds: int
+    #: The sealed image when it was read from object storage (for the NVMe write-back).
+    image: Any = None
+
+
+class Restorer:
+    """Runs one rank's part of a restart on the bus thread's event loop.
+
+    Every rank publishes `ready` (with the steps whose shard its node holds on NVMe). Rank 0
+    waits for all of them, plans, and publishes the plan on `tp.<job>.plan`; every rank loads its
+    shard from its first good source and reports `loaded` or `failed`. When all loaded, rank 0
+    publishes the plan again as `final`; when one had no good copy left, rank 0 plans an older
+    step (a new round) and all ranks load again.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        settings: Settings,
+        *,
+        job: str,
+        rank: int,
+        world_size: int,
+        node: str,
+        restart: str,
+        load: Callable[[Source], Awaitable[tuple[Any, Any]]],
+    ) -> None:
+        self.bus, self.settings = bus, settings
+        self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
+        self.restart = restart
+        self._load = load
+        self._deadline = 0.0
+
+    async def run(self, *, step: int | None = None) -> Restored:
+        t0 = time.perf_counter()
+        self._deadline = time.monotonic() + self.settings.restore_timeout_s
+        catalog = Catalog()
+        for event in await self.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
+            catalog.apply(event)
+        local = await anyio.to_thread.run_sync(self._local_steps, catalog)
+        if self.rank == 0:
+            window = await self._last_final_plan()
+            await self._report("ready", local_steps=local)
+            return await self._lead(catalog, step, window, t0)
+        since = await self._report("ready", local_steps=local)
+        return await self._follow(since, t0)
+
+    async def _last_final_plan(self) -> int:
+        """Stream seq of the last confirmed plan: reports before it belong to an older restart."""
+        found = await self.bus.last_raw(plan_subject(self.job))
+        if found is None:
+            return 0
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            plan = decode_event(found[1])
+            if isinstance(plan, RecoveryPlanned) and plan.final:
+                return found[0]
+        return 0
+
+    def _local_steps(self, catalog: Catalog) -> list[int]:
+        """Steps whose shard for this rank this node still has on NVMe (checked on disk)."""
+        steps = []
+        for s, shards in catalog.steps(self.job).items():
+            for shard in shards:
+                copy = shard.copy("nvme", self.node)
+                if shard.rank == self.rank and copy is not None and copy.usable:
+                    with contextlib.suppress(OSError):
+                        if os.stat(copy.location).st_size == copy.nbytes:
+                            steps.append(s)
+        return steps
+
+    async def _lead(self, catalog: Catalog, step: int | None, window: int, t0: float) -> Restored:
+        reports = await self._await_reports(window, round_=0)
+        rank_nodes = {r.rank: r.node for r in reports.values()}
+        local_steps = {r.rank: r.local_steps for r in reports.values()}
+        excluded: set[int] = set()
+        for round_ in itertools.count(1):
+            plan = plan_recovery(
+                catalog,
+                self.job,
+                world_size=self.world_size,
+                alive=set(rank_nodes.values()),
+                rank_nodes=rank_nodes,
+                step=step,
+                exclude=excluded,
+                local_steps=local_steps,
+            )
+            log.info(
+                "recovery_planned",
+                job=self.job,
+                step=plan.step,
+                round=round_,
+                rejected={str(k): v for k, v in plan.rejected.items()},
+            )
+            published = await self.bus.publish(self._planned(plan, round_, final=False))
+            mine = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+            answers = await self._await_reports(published.seq, round_=round_)
+            failed = sorted(r.rank for r in answers.values() if r.phase == "failed")
+            if not failed and mine is not None:
+                await self.bus.publish(self._planned(plan, round_, final=True))
+                return self._restored(plan.step, mine, plan.sources, round_, t0)
+            log.warning("recovery_step_abandoned", step=plan.step, failed_ranks=failed)
+            excluded.add(plan.step)
+            step = None
+        raise AssertionError("unreachable")
+
+    async def _follow(self, since: int, t0: float) -> Restored:
+        round_, mine, planned = 0, None, None
+        while True:
+            seq, plan = await self._await_plan(since, round_)
+            if plan.final and plan.round == round_:
+                assert mine is not None
+                return self._restored(plan.step, mine, planned or plan.sources, round_, t0)
+            round_, planned = plan.round, plan.sources
+            mine = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+            since = max(since, seq)
+
+    async def _load_planned(
+        self, step: int, sources: list[Source], round_: int
+    ) -> tuple[Source, Any, Any] | None:
+        for source in sources:
+            try:
+                loaded, image = await self._load(source)
+            except (IntegrityError, ShardFormatError, StorageUnavailableError) as e:
+                log.warning(
+                    "restore_source_failed",
+                    step=step,
+                    tier=source.tier,
+                    location=source.location,
+                    error=str(e),
+                )
+                await self.bus.publish(
+                    StageFailed(
+                        job=self.job,
+                        node=self.node,
+                        ts=time.time(),
+                        stage="restore",
+                        error=type(e).__name__,
+                        message=str(e),
+                        retryable=False,
+                        attempt=round_,
+                        step=step,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        tier=source.tier,
+                    )
+                )
+                continue
+            await self._report("loaded", round_=round_, step=step, tier=source.tier)
+            return source, loaded, image
+        await self._report("failed", round_=round_, step=step, error="no good copy left")
+        return None
+
+    async def _report(self, phase: str, *, round_: int = 0, **fields: Any) -> int:
+        report = RestoreReport(
+            job=self.job,
+            node=self.node,
+            ts=time.time(),
+            restart=self.restart,
+            rank=self.rank,
+            world_size=self.world_size,
+            phase=phase,
+            round=round_,
+            **fields,  # type: ignore[arg-type]
+        )
+        return (await self.bus.publish(report)).seq
+
+    async def _await_reports(self, since: int, *, round_: int) -> dict[int, RestoreReport]:
+        """Every rank's newest report of this restart for `round_` (any phase for round 0),
+        published after stream seq `since`."""
+        subject = f"{SUBJECT_ROOT}.{self.job}.restore.*.*"
+        while True:
+            found: dict[int, RestoreReport] = {}
+            for seq, event in await self.bus.latest(subject):
+                if (
+                    isinstance(event, RestoreReport)
+                    and event.restart == self.restart
+                    and event.world_size == self.world_size
+                    and (round_ == 0 or event.round == round_)
+                    and seq > since
+                ):
+                    found[event.rank] = event
+            if len(found) == self.world_size:
+                return found
+            self._check_deadline(f"{len(found)} of {self.world_size} ranks reported")
+            await anyio.sleep(0.05)
+
+    async def _await_plan(self, since: int, round_: int) -> tuple[int, RecoveryPlanned]:
+        """The newest plan of this restart published after `since` that moves past `round_`."""
+        while True:
+            found = await self.bus.last_raw(plan_subject(self.job))
+            if found is not None and found[0] > since:
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    plan = decode_event(found[1])
+                    if (
+                        isinstance(plan, RecoveryPlanned)
+                        and plan.restart == self.restart
+                        and (plan.round > round_ or (plan.final and plan.round == round_))
+                    ):
+                        return found[0], plan
+            self._check_deadline("no plan from rank 0")
+            await anyio.sleep(0.05)
+
+    def _check_deadline(self, what: str) -> None:
+        if time.monotonic() > self._deadline:
+            raise RestoreTimeoutError(
+                f"restore of job {self.job!r} (restart {self.restart!r}) timed out after "
+                f"{self.settings.restore_timeout_s:g} s: {what}"
+            )
+
+    def _planned(self, plan: Plan, round_: int, *, final: bool) -> RecoveryPlanned:
+        return RecoveryPlanned(
+            job=self.job,
+            node=self.node,
+            ts=time.time(),
+            restart=self.restart,
+            round=round_,
+            step=plan.step,
+            world_size=self.world_size,
+            sources=plan.sources,
+            rejected=plan.rejected,
+            final=final,
+        )
+
+    def _restored(
+        self,
+        step: int,
+        mine: tuple[Source, Any, Any],
+        sources: dict[int, list[Source]],
+        rounds: int,
+        t0: float,
+    ) -> Restored:
+        source, loaded, image = mine
+        return Restored(
+            step, loaded.state, source, sources, time.perf_counter() - t0, rounds, image
+        )

@@ -92,6 +92,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     #: Below this many free bytes on the NVMe filesystem, the oldest flushed copies go first.
     nvme_min_free_bytes: int = 0
 
+    # --- recovery
+    #: How long ranks wait for each other (and for rank 0's plan) during a restore.
+    restore_timeout_s: float = 600.0
+    #: Ranged GETs from object storage in flight at once per node during a restore (all ranks of
+    #: a node share it): the guard against every rank of a restart hitting the store at once.
+    restore_s3_reads_per_node: int = 8
+
     # --- trainer
     staging_slots: int = 2
     slot_policy: SlotPolicy = "wait"
@@ -121,6 +128,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         # S3 multipart parts are 5 MiB .. 5 GiB (the last part may be smaller).
         _check(5 << 20 <= self.part_size_bytes <= 5 << 30, "part_size_bytes", self.part_size_bytes)
         _check(self.part_concurrency >= 1, "part_concurrency", self.part_concurrency)
+        _check(self.restore_timeout_s > 0, "restore_timeout_s", self.restore_timeout_s)
+        _check(
+            self.restore_s3_reads_per_node >= 1,
+            "restore_s3_reads_per_node",
+            self.restore_s3_reads_per_node,
+        )
         _check(self.flush_max_bytes_per_s >= 0, "flush_max_bytes_per_s", self.flush_max_bytes_per_s)
         _check(
             not self.s3_prefix.startswith("/") and ".." not in self.s3_prefix.split("/"),

@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,16 @@ from pipeline.names import validate_token
 from pipeline.shard import Head, parse_head
 from schemas import ShardStaged
 
-__all__ = ["Slot", "SlotPool", "StagedImage", "open_image", "open_staged", "rank_dir", "release"]
+__all__ = [
+    "NodeSlots",
+    "Slot",
+    "SlotPool",
+    "StagedImage",
+    "open_image",
+    "open_staged",
+    "rank_dir",
+    "release",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -320,3 +330,32 @@ def _delete_if_orphaned(directory: Path, slot_path: Path) -> None:
             slot_path.unlink(missing_ok=True)
     finally:
         os.close(fd)
+
+
+class NodeSlots:
+    """A node-wide counting semaphore: `count` lock files under the staging root that every
+    process on the node shares (flock, so a crashed holder frees its slot). Caps concurrent
+    reads from object storage per node during a restart, when every rank reads at once."""
+
+    def __init__(self, root: str | os.PathLike[str], name: str, count: int) -> None:
+        self.dir = Path(root).absolute() / f".{validate_token('slot set', name)}"
+        self.count = count
+
+    @contextlib.contextmanager
+    def hold(self, *, poll_s: float = 0.005) -> Iterator[int]:
+        """Block until a slot is free; yields its index."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            for i in range(self.count):
+                fd = os.open(self.dir / f"slot-{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o660)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                try:
+                    yield i
+                finally:
+                    os.close(fd)  # drops the lock
+                return
+            time.sleep(poll_s)

@@ -18,12 +18,15 @@ __all__ = [
     "SCHEMA_VERSION",
     "Event",
     "FlushControl",
+    "RecoveryPlanned",
+    "RestoreReport",
     "ShardEvent",
     "ShardEvicted",
     "ShardFlushed",
     "ShardStaged",
     "ShardVerified",
     "ShardWritten",
+    "SourceRef",
     "StageFailed",
     "Tier",
     "decode_event",
@@ -86,6 +89,8 @@ class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
     tensors: NonNegInt
     stall_s: float
     blocking: bool = True
+    #: "restore": a shard read back from object storage, staged so this node's NVMe gets a copy.
+    origin: Literal["save", "restore"] = "save"
 
 
 class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):
@@ -100,6 +105,8 @@ class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):
     header_digest: Digest
     tensors: NonNegInt
     seconds: float
+    #: "restore": rewritten from a copy read back during a restore (see `ShardStaged.origin`).
+    origin: Literal["save", "restore"] = "save"
 
 
 class ShardVerified(ShardEvent, frozen=True, kw_only=True, tag="verified"):
@@ -110,6 +117,7 @@ class ShardVerified(ShardEvent, frozen=True, kw_only=True, tag="verified"):
     header_digest: Digest
     seconds: float
     rewritten: bool = False
+    origin: Literal["save", "restore"] = "save"
 
 
 class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):
@@ -151,9 +159,62 @@ class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
     world_size: PosInt | None = None
     subject: str | None = None
     stream_seq: NonNegInt | None = None
+    #: The tier of the copy found bad (verify, restore), so recovery skips it.
+    tier: Tier | None = None
 
 
-Event = ShardStaged | ShardWritten | ShardVerified | ShardFlushed | ShardEvicted | StageFailed
+class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank reads its shard from during a restore."""
+
+    tier: Tier
+    #: The node whose NVMe holds it ("" for object storage).
+    node: str
+    #: A path on that node, or `s3://bucket/key`.
+    location: str
+    nbytes: NonNegInt
+    header_digest: Digest
+
+
+class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
+    """Rank 0's decision for one restart, on `tp.<job>.plan`: the step every rank restores and
+    each rank's sources, best first. A new `round` replaces the plan after a rank found no good
+    copy; `final` confirms that every rank loaded the plan of that round."""
+
+    restart: str
+    round: PosInt
+    step: NonNegInt
+    world_size: PosInt
+    sources: dict[int, list[SourceRef]]
+    rejected: dict[int, str] = {}
+    final: bool = False
+
+
+class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
+    """One rank's progress in a restart, on `tp.<job>.restore.<node>.<rank>`."""
+
+    restart: str
+    rank: NonNegInt
+    world_size: PosInt
+    phase: Literal["ready", "loaded", "failed"]
+    #: The plan round this report answers (0 for `ready`).
+    round: NonNegInt = 0
+    step: NonNegInt | None = None
+    #: Steps whose shard for this rank this rank's node holds, verified, on its NVMe.
+    local_steps: list[int] = []
+    tier: Tier | None = None
+    error: str = ""
+
+
+Event = (
+    ShardStaged
+    | ShardWritten
+    | ShardVerified
+    | ShardFlushed
+    | ShardEvicted
+    | StageFailed
+    | RecoveryPlanned
+    | RestoreReport
+)
 
 
 class FlushControl(msgspec.Struct, frozen=True, kw_only=True):

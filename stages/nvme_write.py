@@ -50,6 +50,7 @@ async def run(
                         header_digest=result.header_digest,
                         tensors=result.tensors,
                         seconds=round(result.seconds, 6),
+                        origin=event.origin,
                     )
                 )
             finally:
@@ -90,7 +91,9 @@ def _write(
         return done, None
     try:
         with image.view() as view:
-            return store.write_image(view, image.head, final), image
+            # A restore staged this because the copy here was bad: never trust what is there.
+            force = event.origin == "restore"
+            return store.write_image(view, image.head, final, force=force), image
     except BaseException:
         image.close()
         raise

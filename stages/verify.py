@@ -73,6 +73,7 @@ async def run(
                     header_digest=result.header_digest,
                     seconds=round(result.seconds, 6),
                     rewritten=rewritten,
+                    origin=event.origin,
                 )
             )
             log.info(

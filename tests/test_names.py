@@ -34,7 +34,7 @@ def test_subjects_and_ids_follow_the_design() -> None:
     """Subjects are tp.<job>.<kind>.<node>.<rank>; msg ids dedupe per shard, kind and tier."""
     e = written()
     assert event_subject(e) == "tp.j1.written.n1.3"
-    assert msg_id(e) == "j1/12/3/written"
+    assert msg_id(e) == "j1/12/3/written/000000000000"  # + header digest: new content, new id
     ev = ShardEvicted(
         job="j1",
         node="n1",

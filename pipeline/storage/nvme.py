@@ -166,17 +166,20 @@ class NvmeStore:
 
     # --- write
 
-    def write_image(self, image: memoryview, head: Head, final: Path) -> WriteResult:
+    def write_image(
+        self, image: memoryview, head: Head, final: Path, *, force: bool = False
+    ) -> WriteResult:
         """Seal a staged (unsealed) image into `final`, atomically and durably.
 
-        Idempotent: if `final` already holds this very save, nothing is written.
+        Idempotent: if `final` already holds this very save, nothing is written (unless
+        `force`: the file there is known to be bad).
 
         Raises:
             NoSpaceError: the filesystem cannot take the file (nothing final is created).
             RetryableError: an I/O error while writing (the temp file is removed).
         """
         t0 = time.perf_counter()
-        existing = self._existing(final, head.header)
+        existing = None if force else self._existing(final, head.header)
         if existing is not None:
             return WriteResult(
                 str(final),

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import aiohttp
 import anyio
 import structlog
 from aiobotocore.config import AioConfig
@@ -316,6 +317,55 @@ class S3Store:
         except (_NotFound, TierpipeError) as e:
             log.warning("upload_abort_failed", key=key, error=str(e))
 
+    async def download(
+        self, key: str, nbytes: int, *, hold: Callable[[], Any] | None = None
+    ) -> mmap.mmap:
+        """Fetch an object with parallel ranged GETs into a page-aligned buffer.
+
+        Args:
+            hold: a context manager factory taken around each GET (the per-node cap on
+                concurrent reads during a restart); entered in a worker thread.
+
+        Raises:
+            StorageUnavailableError: the store failed or the object is shorter than `nbytes`.
+        """
+        part = self.settings.part_size_bytes
+        buf = mmap.mmap(-1, max(nbytes, 1))
+        limiter = anyio.Semaphore(self.settings.part_concurrency)
+
+        async def one(offset: int) -> None:
+            size = min(part, nbytes - offset)
+            async with limiter:
+                guard = hold() if hold is not None else contextlib.nullcontext()
+                await anyio.to_thread.run_sync(guard.__enter__)
+                try:
+                    async with _errors(key):
+                        r = await self.client.get_object(
+                            Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
+                        )
+                        got = 0
+                        async for chunk in r["Body"].iter_chunks(1 << 20):
+                            buf[offset + got : offset + got + len(chunk)] = chunk
+                            got += len(chunk)
+                finally:
+                    guard.__exit__(None, None, None)
+                if got != size:
+                    raise StorageUnavailableError(
+                        f"s3://{self.bucket}/{key}: short read at {offset}"
+                    )
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for offset in range(0, nbytes, part):
+                    tg.start_soon(one, offset)
+        except BaseExceptionGroup as group:
+            buf.close()
+            raise _first(group) from group
+        except _NotFound:
+            buf.close()
+            raise StorageUnavailableError(f"s3://{self.bucket}/{key} does not exist") from None
+        return buf
+
     async def delete(self, key: str) -> None:
         """Remove an object (idempotent)."""
         with contextlib.suppress(_NotFound):
@@ -446,5 +496,5 @@ async def _errors(key: str) -> AsyncIterator[None]:
         raise StorageAuthError(
             f"object store refused a request on {key} ({code}): {message}"
         ) from e
-    except (BotoCoreError, OSError, TimeoutError) as e:
+    except (BotoCoreError, OSError, TimeoutError, aiohttp.ClientError) as e:
         raise StorageUnavailableError(f"object store unreachable ({type(e).__name__}): {e}") from e

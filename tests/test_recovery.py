@@ -1,0 +1,155 @@
+"""Restores end to end: plan from the stream, NVMe or S3 per rank, fallback, all ranks agree."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.client import Checkpointer
+from pipeline.names import shard_relpath
+from pipeline.recovery import NoCheckpointError, WorldSizeMismatchError
+from pipeline.settings import Settings
+from pipeline.storage.nvme import read_head
+from schemas import ShardFlushed, StageFailed
+from tests.conftest import Agent, Events
+
+pytestmark = pytest.mark.slow
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+
+
+def save_steps(settings: Settings, job: str, world: int, steps: list[int], events: Events) -> dict:
+    """Save `steps` from `world` ranks; return {(step, rank): model state} as saved."""
+    saved = {}
+    ckpts = [Checkpointer(job, rank=r, world_size=world, settings=settings) for r in range(world)]
+    try:
+        for step in steps:
+            for r, c in enumerate(ckpts):
+                m = model(step * 10 + r)
+                saved[(step, r)] = {k: v.clone() for k, v in m.state_dict().items()}
+                c.save(step, {"model": m, "step": step})
+        for c in ckpts:
+            c.wait_until_finished(timeout=60)
+    finally:
+        for c in ckpts:
+            c.close()
+    last = steps[-1]
+    for r in range(world):
+        events.wait_for(
+            lambda e, r=r: isinstance(e, ShardFlushed) and e.step == last and e.rank == r,
+            kind="flushed",
+        )
+    return saved
+
+
+def restore_all(settings: Settings, job: str, world: int, **kw: object) -> list:
+    """Every rank restores concurrently (as after a restart); returns their results."""
+
+    def one(rank: int) -> object:
+        with Checkpointer(job, rank=rank, world_size=world, settings=settings) as c:
+            target = model(999)
+            restored = c.restore({"model": target}, **kw)  # type: ignore[arg-type]
+            return restored, target
+
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(one, range(world)))
+
+
+def flip(path: str) -> None:
+    head = read_head(path)
+    with open(path, "r+b") as f:
+        f.seek(head.data_offset + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_restore_newest_step_from_nvme_in_place(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """Two ranks restore the newest step from their node's NVMe into live models, bitwise."""
+    agent()
+    saved = save_steps(settings, job, 2, [1, 2, 3], events)
+    for rank, (restored, target) in enumerate(restore_all(settings, job, 2)):
+        assert restored.step == 3 and restored.source.tier == "nvme" and restored.rounds == 1
+        for k, v in saved[(3, rank)].items():
+            assert torch.equal(target.state_dict()[k], v), k
+        assert restored.state["step"] == 3
+
+
+def test_corrupt_nvme_copy_falls_back_to_s3_and_is_written_back(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """A flipped byte on NVMe makes that rank read object storage in the same restore; the
+    bad copy is reported and the shard comes back to NVMe through the agent."""
+    agent()
+    saved = save_steps(settings, job, 1, [5], events)
+    path = Path(settings.nvme_root).absolute() / shard_relpath(job, 5, 0, 1)
+    flip(str(path))
+    ((restored, target),) = restore_all(settings, job, 1)
+    assert restored.step == 5 and restored.source.tier == "s3"
+    for k, v in saved[(5, 0)].items():
+        assert torch.equal(target.state_dict()[k], v), k
+    failed = events.wait_for(
+        lambda e: isinstance(e, StageFailed) and e.stage == "restore", kind="failed"
+    )
+    assert isinstance(failed, StageFailed) and failed.tier == "nvme" and "tensor" in failed.message
+    events.wait_for(
+        lambda e: (
+            getattr(e, "step", None) == 5
+            and type(e).__name__ == "ShardVerified"
+            and e.ts > failed.ts
+        ),
+        kind="verified",
+    )
+    read_head(path)  # a good copy is back
+
+
+def test_all_ranks_move_to_an_older_step_when_one_has_no_good_copy(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, s3_server
+) -> None:
+    """Rank 1's newest shard is bad on NVMe and in S3: every rank restores the step before."""
+    import boto3
+
+    agent()
+    saved = save_steps(settings, job, 2, [1, 2], events)
+    flip(str(Path(settings.nvme_root).absolute() / shard_relpath(job, 2, 1, 2)))
+    s3 = boto3.client("s3", **s3_server.client_kwargs())
+    key = str(shard_relpath(job, 2, 1, 2))
+    body = bytearray(s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read())
+    body[
+        read_head(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, 1, 2)).data_offset + 7
+    ] ^= 1
+    s3.delete_object(Bucket=settings.s3_bucket, Key=key)
+    s3.put_object(Bucket=settings.s3_bucket, Key=key, Body=bytes(body))
+    results = restore_all(settings, job, 2)
+    for rank, (restored, target) in enumerate(results):
+        assert restored.step == 1 and restored.rounds == 2, rank
+        for k, v in saved[(1, rank)].items():
+            assert torch.equal(target.state_dict()[k], v), k
+
+
+def test_world_size_mismatch_and_nothing_to_restore(
+    settings: Settings, job: str, events: Events, agent: Callable[..., Agent]
+) -> None:
+    """Restoring with another world size, or a job without checkpoints, fails clearly."""
+    s = settings.replace(restore_timeout_s=10.0)
+    with Checkpointer(job, rank=0, world_size=1, settings=s) as c, pytest.raises(NoCheckpointError):
+        c.restore()
+    agent()
+    save_steps(settings, job, 2, [1], events)
+    with Checkpointer(job, rank=0, world_size=1, settings=s) as c:
+        assert c.latest_step() == 1 and c.all_steps() == [1]
+        t0 = time.monotonic()
+        with pytest.raises(WorldSizeMismatchError, match="saved by 2 ranks, this run has 1"):
+            c.restore()
+        assert time.monotonic() - t0 < 10
