@@ -232,15 +232,20 @@ class Bus:
 
     # --- events
 
-    async def publish(self, event: Event, *, timeout: float | None = None) -> Published:
+    async def publish(
+        self, event: Event, *, timeout: float | None = None, id_suffix: str = ""
+    ) -> Published:
         """Publish an event with `Nats-Msg-Id` and wait for the stream's ack.
+
+        `id_suffix` sets a republished event apart from its original (reindex after a purge:
+        the server still remembers the original ids for the duplicate window).
 
         Raises:
             BusUnavailableError: no ack in time.
             BusError: the server refused the message.
         """
         headers = {
-            "Nats-Msg-Id": msg_id(event),
+            "Nats-Msg-Id": msg_id(event) + id_suffix,
             KIND_HEADER: type(event).__struct_config__.tag,
             SCHEMA_HEADER: str(SCHEMA_VERSION),
         }

@@ -42,10 +42,35 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--job", required=True)
     status.add_argument("--json", action="store_true", help="one JSON object per shard")
 
+    plan = sub.add_parser("plan", help="what a restore would load now, and why")
+    plan.add_argument("--job", required=True)
+    plan.add_argument(
+        "--alive",
+        help="nodes that survived with their NVMe, comma-separated "
+        "(default: every node the job ran on)",
+    )
+    plan.add_argument("--step", type=int, help="plan this step rather than the newest")
+    plan.add_argument("--json", action="store_true")
+
+    reindex = sub.add_parser(
+        "reindex", help="rebuild a job's events from this node's shard files and the objects"
+    )
+    reindex.add_argument("--job", required=True)
+    reindex.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="trust NVMe files without re-reading them (the agent verifies)",
+    )
+    reindex.add_argument("--no-s3", action="store_true", help="this node's NVMe only")
+
     flush = sub.add_parser("flush", help="change the upload rate to object storage at run time")
     flush.add_argument("action", choices=["rate", "pause", "resume"])
-    flush.add_argument("rate", nargs="?", default=None,
-                       help="for `rate`: bytes/s, e.g. 50MiB, 200MB, 0 for unlimited")  # fmt: skip
+    flush.add_argument(
+        "rate",
+        nargs="?",
+        default=None,
+        help="for `rate`: bytes/s, e.g. 50MiB, 200MB, 0 for unlimited",
+    )
     flush.add_argument("--node", help="only this node (default: every node)")
 
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
@@ -70,6 +95,21 @@ def main(argv: list[str] | None = None) -> int:
                 return _status(settings, validate_token("job", args.job), as_json=args.json)
             case "flush":
                 return _flush(settings, args.action, args.rate, args.node)
+            case "plan":
+                alive = args.alive.split(",") if args.alive else None
+                return _plan(settings, validate_token("job", args.job), alive, args.step, args.json)
+            case "reindex":
+                from pipeline.reindex import reindex
+
+                done = anyio.run(
+                    lambda: reindex(
+                        settings, args.job, verify=not args.no_verify, s3=not args.no_s3
+                    )
+                )
+                print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {args.job}")
+                for line in done.skipped:
+                    print(f"  skipped {line}")
+                return 0
             case "demo":
                 from pipeline.demo import run_demo
 
@@ -157,8 +197,16 @@ def _shard_json(s: Shard) -> dict[str, Any]:
 
 def parse_rate(text: str) -> int:
     """`50MiB`, `200MB`, `1.5GiB`, `1048576`, `0` -> bytes/s."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+    }
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*?)(?:/s)?\s*", text)
     if m is None or m.group(2).lower() not in units:
         raise ConfigError(f"cannot read a rate from {text!r} (try 50MiB or 200MB)")
@@ -168,8 +216,11 @@ def parse_rate(text: str) -> int:
 def _flush(settings: Settings, action: str, rate: str | None, node: str | None) -> int:
     if (action == "rate") != (rate is not None):
         raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
-    control = FlushControl(action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0,  # type: ignore[arg-type]
-                           ts=time.time())  # fmt: skip
+    control = FlushControl(
+        action=action,
+        rate_bytes_per_s=parse_rate(rate) if rate else 0,  # type: ignore[arg-type]
+        ts=time.time(),
+    )
     subject = f"{CONTROL_FLUSH}.{validate_token('node', node)}" if node else CONTROL_FLUSH
 
     async def send() -> int:
@@ -179,6 +230,49 @@ def _flush(settings: Settings, action: str, rate: str | None, node: str | None) 
 
     seq = anyio.run(send)
     print(f"{action} sent on {subject} (stream seq {seq})")
+    return 0
+
+
+def _plan(
+    settings: Settings, job: str, alive: list[str] | None, step: int | None, as_json: bool
+) -> int:
+    from pipeline.recovery import plan_recovery
+
+    catalog = anyio.run(replay_catalog, settings, job)
+    steps = catalog.steps(job)
+    if not steps:
+        print(f"no events for job {job!r}")
+        return 1
+    newest = steps[max(steps)]
+    world = newest[0].world_size
+    rank_nodes: dict[int, str] = {}
+    for shards in steps.values():  # each rank's node, from its newest NVMe copy
+        for s in shards:
+            for (tier, node), _ in s.copies.items():
+                if tier in ("nvme", "ram") and node:
+                    rank_nodes[s.rank] = node
+    rank_nodes = {r: rank_nodes.get(r, "?") for r in range(world)}
+    nodes = set(rank_nodes.values()) if alive is None else set(alive)
+    plan = plan_recovery(
+        catalog, job, world_size=world, alive=nodes, rank_nodes=rank_nodes, step=step
+    )
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "job": job,
+                    "step": plan.step,
+                    "world_size": plan.world_size,
+                    "sources": {
+                        str(r): [msgspec.to_builtins(s) for s in srcs]
+                        for r, srcs in plan.sources.items()
+                    },
+                    "rejected": {str(s): why for s, why in plan.rejected.items()},
+                }
+            )
+        )
+    else:
+        print(plan.describe())
     return 0
 
 

@@ -237,7 +237,7 @@ class S3Store:
         Raises:
             StorageConflictError: something else holds the key.
         """
-        head = await self._head(key)
+        head = await self.head(key)
         if head is None:
             return None
         theirs = head.get("Metadata", {}).get("tp-header-digest")
@@ -250,7 +250,7 @@ class S3Store:
         return head.get("ETag", "").strip('"'), head.get("ChecksumCRC32C", "")
 
     async def _confirm(self, key: str, nbytes: int, expected: str) -> str:
-        head = await self._head(key)
+        head = await self.head(key)
         if head is None:
             raise StorageUnavailableError(f"s3://{self.bucket}/{key} missing right after upload")
         actual = head.get("ChecksumCRC32C", "")
@@ -262,7 +262,8 @@ class S3Store:
             raise IntegrityError(f"s3://{self.bucket}/{key}", "CRC32C", expected, actual)
         return actual or expected
 
-    async def _head(self, key: str) -> dict[str, Any] | None:
+    async def head(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD (with its checksum), or None if there is none."""
         try:
             async with _errors(key):
                 return await self.client.head_object(
@@ -365,6 +366,18 @@ class S3Store:
             buf.close()
             raise StorageUnavailableError(f"s3://{self.bucket}/{key} does not exist") from None
         return buf
+
+    async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under `prefix`."""
+        found: list[tuple[str, int]] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        async with _errors(prefix):
+            while True:
+                page = await self.client.list_objects_v2(**kwargs)
+                found += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
+                if not page.get("IsTruncated"):
+                    return found
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     async def delete(self, key: str) -> None:
         """Remove an object (idempotent)."""

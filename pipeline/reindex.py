@@ -1,0 +1,140 @@
+"""Rebuild a job's events from the shards themselves, when the stream lost them.
+
+The stream is an index, not the only truth (JetStream can lose acknowledged writes under some
+faults, and a purge loses everything). Every shard file carries its identity and digests in its
+header, and every uploaded object its size, checksum and header digest, so `tierpipe reindex`
+republishes `written` + `verified` for the shards on this node's NVMe (re-reading each to verify
+it, unless told not to) and `flushed` for the objects under the prefix. Republishing is
+idempotent: message ids dedupe within the window, and folding an event twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import anyio
+import structlog
+
+from pipeline.bus import Bus
+from pipeline.errors import TierpipeError
+from pipeline.names import node_name, shard_relpath, validate_token
+from pipeline.settings import Settings
+from pipeline.storage.nvme import NvmeStore, read_head
+from pipeline.storage.s3 import S3Store
+from schemas import ShardFlushed, ShardVerified, ShardWritten
+
+__all__ = ["Reindexed", "reindex"]
+
+log = structlog.get_logger(__name__)
+
+_KEY = re.compile(r"(?:^|/)([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard$")
+
+
+@dataclass(frozen=True, slots=True)
+class Reindexed:
+    nvme: int
+    s3: int
+    skipped: list[str]
+
+
+async def reindex(
+    settings: Settings, job: str, *, verify: bool = True, s3: bool = True
+) -> Reindexed:
+    """Republish the events of `job` from the shard files on this node's NVMe and the objects
+    under the object-storage prefix. Bad or foreign files are skipped and listed."""
+    validate_token("job", job)
+    node = node_name(settings.node)
+    suffix = f"/reindex/{time.time_ns()}"
+    skipped: list[str] = []
+    nvme_count = s3_count = 0
+    async with Bus(settings, name=f"tierpipe-reindex-{node}") as bus:
+        await bus.ensure_stream(update=False)
+        with NvmeStore.from_settings(settings) as store:
+            for path in sorted((store.root / job).glob("step-*/rank-*.shard")):
+                try:
+                    events = await anyio.to_thread.run_sync(
+                        _nvme_events, store, path, job, node, verify
+                    )
+                except (TierpipeError, OSError) as e:
+                    skipped.append(f"{path}: {e}")
+                    continue
+                for event in events:
+                    await bus.publish(event, id_suffix=suffix)
+                nvme_count += 1
+        if s3:
+            async with S3Store(settings) as objects:
+                prefix = objects.key_for(PurePosixPath(job))
+                for key, size in await objects.list_objects(prefix + "/"):
+                    event = await _s3_event(objects, key, size, job, node)
+                    if event is None:
+                        skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
+                        continue
+                    await bus.publish(event, id_suffix=suffix)
+                    s3_count += 1
+    log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, skipped=len(skipped))
+    return Reindexed(nvme_count, s3_count, skipped)
+
+
+def _nvme_events(
+    store: NvmeStore, path: Path, job: str, node: str, verify: bool
+) -> list[ShardWritten | ShardVerified]:
+    head = read_head(path)
+    h = head.header
+    if h.job != job or path != store.path_for(shard_relpath(h.job, h.step, h.rank, h.world_size)):
+        raise TierpipeError(f"header says job {h.job!r} step {h.step} rank {h.rank}")
+    digest = head.header_digest.hex()
+    ident = dict(
+        job=job, node=node, ts=time.time(), step=h.step, rank=h.rank, world_size=h.world_size
+    )
+    written = ShardWritten(
+        **ident,
+        path=str(path),
+        nbytes=head.file_nbytes,
+        header_digest=digest,
+        tensors=len(h.tensors),
+        seconds=0.0,
+    )
+    if not verify:
+        return [written]
+    done = store.verify(path, header_digest=digest, nbytes=head.file_nbytes)
+    return [
+        written,
+        ShardVerified(
+            **ident,
+            path=str(path),
+            nbytes=head.file_nbytes,
+            header_digest=digest,
+            seconds=round(done.seconds, 6),
+        ),
+    ]
+
+
+async def _s3_event(
+    objects: S3Store, key: str, size: int, job: str, node: str
+) -> ShardFlushed | None:
+    m = _KEY.search(key)
+    if m is None or m.group(1) != job:
+        return None
+    step, rank, world = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    head = await objects.head(key)
+    digest = (head or {}).get("Metadata", {}).get("tp-header-digest", "")
+    if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest) or rank >= world:
+        return None
+    return ShardFlushed(
+        job=job,
+        node=node,
+        ts=time.time(),
+        step=step,
+        rank=rank,
+        world_size=world,
+        bucket=objects.bucket,
+        key=key,
+        etag=head.get("ETag", "").strip('"'),
+        checksum=head.get("ChecksumCRC32C", ""),
+        header_digest=digest,
+        nbytes=size,
+        seconds=0.0,
+    )
