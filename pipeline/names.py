@@ -19,6 +19,7 @@ from schemas import (
     ShardEvent,
     ShardEvicted,
     ShardFlushed,
+    ShardStaged,
     ShardVerified,
     ShardWritten,
     StageFailed,
@@ -105,6 +106,8 @@ def msg_id(event: Event) -> str:
         # Another save of the same step (a job that re-saves it after a restart) is new content,
         # not a duplicate; so is a copy rewritten after a restore found it bad.
         base = f"{base}/{event.header_digest[:12]}"
+    elif isinstance(event, ShardStaged):
+        base = f"{base}/{round(event.ts * 1e6)}"  # each save() is its own event
     origin = getattr(event, "origin", "save")
     return f"{base}/restore" if origin == "restore" else base
 
