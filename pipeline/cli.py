@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
     demo.add_argument("--ranks", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=6)
+    demo.add_argument("--steps", type=int, default=12)
     demo.add_argument("--every", type=int, default=2)
     demo.add_argument(
         "--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data"

@@ -4,8 +4,9 @@ Starts an embedded nats-server and S3 store (SeaweedFS) unless `TIERPIPE_NATS_UR
 `TIERPIPE_S3_ENDPOINT` point at real ones, one node agent (`tierpipe worker all`), then a few
 trainer ranks as separate processes, each training a tiny transformer and saving every few steps.
 Retention keeps the newest 2 complete steps on NVMe and 3 in S3, so older steps are evicted as
-the run goes. At the end it replays the event stream and prints where every shard is; each rank
-reloads its last shard from NVMe and checks it bitwise against its live state.
+the run goes. At the end every rank restores the newest checkpoint into a fresh model (rank 0
+plans, all ranks load, as after a restart) and checks it bitwise against its live state, and the
+demo prints where every shard is, from the event stream.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -88,8 +90,9 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
     print("\ntrainers:")
     for r in results:
         print(
-            f"  rank {r['rank']}: step {r['step']} reloaded from NVMe, bitwise equal to the live "
-            f"state: {r['bitwise_equal']}; longest save() stall {r['max_stall_ms']:.2f} ms"
+            f"  rank {r['rank']}: restored step {r['step']} from {r['tier']} in "
+            f"{r['restore_ms']:.0f} ms, bitwise equal to the live state: {r['bitwise_equal']}; "
+            f"longest save() stall {r['max_stall_ms']:.2f} ms"
         )
     newest_on_s3 = catalog.complete_steps(_JOB, ("s3",))
     ok = all(r["bitwise_equal"] for r in results) and last in newest_on_s3
@@ -147,26 +150,32 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:
-    """One trainer rank (run in its own process)."""
+def _model(seed: int) -> tuple[Any, Any]:
     import torch
 
-    from pipeline.client import Checkpointer
-    from pipeline.restore import load_shard
-
-    torch.manual_seed(1234 + rank)
-    random.seed(rank)
+    torch.manual_seed(seed)
     vocab, dim = 256, 64
     embed = torch.nn.Embedding(vocab, dim)
     body = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, batch_first=True)
     head = torch.nn.Linear(dim, vocab, bias=False)
     head.weight = embed.weight  # tied weights must come back tied
     model = torch.nn.ModuleDict({"embed": embed, "body": body, "head": head})
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    handles, stalls = [], []
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:
+    """One trainer rank (run in its own process): train and save, then restore into a fresh
+    model the way a restarted job would, and compare with the live state."""
+    import torch
+
+    from pipeline.client import Checkpointer
+
+    random.seed(rank)
+    model, optim = _model(1234 + rank)
+    stalls = []
     with Checkpointer(_JOB, rank=rank, world_size=world_size) as ckpt:
         for step in range(1, steps + 1):
-            tokens = torch.randint(0, vocab, (8, 32))
+            tokens = torch.randint(0, 256, (8, 32))
             logits = model["head"](model["body"](model["embed"](tokens)))
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
             optim.zero_grad()
@@ -174,26 +183,24 @@ def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, obje
             optim.step()
             if step % every == 0:
                 t = time.perf_counter()
-                handles.append(
-                    ckpt.save(
-                        step,
-                        {
-                            "model": model,
-                            "optim": optim,
-                            "step": step,
-                            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                        },
-                    )
-                )
+                state = {
+                    "model": model,
+                    "optim": optim,
+                    "step": step,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                }
+                ckpt.save(step, state)
                 stalls.append(time.perf_counter() - t)
-        verified = handles[-1].wait("verified", timeout=120)
-    _, saved = load_shard(verified.path)
-    live = model.state_dict()
-    equal = all(torch.equal(saved["model"][k], v) for k, v in live.items())
-    equal &= saved["model"]["embed.weight"].data_ptr() == saved["model"]["head.weight"].data_ptr()
+        ckpt.wait_until_finished(timeout=120)
+        fresh, fresh_optim = _model(0)  # what a restarted rank would build, then restore into
+        restored = ckpt.restore({"model": fresh, "optim": fresh_optim})
+    equal = all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    equal &= fresh["embed"].weight.data_ptr() == fresh["head"].weight.data_ptr()
     return {
         "rank": rank,
-        "step": handles[-1].step,
+        "step": restored.step,
+        "tier": restored.source.tier,
+        "restore_ms": restored.seconds * 1e3,
         "bitwise_equal": bool(equal),
         "max_stall_ms": max(stalls) * 1e3,
     }
