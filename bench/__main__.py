@@ -18,6 +18,8 @@ BENCHMARKS = {
     "nvme": "staged->written->verified through the agent vs dd O_DIRECT write/read",
     "flush": "verified->flushed to S3 (SeaweedFS) through the agent vs boto3, raw aioboto3;"
     " throttle accuracy",
+    "restore": "NVMe and S3 restore into preallocated tensors vs dd, torch.load, safetensors, DCP,"
+    " raw GET; plan at 1024 ranks, 100k-event replay",
 }
 
 

@@ -193,11 +193,11 @@ class _BusThread:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:  # (not `except TimeoutError`: the coroutine may raise a TimeoutError itself)
             future.cancel()
-            raise TimeoutError(f"bus call timed out after {timeout} s") from None
+            raise TimeoutError(f"bus call timed out after {timeout} s")
+        return future.result()
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -88,12 +88,15 @@ def msg_id(event: Event) -> str:
     `<job>/<step>/<rank>/<kind>[/<tier>]`; a failure names its stage and attempt, so every
     attempt is recorded once.
     """
+    # Restore coordination: every attempt is new, even with the same restart id.
     if isinstance(event, RecoveryPlanned):
-        return (
-            f"{event.job}/plan/{event.restart}/{event.round}/{'final' if event.final else 'plan'}"
-        )
+        kind = "final" if event.final else "plan"
+        return f"{event.job}/plan/{event.restart}/{event.round}/{kind}/{round(event.ts * 1e6)}"
     if isinstance(event, RestoreReport):
-        return f"{event.job}/restore/{event.restart}/{event.rank}/{event.phase}/{event.round}"
+        return (
+            f"{event.job}/restore/{event.restart}/{event.rank}/{event.phase}/{event.round}/"
+            f"{round(event.ts * 1e6)}"
+        )
     if isinstance(event, StageFailed):
         if event.step is None:
             return f"{event.job}/poison/{event.stage}/{event.stream_seq}"

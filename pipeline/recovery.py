@@ -288,16 +288,33 @@ class Restorer:
         local_steps = {r.rank: r.local_steps for r in reports.values()}
         excluded: set[int] = set()
         for round_ in itertools.count(1):
-            plan = plan_recovery(
-                catalog,
-                self.job,
-                world_size=self.world_size,
-                alive=set(rank_nodes.values()),
-                rank_nodes=rank_nodes,
-                step=step,
-                exclude=excluded,
-                local_steps=local_steps,
-            )
+            try:
+                plan = plan_recovery(
+                    catalog,
+                    self.job,
+                    world_size=self.world_size,
+                    alive=set(rank_nodes.values()),
+                    rank_nodes=rank_nodes,
+                    step=step,
+                    exclude=excluded,
+                    local_steps=local_steps,
+                )
+            except (NoCheckpointError, ConfigError) as e:  # tell the other ranks, then give up
+                await self.bus.publish(
+                    RecoveryPlanned(
+                        job=self.job,
+                        node=self.node,
+                        ts=time.time(),
+                        restart=self.restart,
+                        round=round_,
+                        step=0,
+                        world_size=self.world_size,
+                        sources={},
+                        final=True,
+                        error=f"{type(e).__name__}: {e}",
+                    )
+                )
+                raise
             log.info(
                 "recovery_planned",
                 job=self.job,
@@ -321,6 +338,14 @@ class Restorer:
         round_, mine, planned = 0, None, None
         while True:
             seq, plan = await self._await_plan(since, round_)
+            if plan.error:
+                kind, _, message = plan.error.partition(": ")
+                error = (
+                    WorldSizeMismatchError
+                    if kind == "WorldSizeMismatchError"
+                    else NoCheckpointError
+                )
+                raise error(f"rank 0: {message}")
             if plan.final and plan.round == round_:
                 assert mine is not None
                 return self._restored(plan.step, mine, planned or plan.sources, round_, t0)
@@ -408,7 +433,11 @@ class Restorer:
                     if (
                         isinstance(plan, RecoveryPlanned)
                         and plan.restart == self.restart
-                        and (plan.round > round_ or (plan.final and plan.round == round_))
+                        and (
+                            plan.round > round_
+                            or (plan.final and plan.round == round_)
+                            or plan.error
+                        )
                     ):
                         return found[0], plan
             self._check_deadline("no plan from rank 0")

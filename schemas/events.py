@@ -187,6 +187,8 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     sources: dict[int, list[SourceRef]]
     rejected: dict[int, str] = {}
     final: bool = False
+    #: Set when rank 0 found nothing to restore (error class: message); ranks give up with it.
+    error: str = ""
 
 
 class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):

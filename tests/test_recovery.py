@@ -203,3 +203,24 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
     assert after["step"] == before["step"]
     assert [s["tier"] for s in after["sources"]["0"]] == [s["tier"] for s in before["sources"]["0"]]
     assert after["sources"]["0"][0]["header_digest"] == before["sources"]["0"][0]["header_digest"]
+
+
+def test_every_rank_gives_up_at_once_when_rank_0_finds_nothing(
+    settings: Settings, job: str
+) -> None:
+    """With nothing to restore, rank 0 tells the others instead of letting them time out."""
+    s = settings.replace(restore_timeout_s=60.0)
+    t0 = time.monotonic()
+
+    def one(rank: int) -> str:
+        with Checkpointer(job, rank=rank, world_size=2, settings=s) as c:
+            try:
+                c.restore()
+            except NoCheckpointError as e:
+                return str(e)
+        return "restored?"
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(one, range(2)))
+    assert "no checkpoints" in errors[0] and errors[1].startswith("rank 0:")
+    assert time.monotonic() - t0 < 20
