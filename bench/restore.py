@@ -177,12 +177,9 @@ class _Setup:
         import secrets
 
         from pipeline.embedded import NatsServer, S3Server
-        from pipeline.log import configure_logging
         from pipeline.names import shard_relpath
         from pipeline.settings import load_settings
 
-        # structlog's defaults print to stdout, which must carry only the JSON line.
-        configure_logging("warning", "json", only_if_unconfigured=True)
         self.nvme_root = work / "nvme"
         self.nvme_root.mkdir()
         self.staging_root = Path(tempfile.mkdtemp(prefix="tierpipe-bench-restore-", dir=SHM))
@@ -536,6 +533,10 @@ def _replay_at_scale(work: Path) -> dict[str, float]:
 
 
 def run(size_gib: float, reps: int) -> dict[str, float]:
+    from pipeline.log import configure_logging
+
+    # structlog's defaults print to stdout, which must carry only the JSON line.
+    configure_logging("warning", "json", only_if_unconfigured=True)
     log(f"restore: building a {size_gib:g} GiB synthetic state")
     s = make_state(size_gib)
     log(f"  {s.tensors} tensors, {s.nbytes / GiB:.3f} GiB")

@@ -10,20 +10,17 @@ on a side stream instead and lets the next optimizer step wait for that stream o
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
 import torch
 
+from pipeline.pinned import page_lock, page_unlock
 from pipeline.staging import Slot, SlotPool
 from pipeline.state import StatePlan
 
 __all__ = ["Snapshot", "StagedCopy"]
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -124,32 +121,11 @@ class Snapshot:
             image = _Image(mm, torch.frombuffer(mm, dtype=torch.uint8), pinned=False)
             self._images[slot.index] = image
         if cuda and not image.pinned:
-            image.pinned = _host_register(image.mm)
+            image.pinned = page_lock(image.mm, what="staging slot")
         return image
 
     def _drop(self, index: int) -> None:
         self._dsts.pop(index, None)
         image = self._images.pop(index, None)
         if image is not None and image.pinned:
-            torch.cuda.cudart().cudaHostUnregister(_address(image.mm))
-
-
-def _address(mm: mmap.mmap) -> int:
-    view = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view
-
-
-def _host_register(mm: mmap.mmap) -> bool:
-    """Page-lock a slot mapping for asynchronous device-to-host copies; False if refused."""
-    err = torch.cuda.cudart().cudaHostRegister(_address(mm), len(mm), 1)  # 1: portable
-    if int(err) != 0:
-        log.warning(
-            "staging_pin_failed",
-            error=int(err),
-            hint="device-to-host copies fall back to synchronous pageable copies",
-        )
-        return False
-    return True
+            page_unlock(image.mm)
