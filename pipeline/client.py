@@ -552,7 +552,7 @@ class Checkpointer:
                     load_into,
                     source.location,
                     into,
-                    direct_io=s.direct_io,
+                    direct_io=s.restore_direct_io,
                     queue_depth=s.io_queue_depth,
                     chunk_bytes=s.io_chunk_bytes,
                 )
