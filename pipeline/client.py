@@ -490,7 +490,8 @@ class Checkpointer:
         """Load the newest checkpoint every rank can reach (or exactly `step`); all ranks call it.
 
         Rank 0 plans from the event stream (each rank reads its own node's NVMe copy if that
-        survived, else the object-storage copy) and publishes the plan on `tp.<job>.plan`; every
+        survived, else the object-storage copy) and publishes the plan on `tp.<job>.plan` (and
+        broadcasts it with torch.distributed when that is initialised for this job); every
         digest is checked before bytes reach a tensor; a bad copy falls back to the next source,
         and if a rank has none left, all ranks move to an older step together. A shard read from
         object storage is staged again afterwards, so this node's NVMe gets its copy back.
@@ -508,6 +509,7 @@ class Checkpointer:
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
+        from pipeline.collective import Collective
         from pipeline.recovery import Restorer
 
         self._await_inflight()
@@ -520,6 +522,11 @@ class Checkpointer:
             node=self.node,
             restart=restart or _restart_id(),
             load=lambda source: self._load_source(source, into),
+            collective=(
+                Collective.from_torch(self.rank, self.world_size)
+                if self.settings.restore_use_torch_distributed
+                else None
+            ),
         )
         restored = self._bus.run(restorer.run(step=step), self.settings.restore_timeout_s + 60)
         self._last_step = restored.step

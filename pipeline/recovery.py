@@ -24,6 +24,7 @@ import structlog
 
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog, Copy, Shard
+from pipeline.collective import Collective
 from pipeline.errors import (
     ConfigError,
     IntegrityError,
@@ -33,7 +34,14 @@ from pipeline.errors import (
 )
 from pipeline.names import SUBJECT_ROOT, plan_subject
 from pipeline.settings import Settings
-from schemas import RecoveryPlanned, RestoreReport, SourceRef, StageFailed, decode_event
+from schemas import (
+    RecoveryPlanned,
+    RestoreReport,
+    SourceRef,
+    StageFailed,
+    decode_event,
+    encode_event,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -215,6 +223,8 @@ class Restored:
     rounds: int
     #: The sealed image when it was read from object storage (for the NVMe write-back).
     image: Any = None
+    #: How the ranks agreed: "nats" (reports and plans on the stream) or "torch.distributed".
+    agreement: str = "nats"
 
 
 class Restorer:
@@ -224,7 +234,9 @@ class Restorer:
     waits for all of them, plans, and publishes the plan on `tp.<job>.plan`; every rank loads its
     shard from its first good source and reports `loaded` or `failed`. When all loaded, rank 0
     publishes the plan again as `final`; when one had no good copy left, rank 0 plans an older
-    step (a new round) and all ranks load again.
+    step (a new round) and all ranks load again. With a `collective` (torch.distributed), the
+    reports are gathered and the plans broadcast through it instead of awaited on the stream,
+    where they are still published.
     """
 
     def __init__(
@@ -238,11 +250,13 @@ class Restorer:
         node: str,
         restart: str,
         load: Callable[[Source], Awaitable[tuple[Any, Any]]],
+        collective: Collective | None = None,
     ) -> None:
         self.bus, self.settings = bus, settings
         self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
         self.restart = restart
         self._load = load
+        self._collective = collective
         self._deadline = 0.0
 
     async def run(self, *, step: int | None = None) -> Restored:
@@ -252,12 +266,72 @@ class Restorer:
         for event in await self.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
             catalog.apply(event)
         local = await anyio.to_thread.run_sync(self._local_steps, catalog)
+        if self._collective is not None:
+            return await self._run_collective(catalog, local, step, t0)
         if self.rank == 0:
             window = await self._last_final_plan()
             await self._report("ready", local_steps=local)
             return await self._lead(catalog, step, window, t0)
-        since = await self._report("ready", local_steps=local)
+        since, _ = await self._report("ready", local_steps=local)
         return await self._follow(since, t0)
+
+    async def _run_collective(
+        self, catalog: Catalog, local: list[int], step: int | None, t0: float
+    ) -> Restored:
+        """The same protocol through torch.distributed collectives: every rank takes part in
+        each gather and broadcast, so all ranks see the same reports and decide alike. Reports
+        and plans are still published on the stream, for operators."""
+        _, ready = await self._report("ready", local_steps=local)
+        reports = await self._gather(ready)
+        rank_nodes = {r.rank: r.node for r in reports}
+        local_steps = {r.rank: r.local_steps for r in reports}
+        excluded: set[int] = set()
+        for round_ in itertools.count(1):
+            planned, error = None, None
+            if self.rank == 0:
+                try:
+                    plan = plan_recovery(
+                        catalog,
+                        self.job,
+                        world_size=self.world_size,
+                        alive=set(rank_nodes.values()),
+                        rank_nodes=rank_nodes,
+                        step=step,
+                        exclude=excluded,
+                        local_steps=local_steps,
+                    )
+                    planned = self._planned(plan, round_, final=False)
+                except (NoCheckpointError, ConfigError) as e:
+                    planned, error = self._failed_plan(round_, e), e
+                await self.bus.publish(planned)
+            planned = await self._broadcast(planned)
+            if error is not None:
+                raise error
+            if planned.error:
+                _raise_plan_error(planned)
+            mine, report = await self._load_planned(
+                planned.step, planned.sources[self.rank], round_
+            )
+            failed = sorted(r.rank for r in await self._gather(report) if r.phase == "failed")
+            if not failed and mine is not None:
+                if self.rank == 0:
+                    await self.bus.publish(msgspec.structs.replace(planned, final=True))
+                return self._restored(planned.step, mine, planned.sources, round_, t0)
+            log.warning("recovery_step_abandoned", step=planned.step, failed_ranks=failed)
+            excluded.add(planned.step)
+            step = None
+        raise AssertionError("unreachable")
+
+    async def _gather(self, report: RestoreReport) -> list[RestoreReport]:
+        assert self._collective is not None
+        raw = await anyio.to_thread.run_sync(self._collective.all_gather, encode_event(report))
+        return [_decode(b, RestoreReport) for b in raw]
+
+    async def _broadcast(self, plan: RecoveryPlanned | None) -> RecoveryPlanned:
+        assert self._collective is not None
+        data = encode_event(plan) if plan is not None else None
+        raw = await anyio.to_thread.run_sync(self._collective.broadcast, data)
+        return _decode(raw, RecoveryPlanned)
 
     async def _last_final_plan(self) -> int:
         """Stream seq of the last confirmed plan: reports before it belong to an older restart."""
@@ -300,20 +374,7 @@ class Restorer:
                     local_steps=local_steps,
                 )
             except (NoCheckpointError, ConfigError) as e:  # tell the other ranks, then give up
-                await self.bus.publish(
-                    RecoveryPlanned(
-                        job=self.job,
-                        node=self.node,
-                        ts=time.time(),
-                        restart=self.restart,
-                        round=round_,
-                        step=0,
-                        world_size=self.world_size,
-                        sources={},
-                        final=True,
-                        error=f"{type(e).__name__}: {e}",
-                    )
-                )
+                await self.bus.publish(self._failed_plan(round_, e))
                 raise
             log.info(
                 "recovery_planned",
@@ -323,7 +384,7 @@ class Restorer:
                 rejected={str(k): v for k, v in plan.rejected.items()},
             )
             published = await self.bus.publish(self._planned(plan, round_, final=False))
-            mine = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+            mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
             answers = await self._await_reports(published.seq, round_=round_)
             failed = sorted(r.rank for r in answers.values() if r.phase == "failed")
             if not failed and mine is not None:
@@ -339,23 +400,18 @@ class Restorer:
         while True:
             seq, plan = await self._await_plan(since, round_)
             if plan.error:
-                kind, _, message = plan.error.partition(": ")
-                error = (
-                    WorldSizeMismatchError
-                    if kind == "WorldSizeMismatchError"
-                    else NoCheckpointError
-                )
-                raise error(f"rank 0: {message}")
+                _raise_plan_error(plan)
             if plan.final and plan.round == round_:
                 assert mine is not None
                 return self._restored(plan.step, mine, planned or plan.sources, round_, t0)
             round_, planned = plan.round, plan.sources
-            mine = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+            mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
             since = max(since, seq)
 
     async def _load_planned(
         self, step: int, sources: list[Source], round_: int
-    ) -> tuple[Source, Any, Any] | None:
+    ) -> tuple[tuple[Source, Any, Any] | None, RestoreReport]:
+        """This rank's shard from its first good source (None if none), and its report."""
         for source in sources:
             try:
                 loaded, image = await self._load(source)
@@ -384,12 +440,16 @@ class Restorer:
                     )
                 )
                 continue
-            await self._report("loaded", round_=round_, step=step, tier=source.tier)
-            return source, loaded, image
-        await self._report("failed", round_=round_, step=step, error="no good copy left")
-        return None
+            _, report = await self._report("loaded", round_=round_, step=step, tier=source.tier)
+            return (source, loaded, image), report
+        _, report = await self._report(
+            "failed", round_=round_, step=step, error="no good copy left"
+        )
+        return None, report
 
-    async def _report(self, phase: str, *, round_: int = 0, **fields: Any) -> int:
+    async def _report(
+        self, phase: str, *, round_: int = 0, **fields: Any
+    ) -> tuple[int, RestoreReport]:
         report = RestoreReport(
             job=self.job,
             node=self.node,
@@ -401,7 +461,7 @@ class Restorer:
             round=round_,
             **fields,  # type: ignore[arg-type]
         )
-        return (await self.bus.publish(report)).seq
+        return (await self.bus.publish(report)).seq, report
 
     async def _await_reports(self, since: int, *, round_: int) -> dict[int, RestoreReport]:
         """Every rank's newest report of this restart for `round_` (any phase for round 0),
@@ -450,6 +510,21 @@ class Restorer:
                 f"{self.settings.restore_timeout_s:g} s: {what}"
             )
 
+    def _failed_plan(self, round_: int, e: Exception) -> RecoveryPlanned:
+        """The plan that tells every rank rank 0 gave up, and why."""
+        return RecoveryPlanned(
+            job=self.job,
+            node=self.node,
+            ts=time.time(),
+            restart=self.restart,
+            round=round_,
+            step=0,
+            world_size=self.world_size,
+            sources={},
+            final=True,
+            error=f"{type(e).__name__}: {e}",
+        )
+
     def _planned(self, plan: Plan, round_: int, *, final: bool) -> RecoveryPlanned:
         return RecoveryPlanned(
             job=self.job,
@@ -474,5 +549,26 @@ class Restorer:
     ) -> Restored:
         source, loaded, image = mine
         return Restored(
-            step, loaded.state, source, sources, time.perf_counter() - t0, rounds, image
+            step,
+            loaded.state,
+            source,
+            sources,
+            time.perf_counter() - t0,
+            rounds,
+            image,
+            agreement="nats" if self._collective is None else "torch.distributed",
         )
+
+
+def _raise_plan_error(plan: RecoveryPlanned) -> None:
+    """Raise on another rank the error rank 0 met while planning."""
+    kind, _, message = (plan.error or "").partition(": ")
+    error = WorldSizeMismatchError if kind == "WorldSizeMismatchError" else NoCheckpointError
+    raise error(f"rank 0: {message}")
+
+
+def _decode(data: bytes, kind: type[Any]) -> Any:
+    event = decode_event(data)
+    if not isinstance(event, kind):
+        raise TypeError(f"expected a {kind.__name__} from the other ranks, got {type(event)}")
+    return event

@@ -102,6 +102,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     #: measured faster on the reference VM, where direct reads into freshly allocated memory
     #: are slow; try both on bare metal.
     restore_direct_io: bool = False
+    #: When torch.distributed is initialised with this job's rank and world size, ranks agree
+    #: on the plan through its collectives (the reports and plans still go on the stream).
+    restore_use_torch_distributed: bool = True
 
     # --- trainer
     staging_slots: int = 2

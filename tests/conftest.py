@@ -187,9 +187,12 @@ class Events:
         self.settings, self.job = settings, job
 
     def all(self, kind: str = "*") -> list[Event]:
+        """Events of one kind (`*`: every per-shard kind; `plan`: rank 0's recovery plans)."""
+        subject = f"{SUBJECT_ROOT}.{self.job}." + ("plan" if kind == "plan" else f"{kind}.>")
+
         async def replay() -> list[Event]:
             async with Bus(self.settings) as bus:
-                return await bus.history(f"{SUBJECT_ROOT}.{self.job}.{kind}.>")
+                return await bus.history(subject)
 
         return anyio.run(replay)
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +20,7 @@ from pipeline.names import shard_relpath
 from pipeline.recovery import NoCheckpointError, WorldSizeMismatchError
 from pipeline.settings import Settings
 from pipeline.storage.nvme import read_head
-from schemas import ShardFlushed, StageFailed
+from schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tests.conftest import Agent, Events
 
 pytestmark = pytest.mark.slow
@@ -224,3 +228,55 @@ def test_every_rank_gives_up_at_once_when_rank_0_finds_nothing(
         errors = list(pool.map(one, range(2)))
     assert "no checkpoints" in errors[0] and errors[1].startswith("rank 0:")
     assert time.monotonic() - t0 < 20
+
+
+def test_ranks_agree_through_torch_distributed_when_initialised(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+) -> None:
+    """Two processes in a gloo group restore: the plan travels by collectives (and is still
+    published); rank 1's corrupt NVMe copy falls back to S3 within the same round."""
+    agent()
+    saved = save_steps(settings, job, 2, [1, 2], events)
+    flip(str(Path(settings.nvme_root).absolute() / shard_relpath(job, 2, 1, 2)))
+    results = run_gloo_ranks(settings, job, 2, tmp_path)
+    for rank, r in enumerate(results):
+        assert (r["step"], r["agreement"], r["rounds"]) == (2, "torch.distributed", 1), r
+        assert r["tier"] == ("nvme", "s3")[rank]
+        for k, v in saved[(2, rank)].items():
+            assert r["sums"][k] == hashlib.sha256(v.view(torch.uint8).numpy().tobytes()).hexdigest()
+    final = events.wait_for(
+        lambda e: isinstance(e, RecoveryPlanned) and e.final and e.step == 2, kind="plan"
+    )
+    assert isinstance(final, RecoveryPlanned) and final.sources[1][0].tier == "nvme"
+
+
+def test_every_rank_of_a_torch_distributed_job_gets_rank_0s_error(
+    settings: Settings, job: str, tmp_path: Path
+) -> None:
+    """Nothing saved: rank 0's NoCheckpointError reaches the other rank by broadcast."""
+    results = run_gloo_ranks(settings, job, 2, tmp_path)
+    assert [r["error"] for r in results] == ["NoCheckpointError"] * 2
+    assert results[1]["message"].startswith("rank 0: ")
+
+
+def run_gloo_ranks(settings: Settings, job: str, world: int, tmp_path: Path) -> list[dict]:
+    """Run `tests/dist_rank.py` as `world` processes of one gloo group; their JSON lines."""
+    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning"}
+    store = tmp_path / "gloo-store"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.dist_rank", job, str(rank), str(world), str(store)],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
