@@ -275,6 +275,35 @@ class Restorer:
         since, _ = await self._report("ready", local_steps=local)
         return await self._follow(since, t0)
 
+    def _plan(
+        self,
+        catalog: Catalog,
+        reports: list[RestoreReport],
+        step: int | None,
+        excluded: set[int],
+        round_: int,
+    ) -> Plan:
+        """Rank 0's plan from every rank's `ready` report (its node, its local steps)."""
+        rank_nodes = {r.rank: r.node for r in reports}
+        plan = plan_recovery(
+            catalog,
+            self.job,
+            world_size=self.world_size,
+            alive=set(rank_nodes.values()),
+            rank_nodes=rank_nodes,
+            step=step,
+            exclude=excluded,
+            local_steps={r.rank: r.local_steps for r in reports},
+        )
+        log.info(
+            "recovery_planned",
+            job=self.job,
+            step=plan.step,
+            round=round_,
+            rejected={str(k): v for k, v in plan.rejected.items()},
+        )
+        return plan
+
     async def _run_collective(
         self, catalog: Catalog, local: list[int], step: int | None, t0: float
     ) -> Restored:
@@ -283,26 +312,18 @@ class Restorer:
         and plans are still published on the stream, for operators."""
         _, ready = await self._report("ready", local_steps=local)
         reports = await self._gather(ready)
-        rank_nodes = {r.rank: r.node for r in reports}
-        local_steps = {r.rank: r.local_steps for r in reports}
         excluded: set[int] = set()
         for round_ in itertools.count(1):
             planned, error = None, None
             if self.rank == 0:
                 try:
-                    plan = plan_recovery(
-                        catalog,
-                        self.job,
-                        world_size=self.world_size,
-                        alive=set(rank_nodes.values()),
-                        rank_nodes=rank_nodes,
-                        step=step,
-                        exclude=excluded,
-                        local_steps=local_steps,
-                    )
-                    planned = self._planned(plan, round_, final=False)
+                    plan = self._plan(catalog, reports, step, excluded, round_)
+                    planned = self._planned(round_, plan, final=False)
                 except (NoCheckpointError, ConfigError) as e:
-                    planned, error = self._failed_plan(round_, e), e
+                    planned, error = (
+                        self._planned(round_, None, final=True, error=f"{type(e).__name__}: {e}"),
+                        e,
+                    )
                 await self.bus.publish(planned)
             planned = await self._broadcast(planned)
             if error is not None:
@@ -357,38 +378,22 @@ class Restorer:
         return steps
 
     async def _lead(self, catalog: Catalog, step: int | None, window: int, t0: float) -> Restored:
-        reports = await self._await_reports(window, round_=0)
-        rank_nodes = {r.rank: r.node for r in reports.values()}
-        local_steps = {r.rank: r.local_steps for r in reports.values()}
+        reports = list((await self._await_reports(window, round_=0)).values())
         excluded: set[int] = set()
         for round_ in itertools.count(1):
             try:
-                plan = plan_recovery(
-                    catalog,
-                    self.job,
-                    world_size=self.world_size,
-                    alive=set(rank_nodes.values()),
-                    rank_nodes=rank_nodes,
-                    step=step,
-                    exclude=excluded,
-                    local_steps=local_steps,
-                )
+                plan = self._plan(catalog, reports, step, excluded, round_)
             except (NoCheckpointError, ConfigError) as e:  # tell the other ranks, then give up
-                await self.bus.publish(self._failed_plan(round_, e))
+                await self.bus.publish(
+                    self._planned(round_, None, final=True, error=f"{type(e).__name__}: {e}")
+                )
                 raise
-            log.info(
-                "recovery_planned",
-                job=self.job,
-                step=plan.step,
-                round=round_,
-                rejected={str(k): v for k, v in plan.rejected.items()},
-            )
-            published = await self.bus.publish(self._planned(plan, round_, final=False))
+            published = await self.bus.publish(self._planned(round_, plan, final=False))
             mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
             answers = await self._await_reports(published.seq, round_=round_)
             failed = sorted(r.rank for r in answers.values() if r.phase == "failed")
             if not failed and mine is not None:
-                await self.bus.publish(self._planned(plan, round_, final=True))
+                await self.bus.publish(self._planned(round_, plan, final=True))
                 return self._restored(plan.step, mine, plan.sources, round_, t0)
             log.warning("recovery_step_abandoned", step=plan.step, failed_ranks=failed)
             excluded.add(plan.step)
@@ -510,33 +515,22 @@ class Restorer:
                 f"{self.settings.restore_timeout_s:g} s: {what}"
             )
 
-    def _failed_plan(self, round_: int, e: Exception) -> RecoveryPlanned:
-        """The plan that tells every rank rank 0 gave up, and why."""
+    def _planned(
+        self, round_: int, plan: Plan | None, *, final: bool, error: str = ""
+    ) -> RecoveryPlanned:
+        """The event for `plan`; without one, the final word that rank 0 gave up (`error`)."""
         return RecoveryPlanned(
             job=self.job,
             node=self.node,
             ts=time.time(),
             restart=self.restart,
             round=round_,
-            step=0,
+            step=plan.step if plan else 0,
             world_size=self.world_size,
-            sources={},
-            final=True,
-            error=f"{type(e).__name__}: {e}",
-        )
-
-    def _planned(self, plan: Plan, round_: int, *, final: bool) -> RecoveryPlanned:
-        return RecoveryPlanned(
-            job=self.job,
-            node=self.node,
-            ts=time.time(),
-            restart=self.restart,
-            round=round_,
-            step=plan.step,
-            world_size=self.world_size,
-            sources=plan.sources,
-            rejected=plan.rejected,
+            sources=plan.sources if plan else {},
+            rejected=plan.rejected if plan else {},
             final=final,
+            error=error,
         )
 
     def _restored(
