@@ -88,28 +88,10 @@ class Catalog:
                     Copy("ram", event.node, event.staging_path, event.nbytes, by=event.node),
                 )
             case ShardWritten():
-                nvme = shard.copy("nvme", event.node)
-                if nvme is None or nvme.header_digest != event.header_digest:
-                    # A first write, or a rewrite of a different save: verification starts over.
-                    shard.copies[("nvme", event.node)] = Copy(
-                        "nvme",
-                        event.node,
-                        event.path,
-                        event.nbytes,
-                        event.header_digest,
-                        event.node,
-                    )
+                # A first write, or a rewrite of a different save: verification starts over.
+                _nvme_copy(shard, event)
             case ShardVerified():
-                nvme = shard.copy("nvme", event.node)
-                if nvme is None or nvme.header_digest != event.header_digest:
-                    nvme = shard.copies[("nvme", event.node)] = Copy(
-                        "nvme",
-                        event.node,
-                        event.path,
-                        event.nbytes,
-                        event.header_digest,
-                        event.node,
-                    )
+                nvme = _nvme_copy(shard, event)
                 nvme.verified, nvme.corrupt, nvme.evicted = True, False, False
             case ShardFlushed():
                 # The store confirmed size and checksum after the upload: a verified copy.
@@ -160,3 +142,14 @@ class Catalog:
             if world and ranks == set(range(world)):
                 done.append(step)
         return done
+
+
+def _nvme_copy(shard: Shard, event: ShardWritten | ShardVerified) -> Copy:
+    """The node's NVMe copy of this save (a new, unverified one if the node had none, or a
+    copy of a different save)."""
+    nvme = shard.copy("nvme", event.node)
+    if nvme is None or nvme.header_digest != event.header_digest:
+        nvme = shard.copies[("nvme", event.node)] = Copy(
+            "nvme", event.node, event.path, event.nbytes, event.header_digest, event.node
+        )
+    return nvme

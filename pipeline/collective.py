@@ -42,11 +42,14 @@ class Collective:
 
     def all_gather(self, data: bytes) -> list[bytes]:
         """Every rank's `data`, in rank order."""
-        sizes = [self._tensor(8) for _ in range(self.world_size)]
+        sizes = [self._length(0) for _ in range(self.world_size)]
         self._dist.all_gather(sizes, self._length(len(data)))
-        lengths = [int(s.view(torch.int64).item()) for s in sizes]
+        lengths = [int(s.item()) for s in sizes]
         longest = max(lengths)
-        out = [self._tensor(longest) for _ in range(self.world_size)]
+        out = [
+            torch.zeros(longest, dtype=torch.uint8, device=self._device)
+            for _ in range(self.world_size)
+        ]
         self._dist.all_gather(out, self._payload(data, longest))
         return [_bytes(t, n) for t, n in zip(out, lengths, strict=True)]
 
@@ -54,16 +57,13 @@ class Collective:
         """Rank `src`'s `data` (None on the other ranks)."""
         size = self._length(len(data) if data is not None else 0)
         self._dist.broadcast(size, src)
-        length = int(size.view(torch.int64).item())
+        length = int(size.item())
         payload = self._payload(data or b"", length)
         self._dist.broadcast(payload, src)
         return _bytes(payload, length)
 
-    def _tensor(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.uint8, device=self._device)
-
     def _length(self, n: int) -> torch.Tensor:
-        return torch.tensor([n], dtype=torch.int64).view(torch.uint8).to(self._device)
+        return torch.tensor([n], dtype=torch.int64, device=self._device)
 
     def _payload(self, data: bytes, n: int) -> torch.Tensor:
         t = torch.zeros(n, dtype=torch.uint8)

@@ -110,14 +110,20 @@ class NatsServer:
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            _terminate(proc, timeout_s)
+
+
+def _terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _healthy(monitor_url: str) -> bool:
@@ -217,13 +223,7 @@ class S3Server:
         proc, self.proc = self.proc, None
         if proc is not None:
             self._sockets |= _seaweed_sockets(proc.pid)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _terminate(proc, timeout_s)
         self._remove_sockets()
 
     def kill(self) -> None:

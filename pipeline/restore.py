@@ -27,10 +27,10 @@ import xxhash
 
 from pipeline.errors import IntegrityError, ShardFormatError
 from pipeline.pinned import page_lock, page_unlock
-from pipeline.shard import DTYPE_SIZES, Head
-from pipeline.state import KeyPath, flatten_targets, rebuild_state
+from pipeline.shard import Head
+from pipeline.state import KeyPath, blob_view, flatten_targets, rebuild_state
 from pipeline.storage.nvme import open_for_read, read_head_fd
-from schemas import ShardHeader, TensorEntry
+from schemas import ShardHeader
 
 __all__ = ["Loaded", "load_image", "load_into", "load_shard"]
 
@@ -362,7 +362,11 @@ class _Match:
         self.targets: list[torch.Tensor | None] = []
         for e in header.tensors:
             t = targets.get(e.path)
-            ok = t is not None and t.dtype == _dtype(e) and tuple(t.shape) == tuple(e.shape)
+            ok = (
+                t is not None
+                and t.dtype == getattr(torch, e.dtype)
+                and tuple(t.shape) == tuple(e.shape)
+            )
             self.targets.append(t if ok else None)
         #: Per blob: every tensor in it goes into a target, so its bytes are only passing through.
         self.staged = [True] * len(header.blobs)
@@ -370,10 +374,6 @@ class _Match:
             if t is None:
                 self.staged[e.blob] = False
         self.cuda_devices = {t.device for t in self.targets if t is not None and t.is_cuda}
-
-
-def _dtype(e: TensorEntry) -> torch.dtype:
-    return getattr(torch, e.dtype)  # e.dtype was checked against DTYPE_SIZES
 
 
 def _assemble(
@@ -388,7 +388,7 @@ def _assemble(
     for i, blob in blobs:
         for index in by_blob.get(i, []):
             e, target = header.tensors[index], match.targets[index]
-            view = _view(blob, e)
+            view = blob_view(blob, e)
             if target is None:
                 restored[index] = view
                 continue
@@ -406,12 +406,6 @@ def _assemble(
                 continue  # every tensor already copied into the module's own parameters
         obj.load_state_dict(sub)
     return Loaded(header, state, head.file_nbytes, time.perf_counter() - t0, len(copied))
-
-
-def _view(blob: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    t = torch.empty(0, dtype=_dtype(e))
-    base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
-    return t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
 
 
 def _at(state: Any, keypath: KeyPath) -> Any:

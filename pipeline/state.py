@@ -33,6 +33,7 @@ from schemas import BlobEntry, ShardHeader, TensorEntry
 
 __all__ = [
     "StatePlan",
+    "blob_view",
     "flatten_targets",
     "plan_state",
     "rebuild_state",
@@ -207,15 +208,15 @@ def rebuild_state(
     """
     if tensors is not None:
         return _rebuild_tree(header, tensors, path)
-    tensors = []
-    for e in header.tensors:
-        dtype = getattr(torch, e.dtype)  # e.dtype was checked against DTYPE_SIZES
-        blob = blobs[e.blob]
-        t = torch.empty(0, dtype=dtype)
-        base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
-        t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
-        tensors.append(t)
-    return _rebuild_tree(header, tensors, path)
+    return _rebuild_tree(header, [blob_view(blobs[e.blob], e) for e in header.tensors], path)
+
+
+def blob_view(blob: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """Entry `e`'s tensor as a view of its blob's uint8 tensor (no copy). The layout was
+    checked against the blob when the header was parsed (`pipeline.shard`)."""
+    t = torch.empty(0, dtype=getattr(torch, e.dtype))  # e.dtype was checked against DTYPE_SIZES
+    base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
+    return t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
 
 
 def _rebuild_tree(header: ShardHeader, tensors: list[Any], path: str) -> Any:
