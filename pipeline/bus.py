@@ -12,7 +12,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import nats
@@ -23,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from pipeline.errors import BusError, BusUnavailableError
-from pipeline.names import SUBJECT_ROOT, event_subject, msg_id
+from pipeline.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
 from pipeline.settings import Settings
 from schemas import SCHEMA_VERSION, Event, decode_event, encode_event
 
@@ -46,17 +45,6 @@ _UNAVAILABLE = (
     asyncio.TimeoutError,
     OSError,
 )
-
-
-def redact_url(url: str) -> str:
-    """A server URL fit for logs: credentials removed."""
-    parts = []
-    for u in url.split(","):
-        s = urlsplit(u.strip())
-        host = s.hostname or ""
-        netloc = f"***@{host}" if s.username or s.password else host
-        parts.append(urlunsplit(s._replace(netloc=f"{netloc}:{s.port}" if s.port else netloc)))
-    return ",".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +148,12 @@ class Bus:
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             discard=api.DiscardPolicy.OLD,
-            max_msgs_per_subject=s.max_msgs_per_subject,
+            # No per-subject cap: `evicted` subjects fill three times faster than `written`, so a
+            # cap would drop a removal while the events that created the copy remain. Age and
+            # size limits drop the oldest events first, keeping a suffix of the history.
+            max_msgs_per_subject=-1,
+            max_age=s.stream_max_age_s,
+            max_bytes=s.stream_max_bytes,
             duplicate_window=s.duplicate_window_s,
             num_replicas=s.stream_replicas,
             allow_direct=True,
@@ -379,6 +372,8 @@ class Bus:
 _STREAM_FIELDS = (
     "subjects",
     "max_msgs_per_subject",
+    "max_age",
+    "max_bytes",
     "duplicate_window",
     "num_replicas",
     "allow_direct",

@@ -9,6 +9,7 @@ boundary (bus, storage) and kept as `__cause__`.
 from __future__ import annotations
 
 __all__ = [
+    "AgentLockedError",
     "BusError",
     "BusUnavailableError",
     "ConfigError",
@@ -19,12 +20,15 @@ __all__ = [
     "RetryableError",
     "ShardFailedError",
     "ShardFormatError",
+    "ShardMissingError",
     "SlotTimeoutError",
     "StagingGoneError",
+    "StaleStepError",
     "StorageAuthError",
     "StorageConflictError",
     "StorageUnavailableError",
     "TierpipeError",
+    "UnavailableError",
     "UnsupportedStateError",
 ]
 
@@ -39,6 +43,14 @@ class RetryableError(TierpipeError):
 
 class PermanentError(TierpipeError):
     """A failure that retrying cannot fix (bad input, corrupt data, bad configuration)."""
+
+
+class UnavailableError(RetryableError):
+    """A service tierpipe depends on (NATS, the object store) is down or not answering.
+
+    Stages retry these with capped backoff for as long as the outage lasts, never giving up:
+    "unreachable" is not "corrupt" and not "failed".
+    """
 
 
 class ConfigError(PermanentError, ValueError):
@@ -85,6 +97,16 @@ class IntegrityError(PermanentError):
         self.expected = expected
         self.actual = actual
         super().__init__(f"digest mismatch in {path} ({what}): expected {expected}, got {actual}")
+
+
+class ShardMissingError(PermanentError):
+    """A copy is not where the catalog says (a file or an object that is gone): not corrupt,
+    just unusable; the reader moves to its next source."""
+
+    def __init__(self, location: str, reason: str = "does not exist") -> None:
+        self.location = location
+        self.reason = reason
+        super().__init__(f"{location}: {reason}")
 
 
 class StagingGoneError(PermanentError):
@@ -134,8 +156,37 @@ class ShardFailedError(TierpipeError):
         super().__init__(f"{stage} failed permanently: {error}: {message}")
 
 
-class StorageUnavailableError(RetryableError):
+class StorageUnavailableError(UnavailableError):
     """The object store is down, slow or failing (5xx, timeouts, refused connections)."""
+
+
+class AgentLockedError(ConfigError):
+    """Another agent process already serves this stage of this node (one agent per node)."""
+
+    def __init__(self, path: str, holder: str) -> None:
+        self.path = path
+        self.holder = holder
+        super().__init__(
+            f"another agent already holds {path} ({holder}); one agent per node name: stop it "
+            "or give this one another `node` / `nvme_root`"
+        )
+
+
+class StaleStepError(ConfigError):
+    """A save would go back in a job's history without saying so (a run restarted from scratch
+    under the same job name): restore first, or pass `overwrite=True`."""
+
+    def __init__(self, job: str, rank: int, step: int, newest: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.step = step
+        self.newest = newest
+        super().__init__(
+            f"job {job!r} rank {rank} already saved step {newest}; saving step {step} from a "
+            "process that did not restore would be shadowed by it. Call restore() first, use a "
+            "new job name, or pass Checkpointer(..., overwrite=True) to supersede every step "
+            f"from {step} on"
+        )
 
 
 class StorageAuthError(PermanentError):
@@ -155,5 +206,5 @@ class BusError(TierpipeError):
     """A NATS/JetStream request was refused (bad stream config, API error)."""
 
 
-class BusUnavailableError(RetryableError):
+class BusUnavailableError(UnavailableError):
     """NATS could not be reached or did not answer in time."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import PurePosixPath
+from urllib.parse import urlsplit, urlunsplit
 
 from pipeline.errors import InvalidNameError
 from schemas import (
@@ -34,6 +35,7 @@ __all__ = [
     "msg_id",
     "node_name",
     "plan_subject",
+    "redact_url",
     "shard_relpath",
     "validate_token",
 ]
@@ -57,6 +59,17 @@ def validate_token(what: str, value: object) -> str:
     if what == "job" and value in _RESERVED_JOBS:
         raise InvalidNameError(what, value, reserved=True)
     return value
+
+
+def redact_url(url: str) -> str:
+    """A server URL fit for logs: credentials removed."""
+    parts = []
+    for u in url.split(","):
+        s = urlsplit(u.strip())
+        host = s.hostname or ""
+        netloc = f"***@{host}" if s.username or s.password else host
+        parts.append(urlunsplit(s._replace(netloc=f"{netloc}:{s.port}" if s.port else netloc)))
+    return ",".join(parts)
 
 
 def node_name(configured: str | None) -> str:
@@ -85,8 +98,9 @@ def filter_subject(kind: str, *, node: str, job: str = "*") -> str:
 def msg_id(event: Event) -> str:
     """The `Nats-Msg-Id` that lets the server drop a republished duplicate.
 
-    `<job>/<step>/<rank>/<kind>[/<tier>]`; a failure names its stage and attempt, so every
-    attempt is recorded once.
+    `<job>/<step>/<rank>/<kind>/<node>/<epoch>[/...]`: the node is part of it, since two nodes'
+    copies of one shard (a write-back after a restore) are two facts, not one; a failure names
+    its stage and attempt, so every attempt is recorded once.
     """
     # Restore coordination: every attempt is new, even with the same restart id.
     if isinstance(event, RecoveryPlanned):
@@ -99,15 +113,18 @@ def msg_id(event: Event) -> str:
         )
     if isinstance(event, StageFailed):
         if event.step is None:
-            return f"{event.job}/poison/{event.stage}/{event.stream_seq}"
-        return f"{event.job}/{event.step}/{event.rank}/failed/{event.stage}/{event.attempt}"
+            return f"{event.job}/poison/{event.stage}/{event.node}/{event.stream_seq}"
+        return (
+            f"{event.job}/{event.step}/{event.rank}/failed/{event.node}/{event.stage}/"
+            f"{event.attempt}"
+        )
     assert isinstance(event, ShardEvent)
-    base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}"
+    base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}/{event.node}/{event.epoch}"
     if isinstance(event, ShardEvicted):
         return f"{base}/{event.tier}"
     if isinstance(event, ShardWritten | ShardVerified | ShardFlushed):
-        # Another save of the same step (a job that re-saves it after a restart) is new content,
-        # not a duplicate; so is a copy rewritten after a restore found it bad.
+        # Another save of the same step is new content, not a duplicate; so is a copy rewritten
+        # after a restore found it bad.
         base = f"{base}/{event.header_digest[:12]}"
     elif isinstance(event, ShardStaged):
         base = f"{base}/{round(event.ts * 1e6)}"  # each save() is its own event

@@ -2,7 +2,9 @@
 
 Precedence, lowest first: defaults, the TOML file (`TIERPIPE_CONFIG` or an explicit path),
 `TIERPIPE_<FIELD>` environment variables, explicit keyword arguments. An unknown key in the file
-is an error, not a silent default.
+is an error, not a silent default. Paths are made absolute when the settings are built, so a
+process started from another working directory still finds the same files. Secrets never show
+in a repr (`SECRET_FIELDS`, and credentials inside `nats_url`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,23 @@ import msgspec
 
 from pipeline.errors import ConfigError
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["SECRET_FIELDS", "Settings", "load_settings"]
 
 SlotPolicy = Literal["wait", "skip"]
 
 _ENV_PREFIX = "TIERPIPE_"
+#: Fields whose values are secrets: redacted in every repr and log line.
+SECRET_FIELDS = frozenset({"s3_secret_access_key", "nats_password", "nats_token"})
+#: Fields that are filesystem paths: made absolute when the settings are built.
+_PATH_FIELDS = (
+    "staging_root",
+    "nvme_root",
+    "nats_creds_file",
+    "nats_nkey_seed_file",
+    "nats_tls_ca_file",
+    "nats_tls_cert_file",
+    "nats_tls_key_file",
+)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,10 +44,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     #: Server URL(s), comma-separated. The demo starts an embedded server when
     #: `TIERPIPE_NATS_URL` is not set.
     nats_url: str = "nats://127.0.0.1:4222"
+    #: Credentials and TLS for NATS (None: none, or what `nats_url` carries). Prefer a creds
+    #: file or an nkey seed file over a password; a TLS client cert/key for mutual TLS.
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_creds_file: str | None = None
+    nats_nkey_seed_file: str | None = None
+    nats_tls_ca_file: str | None = None
+    nats_tls_cert_file: str | None = None
+    nats_tls_key_file: str | None = None
     stream: str = "TIERPIPE"
     stream_replicas: int = 1
-    #: Events kept per subject, i.e. per (job, kind, node, rank): the steps recovery can replay.
-    max_msgs_per_subject: int = 4096
+    #: Events older than this leave the stream (0: kept forever). Limits drop the oldest events
+    #: first, so what stays is always a suffix of the history: a copy's removal is never lost
+    #: while the events that created it remain. Older checkpoints: `tierpipe reindex`.
+    stream_max_age_s: float = 30 * 86400.0
+    #: The stream's size limit in bytes (-1: none); the oldest events go first.
+    stream_max_bytes: int = -1
     duplicate_window_s: float = 120.0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 10.0
@@ -46,6 +74,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     retry_max_s: float = 30.0
     #: How long a stopping worker lets in-flight work finish before it is abandoned (and nak'ed).
     drain_timeout_s: float = 30.0
+    #: How long a starting agent waits for another agent of the same node (which holds the
+    #: node's lock) to exit before it gives up (a rolling update's old agent still draining).
+    agent_lock_timeout_s: float = 60.0
+    #: Fault injection for tests: the agent SIGKILLs itself at this named point ("" : never).
+    fault_point: str = ""
 
     # --- node identity and tiers
     #: This node's name; None: the host name's first label.
@@ -117,6 +150,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_format: Literal["auto", "json", "console"] = "auto"
 
     def __post_init__(self) -> None:
+        for name in _PATH_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                msgspec.structs.force_setattr(self, name, os.path.abspath(value))
         _check(self.stream and all(c not in self.stream for c in ".*> "), "stream", self.stream)
         for name in ("ack_wait_s", "retry_base_s", "retry_max_s", "publish_timeout_s"):
             _check(getattr(self, name) > 0, name, getattr(self, name))
@@ -128,6 +165,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             self.io_chunk_bytes,
         )
         _check(self.nvme_reserve_bytes >= 0, "nvme_reserve_bytes", self.nvme_reserve_bytes)
+        _check(self.stream_max_age_s >= 0, "stream_max_age_s", self.stream_max_age_s)
+        _check(
+            self.stream_max_bytes == -1 or self.stream_max_bytes > 0,
+            "stream_max_bytes",
+            self.stream_max_bytes,
+        )
+        _check(self.agent_lock_timeout_s >= 0, "agent_lock_timeout_s", self.agent_lock_timeout_s)
         # The newest NVMe copy may still be in flight, so one is never enough on the fast tier.
         _check(self.nvme_keep_latest_k >= 2, "nvme_keep_latest_k", self.nvme_keep_latest_k)
         _check(self.s3_keep_latest_k >= 1, "s3_keep_latest_k", self.s3_keep_latest_k)
@@ -148,6 +192,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             self.s3_prefix,
         )
 
+    def __repr__(self) -> str:
+        fields = []
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if name in SECRET_FIELDS and value is not None:
+                value = "***"
+            elif name == "nats_url":
+                value = _redact_url(value)
+            fields.append(f"{name}={value!r}")
+        return f"Settings({', '.join(fields)})"
+
+    def secrets(self) -> list[str]:
+        """Every secret value these settings hold (for scrubbing logs), longest first."""
+        from urllib.parse import urlsplit
+
+        found = [getattr(self, n) for n in SECRET_FIELDS]
+        for u in self.nats_url.split(","):
+            parts = urlsplit(u.strip())
+            found += [parts.password, parts.username if parts.password is None else None]
+        return sorted({v for v in found if v and len(v) >= 4}, key=len, reverse=True)
+
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated)."""
         return load_settings(path=None, env={}, base=self, **changes)
@@ -165,6 +230,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
             env[_ENV_PREFIX + name.upper()] = text
         return env
+
+
+def _redact_url(url: str) -> str:
+    from pipeline.names import redact_url  # names imports errors only; no circle at run time
+
+    return redact_url(url)
 
 
 def _check(ok: object, name: str, value: object) -> None:

@@ -19,6 +19,7 @@ from schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader
 
 __all__ = [
     "DTYPE_SIZES",
+    "GENERATION_OFFSET",
     "PREFIX_NBYTES",
     "Head",
     "align_up",
@@ -28,11 +29,17 @@ __all__ = [
     "parse_head",
     "parse_prefix",
     "seal_header",
+    "set_slot_generation",
+    "slot_generation",
 ]
 
-# magic, format version, flags, header length, file length, header digest; padded to 64 bytes.
-_PREFIX = struct.Struct("<8sHHIQ16s24x")
+# magic, format version, flags, header length, file length, header digest, slot generation;
+# padded to 64 bytes. The generation is only meaningful in a staging slot (0 in a sealed file).
+_PREFIX = struct.Struct("<8sHHIQ16sQ16x")
 PREFIX_NBYTES = _PREFIX.size
+_GENERATION = struct.Struct("<Q")
+#: Offset of the slot generation in the prefix.
+GENERATION_OFFSET = 40
 _FLAG_SEALED = 1
 _ZERO_DIGEST = bytes(16)
 #: A header larger than this is treated as garbage rather than allocated.
@@ -109,8 +116,21 @@ def encode_head(header: ShardHeader, *, sealed: bool) -> bytes:
         len(body),
         file_nbytes(data_offset, header.blobs),
         digest,
+        0,
     )
     return prefix + body + bytes(data_offset - PREFIX_NBYTES - len(body))
+
+
+def slot_generation(image: bytes | memoryview | bytearray) -> int:
+    """The generation a staging slot's prefix records (see `set_slot_generation`)."""
+    return _GENERATION.unpack_from(image, GENERATION_OFFSET)[0]
+
+
+def set_slot_generation(image: memoryview | bytearray, generation: int) -> None:
+    """Record `generation` in a staging slot's prefix. The trainer bumps it *before* it writes
+    anything else into a reused slot, so a reader that sees the same generation before and
+    after copying the slot knows no reuse began meanwhile."""
+    _GENERATION.pack_into(image, GENERATION_OFFSET, generation)
 
 
 def seal_header(header: ShardHeader, digests: list[bytes]) -> ShardHeader:
@@ -125,7 +145,7 @@ def parse_prefix(prefix: bytes | memoryview, path: str) -> tuple[int, int, bytes
     """Check the fixed prefix; return (header length, file length, header digest, sealed)."""
     if len(prefix) < PREFIX_NBYTES:
         raise ShardFormatError(path, f"truncated: {len(prefix)} bytes, no complete prefix")
-    magic, version, flags, header_len, nbytes, digest = _PREFIX.unpack_from(prefix)
+    magic, version, flags, header_len, nbytes, digest, _ = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise ShardFormatError(path, f"not a tierpipe shard (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:

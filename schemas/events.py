@@ -43,6 +43,7 @@ Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    #: Schema version; `decode_event` refuses any other (an event is never guessed at).
     v: int = SCHEMA_VERSION
     job: Token
     node: Token
@@ -58,6 +59,10 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
     step: NonNegInt
     rank: NonNegInt
     world_size: PosInt
+    #: The save's timeline (the saving Checkpointer's start, in ns; 0 before timelines existed).
+    #: A run that rewinds (restores, or saves with `overwrite=True`) starts a newer epoch, and
+    #: its saves supersede older epochs' saves of later steps (`ShardStaged.rewind_to`).
+    epoch: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -72,6 +77,7 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
             step=self.step,
             rank=self.rank,
             world_size=self.world_size,
+            epoch=self.epoch,
             **fields,
         )
 
@@ -91,6 +97,13 @@ class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
     blocking: bool = True
     #: "restore": a shard read back from object storage, staged so this node's NVMe gets a copy.
     origin: Literal["save", "restore"] = "save"
+    #: The slot's generation when this image was copied in: the trainer bumps it in the slot
+    #: (`pipeline.shard.slot_generation`) before it reuses the slot, so a writer that reads the
+    #: same value before and after copying proves it copied this very save.
+    generation: NonNegInt = 0
+    #: Set by a run that rewound to this step (it restored it, or saves with `overwrite=True`):
+    #: saves of this rank with a step after it and an older epoch are superseded. -1: every step.
+    rewind_to: Annotated[int, msgspec.Meta(ge=-1)] | None = None
 
 
 class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):
@@ -161,6 +174,8 @@ class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
     stream_seq: NonNegInt | None = None
     #: The tier of the copy found bad (verify, restore), so recovery skips it.
     tier: Tier | None = None
+    #: The failed save's epoch (see `ShardEvent.epoch`).
+    epoch: NonNegInt = 0
 
 
 class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -243,6 +258,12 @@ def decode_event(data: bytes) -> Event:
     """Decode and validate an event.
 
     Raises:
-        msgspec.ValidationError, msgspec.DecodeError: the payload is not a valid event.
+        msgspec.ValidationError, msgspec.DecodeError: the payload is not a valid event, or is
+            of a schema version this build does not read (never guessed at).
     """
-    return _decoder.decode(data)
+    event = _decoder.decode(data)
+    if event.v != SCHEMA_VERSION:
+        raise msgspec.ValidationError(
+            f"schema version {event.v} is not supported (this build reads {SCHEMA_VERSION})"
+        )
+    return event

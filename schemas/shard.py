@@ -4,9 +4,10 @@ File layout (DESIGN.md §6)::
 
     [prefix: 64 bytes][header: msgpack ShardHeader][pad to 4 KiB][blob 0][pad]...[blob n][pad]
 
-The prefix holds the magic, format version, flags, header length, file size and the xxh3-128
-digest of the header bytes. The data region starts at the first 4 KiB boundary after the header
-and blob offsets count from there, so the header's length never depends on its own offsets.
+The prefix holds the magic, format version, flags, header length, file size, the xxh3-128
+digest of the header bytes and, in a staging slot only, the slot's generation (0 in a file).
+The data region starts at the first 4 KiB boundary after the header and blob offsets count
+from there, so the header's length never depends on its own offsets.
 Every blob starts at a 4 KiB-aligned offset and holds raw tensor bytes in native layout, so the
 file can be written and read with O_DIRECT and mapped zero-copy.
 """
@@ -60,3 +61,5 @@ class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):
     tree: bytes
     tensors: tuple[TensorEntry, ...]
     blobs: tuple[BlobEntry, ...]
+    #: The save's timeline (see `schemas.events.ShardEvent.epoch`); 0 in older files.
+    epoch: int = 0

@@ -43,15 +43,14 @@ async def test_ensure_stream_is_idempotent_and_applies_changes(own_server: NatsS
         assert [e["event"] for e in logs if e["event"].startswith("stream_")] == []
         info = await bus.js.stream_info(s.stream)
         assert info.config.subjects == ["tp.>"] and info.config.allow_direct
-        assert (
-            info.config.deny_delete and info.config.max_msgs_per_subject == s.max_msgs_per_subject
-        )
+        assert info.config.deny_delete and info.config.max_msgs_per_subject == -1
+        assert info.config.max_age == s.stream_max_age_s
         assert info.config.retention == "limits" and info.config.duplicate_window == 120
-    changed = s.replace(max_msgs_per_subject=77, duplicate_window_s=30.0)
+    changed = s.replace(stream_max_bytes=1 << 30, duplicate_window_s=30.0)
     async with Bus(changed) as bus:
         await bus.ensure_stream()
         info = await bus.js.stream_info(s.stream)
-        assert info.config.max_msgs_per_subject == 77 and info.config.duplicate_window == 30
+        assert info.config.max_bytes == 1 << 30 and info.config.duplicate_window == 30
 
 
 async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) -> None:
@@ -89,7 +88,8 @@ async def test_events_are_readable_json_with_headers(
     body = json.loads(raw.data)
     assert body["kind"] == "staged" and body["step"] == 4 and body["v"] == 1
     assert raw.headers["Tp-Kind"] == "staged"
-    assert raw.headers["Nats-Msg-Id"] == f"{job}/4/0/staged/{round(event.ts * 1e6)}"
+    node = settings.node
+    assert raw.headers["Nats-Msg-Id"] == f"{job}/4/0/staged/{node}/0/{round(event.ts * 1e6)}"
     assert decode_event(raw.data) == event
     jsz = await anyio.to_thread.run_sync(get_json, f"{nats_server.monitor_url}/jsz?streams=true")
     streams = [s["name"] for a in jsz["account_details"] for s in a["stream_detail"]]

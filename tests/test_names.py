@@ -31,10 +31,15 @@ def written(**kw: object) -> ShardWritten:
 
 
 def test_subjects_and_ids_follow_the_design() -> None:
-    """Subjects are tp.<job>.<kind>.<node>.<rank>; msg ids dedupe per shard, kind and tier."""
+    """Subjects are tp.<job>.<kind>.<node>.<rank>; msg ids dedupe per shard, kind, node, epoch
+    and tier."""
     e = written()
     assert event_subject(e) == "tp.j1.written.n1.3"
-    assert msg_id(e) == "j1/12/3/written/000000000000"  # + header digest: new content, new id
+    # + header digest: new content, new id
+    assert msg_id(e) == "j1/12/3/written/n1/0/000000000000"
+    # Another node's copy of the same shard (a write-back after a restore) is its own fact.
+    assert msg_id(written(node="n2")) != msg_id(e)
+    assert msg_id(written(epoch=7)) == "j1/12/3/written/n1/7/000000000000"
     ev = ShardEvicted(
         job="j1",
         node="n1",
@@ -46,7 +51,7 @@ def test_subjects_and_ids_follow_the_design() -> None:
         location="/x",
         reason="retention",
     )
-    assert msg_id(ev) == "j1/12/3/evicted/nvme"
+    assert msg_id(ev) == "j1/12/3/evicted/n1/0/nvme"
     f = StageFailed(
         job="j1",
         node="n1",
@@ -60,7 +65,7 @@ def test_subjects_and_ids_follow_the_design() -> None:
         rank=3,
         world_size=8,
     )
-    assert msg_id(f) == "j1/12/3/failed/verify/2" and event_subject(f) == "tp.j1.failed.n1.3"
+    assert msg_id(f) == "j1/12/3/failed/n1/verify/2" and event_subject(f) == "tp.j1.failed.n1.3"
 
 
 def test_shard_paths_are_zero_padded_keys() -> None:
@@ -90,3 +95,13 @@ def test_decoding_validates_names_and_ranges() -> None:
         written(rank=8)  # not even constructible
     with pytest.raises(msgspec.ValidationError):
         decode_event(b'{"kind":"bogus","job":"j"}')
+
+
+@pytest.mark.parametrize("version", [0, 2, 99])
+def test_unknown_schema_versions_are_refused_not_guessed(version: int) -> None:
+    """An event of a schema version this build does not read fails to decode, naming the version,
+    instead of being processed as version 1."""
+    good = encode_event(written())
+    assert b'"v":1' in good
+    with pytest.raises(msgspec.ValidationError, match=f"schema version {version} is not supported"):
+        decode_event(good.replace(b'"v":1', f'"v":{version}'.encode()))

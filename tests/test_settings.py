@@ -42,3 +42,33 @@ def test_env_round_trip() -> None:
     """as_env() hands settings to a worker process losslessly."""
     s = load_settings(env={}, node="n1", direct_io=False, nvme_reserve_bytes=123)
     assert load_settings(env=s.as_env()) == s
+
+
+def test_paths_are_made_absolute_when_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative nvme_root means the same directory whatever working directory a worker is
+    restarted from: it is resolved once, when the settings are built."""
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(env={}, nvme_root="data/nvme", nats_creds_file="x.creds")
+    assert s.nvme_root == str(tmp_path / "data" / "nvme")
+    assert s.nats_creds_file == str(tmp_path / "x.creds")
+    assert Path(s.staging_root).is_absolute()
+    monkeypatch.chdir("/")
+    assert load_settings(env=s.as_env()).nvme_root == s.nvme_root
+
+
+def test_repr_never_shows_secrets() -> None:
+    """Passwords, tokens, secret keys and credentials inside the NATS URL never appear in a repr."""
+    s = load_settings(
+        env={},
+        nats_url="nats://agent:hunter2-nats@10.0.0.1:4222",
+        nats_password="pw-field-secret",
+        nats_token="tok-field-secret",
+        s3_secret_access_key="s3-secret-key-value",
+    )
+    text = repr(s) + str(s) + f"{s}"
+    for secret in ("hunter2-nats", "pw-field-secret", "tok-field-secret", "s3-secret-key-value"):
+        assert secret not in text
+        assert secret in s.secrets()
+    assert "nats_password='***'" in text and "10.0.0.1:4222" in text
