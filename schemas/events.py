@@ -61,8 +61,13 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
     world_size: PosInt
     #: The save's timeline (the saving Checkpointer's start, in ns; 0 before timelines existed).
     #: A run that rewinds (restores, or saves with `overwrite=True`) starts a newer epoch, and
-    #: its saves supersede older epochs' saves of later steps (`ShardStaged.rewind_to`).
+    #: its saves supersede older epochs' saves of later steps (`rewind_to`).
     epoch: NonNegInt = 0
+    #: Set on every save of a run that rewound to this step (it restored it, or saves with
+    #: `overwrite=True`): this rank's saves of a later step with an older epoch are superseded,
+    #: and a writer may replace their files and objects. -1: every step. Carried by every event
+    #: that follows the save's `staged`.
+    rewind_to: Annotated[int, msgspec.Meta(ge=-1)] | None = None
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -78,6 +83,7 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
             rank=self.rank,
             world_size=self.world_size,
             epoch=self.epoch,
+            **({"rewind_to": self.rewind_to} if issubclass(kind, ShardEvent) else {}),
             **fields,
         )
 
@@ -101,9 +107,6 @@ class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
     #: (`pipeline.shard.slot_generation`) before it reuses the slot, so a writer that reads the
     #: same value before and after copying proves it copied this very save.
     generation: NonNegInt = 0
-    #: Set by a run that rewound to this step (it restored it, or saves with `overwrite=True`):
-    #: saves of this rank with a step after it and an older epoch are superseded. -1: every step.
-    rewind_to: Annotated[int, msgspec.Meta(ge=-1)] | None = None
 
 
 class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):

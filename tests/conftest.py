@@ -212,3 +212,19 @@ class Events:
 @pytest.fixture
 def events(settings: Settings, job: str) -> Events:
     return Events(settings, job)
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[None]:
+    """Another process spinning on every core for the test's length: races hide on an idle
+    machine (a 2-core CI box under load is where they showed)."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        yield
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
