@@ -106,7 +106,7 @@ class StatePlan:
 
 
 def plan_state(
-    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str
+    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int = 0
 ) -> StatePlan:
     """Flatten `state` and lay it out as a shard image.
 
@@ -175,6 +175,7 @@ def plan_state(
         world_size=world_size,
         node=node,
         created=time.time(),
+        epoch=epoch,
         tree=tree_bytes,
         tensors=tuple(e for e in entries if e is not None),
         blobs=tuple(blobs),
@@ -268,6 +269,7 @@ def write_shard(
     rank: int = 0,
     world_size: int = 1,
     node: str = "local",
+    epoch: int = 0,
 ) -> str:
     """Write `state` as a sealed shard file (fsynced, atomically renamed into place).
 
@@ -278,7 +280,9 @@ def write_shard(
     """
     from pipeline.storage.nvme import seal_image
 
-    plan = plan_state(state, job=job, step=step, rank=rank, world_size=world_size, node=node)
+    plan = plan_state(
+        state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch
+    )
     buf = mmap.mmap(-1, plan.nbytes)  # page-aligned, so the writer can use O_DIRECT
     buf[: len(plan.head)] = plan.head
     plan.copy_into(plan.destinations(torch.frombuffer(buf, dtype=torch.uint8)))
