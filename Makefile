@@ -5,7 +5,7 @@ VENV   := .venv
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
 
-.PHONY: demo test lint format bench-stall bench-nvme clean
+.PHONY: demo test test-gpu lint format bench-stall bench-nvme clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# The CUDA paths on a real GPU (skipped without one): `make test-gpu TORCH=torch`.
+test-gpu: $(STAMP)
+	$(VENV)/bin/python -m pytest tests/gpu -v -s -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
