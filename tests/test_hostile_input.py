@@ -7,9 +7,13 @@ that it is refused with a tierpipe error, or ignored without harm, never obeyed.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import boto3
 import msgspec
 import numpy as np
 import pytest
@@ -19,12 +23,18 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from pipeline.bus import Bus
+from pipeline.embedded import S3Server
 from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from pipeline.names import node_name, shard_relpath
 from pipeline.restore import load_shard
+from pipeline.settings import Settings
 from pipeline.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
 from pipeline.state import write_shard
 from pipeline.storage.nvme import read_head
-from schemas import BlobEntry, ShardHeader
+from pipeline.storage.s3 import S3Store
+from schemas import BlobEntry, Event, ShardFlushed, ShardHeader
+from tests.conftest import Agent, Events
 
 # --- item 14: crafted shard files ------------------------------------------------------------
 
@@ -276,3 +286,86 @@ def test_fuzzed_headers_load_or_fail_cleanly_within_the_file(
         assert t.untyped_storage().nbytes() <= size
         if max(users, default=0) <= 1:
             assert t.numel() * t.element_size() <= t.untyped_storage().nbytes()
+
+
+# --- item 15: forged `flushed` events ---------------------------------------------------------
+
+
+def _publish(settings: Settings, events: list[Event]) -> None:
+    async def go() -> None:
+        async with Bus(settings) as bus:
+            await bus.ensure_stream()
+            for event in events:
+                await bus.publish(event)
+
+    anyio.run(go)
+
+
+def _forged_flushed(settings: Settings, job: str, step: int, key: str) -> ShardFlushed:
+    return ShardFlushed(
+        job=job,
+        node=node_name(settings.node),  # claims this very node uploaded it
+        ts=time.time(),
+        step=step,
+        rank=0,
+        world_size=1,
+        bucket=settings.s3_bucket,
+        key=key,
+        etag="0" * 32,
+        checksum="AAAAAA==-1",
+        header_digest=FORGED_DIGEST,
+        nbytes=4096,
+        seconds=0.1,
+    )
+
+
+FORGED_DIGEST = "ab" * 16
+
+
+@pytest.mark.slow
+def test_forged_flushed_events_never_delete_objects_this_node_did_not_upload(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, s3_server: S3Server
+) -> None:
+    """Forged `flushed` events naming another team's object, and this job's key holding another
+    node's upload, with retention that would evict both: evict deletes neither and publishes
+    no removal."""
+    s3 = boto3.client("s3", **s3_server.client_kwargs())
+    bucket = settings.s3_bucket
+    keys = S3Store(settings)
+    theirs = keys.key_for(shard_relpath(job, 2, 0, 1))
+    s3.put_object(Bucket=bucket, Key="other-team/precious.bin", Body=b"precious")
+    s3.put_object(
+        Bucket=bucket,
+        Key=theirs,
+        Body=b"another node's upload",
+        Metadata={"tp-node": "node-other", "tp-header-digest": FORGED_DIGEST, "tp-epoch": "0"},
+    )
+    _publish(
+        settings,
+        [
+            _forged_flushed(settings, job, 1, "other-team/precious.bin"),
+            _forged_flushed(settings, job, 2, theirs),
+            _forged_flushed(settings, job, 3, keys.key_for(shard_relpath(job, 3, 0, 1))),
+        ],
+    )
+    a = agent("evict", settings=settings.replace(s3_keep_latest_k=1)).wait_ready()
+
+    def settled() -> bool:  # both refused, or (before the fix) some removal published
+        log = a.log()
+        refused = "object_eviction_refused" in log and "object_delete_refused" in log
+        return refused or any(getattr(e, "tier", "") == "s3" for e in events.all("evicted"))
+
+    _wait_until(settled, what="evict to judge the forged copies")
+    assert s3.get_object(Bucket=bucket, Key="other-team/precious.bin")["Body"].read() == (
+        b"precious"
+    )
+    assert s3.get_object(Bucket=bucket, Key=theirs)["Body"].read() == b"another node's upload"
+    assert [e for e in events.all("evicted") if getattr(e, "tier", "") == "s3"] == []
+    assert a.proc is not None and a.proc.poll() is None, a.log()
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
