@@ -7,6 +7,10 @@ that it is refused with a tierpipe error, or ignored without harm, never obeyed.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,14 +30,21 @@ from hypothesis import strategies as st
 from pipeline.bus import Bus
 from pipeline.embedded import S3Server
 from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
-from pipeline.names import node_name, shard_relpath
+from pipeline.names import CONTROL_FLUSH, node_name, shard_relpath
 from pipeline.restore import load_shard
 from pipeline.settings import Settings
 from pipeline.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
 from pipeline.state import write_shard
 from pipeline.storage.nvme import read_head
 from pipeline.storage.s3 import S3Store
-from schemas import BlobEntry, Event, ShardFlushed, ShardHeader
+from schemas import (
+    BlobEntry,
+    Event,
+    ShardFlushed,
+    ShardHeader,
+    ShardVerified,
+    ShardWritten,
+)
 from tests.conftest import Agent, Events
 
 # --- item 14: crafted shard files ------------------------------------------------------------
@@ -369,3 +380,93 @@ def _wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str 
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+# --- item 21: bad CLI input ---------------------------------------------------------------------
+
+
+def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _saved(settings: Settings, job: str, step: int = 1) -> list[Event]:
+    """The `written` and `verified` events of a shard of `job` on this test's node."""
+    ident: dict[str, Any] = dict(
+        job=job, node=node_name(settings.node), ts=time.time(), step=step, rank=0, world_size=1
+    )
+    where = dict(path=f"{settings.nvme_root}/{job}/x.shard", nbytes=8192, header_digest="cd" * 16)
+    return [
+        ShardWritten(**ident, **where, tensors=1, seconds=0.1),
+        ShardVerified(**ident, **where, seconds=0.1),
+    ]
+
+
+def _last_on(settings: Settings, subject: str) -> tuple[int, bytes] | None:
+    async def go() -> tuple[int, bytes] | None:
+        async with Bus(settings) as bus:
+            return await bus.last_raw(subject)
+
+    return anyio.run(go)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["status", "reindex"])
+def test_unknown_job_is_an_error(settings: Settings, job: str, command: str) -> None:
+    """`status` and `reindex` on a job with no events, no files and no objects exit non-zero
+    with a message naming the job."""
+    out = _cli(settings, command, "--job", job)
+    assert out.returncode != 0, out.stdout
+    assert "tierpipe: error: " in out.stderr and repr(job) in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_plan_into_a_closed_pipe_exits_quietly(settings: Settings, job: str) -> None:
+    """`tierpipe plan --json` whose reader has gone (`| head -c 10`) stops without a traceback
+    or any other word on stderr, exiting as a filter killed by SIGPIPE would (141)."""
+    _publish(settings, _saved(settings, job))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "plan", "--job", job, "--json"],
+        env={**os.environ, **settings.as_env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the command prints (it imports for ~1 s)
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 128 + signal.SIGPIPE, err
+    assert err == ""
+
+
+@pytest.mark.slow
+def test_flush_command_to_an_unknown_node_is_refused(settings: Settings, uid: str) -> None:
+    """`flush pause --node <typo>` exits non-zero naming the node and `--force`, and sends
+    nothing."""
+    typo = f"typo-{uid}"
+    out = _cli(settings, "flush", "pause", "--node", typo)
+    assert out.returncode != 0 and repr(typo) in out.stderr and "--force" in out.stderr
+    assert _last_on(settings, f"{CONTROL_FLUSH}.{typo}") is None
+
+
+@pytest.mark.slow
+def test_forced_flush_command_to_an_unknown_node_is_sent(settings: Settings, uid: str) -> None:
+    """`--force` sends a flush command to a node the stream does not know yet."""
+    typo = f"typo-{uid}"
+    out = _cli(settings, "flush", "pause", "--node", typo, "--force")
+    assert out.returncode == 0, out.stderr
+    assert _last_on(settings, f"{CONTROL_FLUSH}.{typo}") is not None
+
+
+@pytest.mark.slow
+def test_flush_command_to_a_node_known_by_its_events_is_sent(settings: Settings, job: str) -> None:
+    """A node that has published events, though it runs no flush worker now, is accepted."""
+    _publish(settings, _saved(settings, job))
+    out = _cli(settings, "flush", "resume", "--node", settings.node)
+    assert out.returncode == 0, out.stderr
+    assert _last_on(settings, f"{CONTROL_FLUSH}.{settings.node}") is not None
