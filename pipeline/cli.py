@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 import time
 from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
+import nats.js.errors
 
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog, Shard
-from pipeline.errors import ConfigError, TierpipeError
+from pipeline.errors import BusUnavailableError, ConfigError, TierpipeError
 from pipeline.log import configure_logging
-from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, validate_token
+from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, consumer_name, node_name, validate_token
 from pipeline.settings import Settings, load_settings
 from schemas import FlushControl
 
@@ -72,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         help="for `rate`: bytes/s, e.g. 50MiB, 200MB, 0 for unlimited",
     )
     flush.add_argument("--node", help="only this node (default: every node)")
+    flush.add_argument(
+        "--force",
+        action="store_true",
+        help="send to --node even if it has no flush worker and no events yet",
+    )
 
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
     demo.add_argument("--ranks", type=int, default=2)
@@ -83,42 +92,68 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        settings = load_settings(args.config)
-        configure_logging(settings.log_level, settings.log_format)
-        match args.command:
-            case "worker":
-                names = (
-                    list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
-                )
-                return _run_worker(settings, names)
-            case "status":
-                return _status(settings, validate_token("job", args.job), as_json=args.json)
-            case "flush":
-                return _flush(settings, args.action, args.rate, args.node)
-            case "plan":
-                alive = args.alive.split(",") if args.alive else None
-                return _plan(settings, validate_token("job", args.job), alive, args.step, args.json)
-            case "reindex":
-                from pipeline.reindex import reindex
-
-                done = anyio.run(
-                    lambda: reindex(
-                        settings, args.job, verify=not args.no_verify, s3=not args.no_s3
-                    )
-                )
-                print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {args.job}")
-                for line in done.skipped:
-                    print(f"  skipped {line}")
-                return 0
-            case "demo":
-                from pipeline.demo import run_demo
-
-                return run_demo(
-                    settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data
-                )
+        code = _run(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+    except BrokenPipeError:
+        if args.command == "worker":
+            raise  # a socket's error, not a closed stdout
+        return _reader_gone()
     except TierpipeError as e:
         print(f"tierpipe: error: {e}", file=sys.stderr)
         return 2
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stages import AGENT_STAGES
+
+    settings = load_settings(args.config)
+    configure_logging(settings.log_level, settings.log_format)
+    match args.command:
+        case "worker":
+            names = list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+            return _run_worker(settings, names)
+        case "status":
+            return _status(settings, validate_token("job", args.job), as_json=args.json)
+        case "flush":
+            return _flush(settings, args.action, args.rate, args.node, force=args.force)
+        case "plan":
+            alive = args.alive.split(",") if args.alive else None
+            return _plan(settings, validate_token("job", args.job), alive, args.step, args.json)
+        case "reindex":
+            return _reindex(settings, validate_token("job", args.job), args)
+        case "demo":
+            from pipeline.demo import run_demo
+
+            return run_demo(
+                settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data
+            )
+    return 0
+
+
+def _reader_gone() -> int:
+    """The reader of our output closed it (`tierpipe plan --json | head -c 10`): stop quietly,
+    as Unix filters do. Python flushes stdout again at exit and would report the same broken
+    pipe, so stdout is pointed at /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
+    from pipeline.reindex import reindex
+
+    done = anyio.run(lambda: reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3))
+    if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):
+        where = f"no shard files under {settings.nvme_root}/{job}"
+        if not args.no_s3:
+            prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), job) if p)
+            where += f", no objects under s3://{settings.s3_bucket}/{prefix}/"
+        raise ConfigError(f"unknown job {job!r}: no events on stream {settings.stream}, {where}")
+    print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {job}")
+    for line in done.skipped:
+        print(f"  skipped {line}")
     return 0
 
 
@@ -213,7 +248,9 @@ def parse_rate(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
-def _flush(settings: Settings, action: str, rate: str | None, node: str | None) -> int:
+def _flush(
+    settings: Settings, action: str, rate: str | None, node: str | None, *, force: bool = False
+) -> int:
     if (action == "rate") != (rate is not None):
         raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
     control = FlushControl(
@@ -226,6 +263,13 @@ def _flush(settings: Settings, action: str, rate: str | None, node: str | None) 
     async def send() -> int:
         async with Bus(settings, name="tierpipe-cli") as bus:
             await bus.ensure_stream(update=False)
+            # A typo would be obeyed by nobody, silently: name only a node the stream knows.
+            if node and not force and not await _node_known(bus, node):
+                raise ConfigError(
+                    f"unknown node {node!r}: it has no flush worker "
+                    f"({consumer_name('flush', node)}) and no events on stream "
+                    f"{settings.stream}; check the name, or pass --force to send anyway"
+                )
             return await bus.publish_raw(subject, msgspec.json.encode(control))
 
     seq = anyio.run(send)
@@ -233,16 +277,45 @@ def _flush(settings: Settings, action: str, rate: str | None, node: str | None) 
     return 0
 
 
+async def _node_known(bus: Bus, node: str) -> bool:
+    """Whether `node` has a flush consumer on the stream or has published any event: one or
+    two JetStream API requests, however long the stream."""
+    stream = bus.settings.stream
+    try:
+        try:
+            await bus.js.consumer_info(stream, consumer_name("flush", node))
+            return True
+        except nats.js.errors.NotFoundError:
+            pass
+        return await _stream_has(bus, f"{SUBJECT_ROOT}.*.*.{node}.*")
+    except (nats.errors.Error, TimeoutError) as e:
+        raise BusUnavailableError(f"looking up node {node!r}: {e or type(e).__name__}") from e
+
+
+async def _stream_has(bus: Bus, subject: str) -> bool:
+    """Whether the stream holds any message on `subject` (wildcards allowed)."""
+    try:
+        await bus.js.get_msg(bus.settings.stream, subject=subject)  # the newest one, by index
+    except nats.js.errors.NotFoundError:  # no such message, or no stream at all
+        return False
+    return True
+
+
+async def _job_has_events(settings: Settings, job: str) -> bool:
+    async with Bus(settings, name="tierpipe-cli") as bus:
+        try:
+            return await _stream_has(bus, f"{SUBJECT_ROOT}.{job}.>")
+        except (nats.errors.Error, TimeoutError) as e:
+            raise BusUnavailableError(f"looking up job {job!r}: {e or type(e).__name__}") from e
+
+
 def _plan(
     settings: Settings, job: str, alive: list[str] | None, step: int | None, as_json: bool
 ) -> int:
     from pipeline.recovery import plan_recovery
 
-    catalog = anyio.run(replay_catalog, settings, job)
+    catalog = _replay_known(settings, job)
     steps = catalog.steps(job)
-    if not steps:
-        print(f"no events for job {job!r}")
-        return 1
     newest = steps[max(steps)]
     world = newest[0].world_size
     rank_nodes: dict[int, str] = {}
@@ -277,14 +350,31 @@ def _plan(
 
 
 def _status(settings: Settings, job: str, *, as_json: bool) -> int:
-    catalog = anyio.run(replay_catalog, settings, job)
-    shards = catalog.shards(job)
+    shards = _replay_known(settings, job).shards(job)
     if as_json:
         for s in shards:
             print(json.dumps(_shard_json(s)))
     else:
-        print(shard_table(shards) if shards else f"no events for job {job!r}")
+        print(shard_table(shards))
     return 0
+
+
+def _replay_known(settings: Settings, job: str) -> Catalog:
+    """The catalog of `job`, which must have shard events (else a clear error, not an empty
+    table: a mistyped job name is the likely cause).
+
+    Raises:
+        ConfigError: the stream holds no shard event of `job` (or does not exist).
+    """
+    catalog = Catalog()
+    if anyio.run(_job_has_events, settings, job):
+        catalog = anyio.run(replay_catalog, settings, job)
+    if not catalog.shards(job):
+        raise ConfigError(
+            f"no events for job {job!r} on stream {settings.stream} (check the name; "
+            "`tierpipe reindex --job` rebuilds them from shard files and objects)"
+        )
+    return catalog
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ tensors).
 
 from __future__ import annotations
 
+import math
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
 import xxhash
 
 from pipeline.errors import IntegrityError, ShardFormatError
-from schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader
+from schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
 
 __all__ = [
     "DTYPE_SIZES",
@@ -44,6 +46,7 @@ _FLAG_SEALED = 1
 _ZERO_DIGEST = bytes(16)
 #: A header larger than this is treated as garbage rather than allocated.
 _MAX_HEADER_NBYTES = 1 << 30
+_INT64_MAX = (1 << 63) - 1
 
 #: Every dtype a shard may hold, with its element size. Loading maps names through this table
 #: only, so a header can never name an arbitrary attribute.
@@ -203,7 +206,15 @@ def parse_head(
 
 
 def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int) -> None:
-    """Reject any layout that would read outside a blob or the file."""
+    """Reject any layout that would read outside a blob or the file, before torch sees it.
+
+    Blobs lie in order inside the file without overlapping. A tensor alone in its blob is what
+    the writer makes of it (`pipeline.state.plan_state`): contiguous from the blob's start and
+    filling it exactly. Only a blob that several tensors declare they share may be viewed with
+    overlaps, gaps or zero strides (tied weights, expanded views); even then every element
+    lies inside the blob. Sizes that do not fit torch's int64 are refused here rather than
+    left to raise from torch.
+    """
     if file_nbytes(data_offset, header.blobs) != nbytes:
         raise ShardFormatError(path, "blob layout does not match the file length")
     end = 0
@@ -211,22 +222,44 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         if b.offset % ALIGN or b.offset < end or b.nbytes < 0 or len(b.digest) != 16:
             raise ShardFormatError(path, f"blob {i} is misplaced or malformed")
         end = b.offset + b.nbytes
+    users = Counter(t.blob for t in header.tensors)
     for t in header.tensors:
-        size = DTYPE_SIZES.get(t.dtype)
-        if size is None:
-            raise ShardFormatError(path, f"tensor {t.path!r} has unknown dtype {t.dtype!r}")
-        if not 0 <= t.blob < len(header.blobs):
-            raise ShardFormatError(path, f"tensor {t.path!r} refers to missing blob {t.blob}")
-        if (
-            len(t.shape) != len(t.stride)
-            or min(t.shape, default=0) < 0
-            or min(t.stride, default=0) < 0
-            or t.offset < 0
-        ):
-            raise ShardFormatError(path, f"tensor {t.path!r} has a malformed shape or stride")
-        blob = header.blobs[t.blob]
-        if 0 in t.shape:
-            continue
-        last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True))
-        if (last + 1) * size > blob.nbytes:
-            raise ShardFormatError(path, f"tensor {t.path!r} reaches past the end of its blob")
+        _check_tensor(t, header.blobs, users[t.blob] > 1, path)
+
+
+def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:
+    size = DTYPE_SIZES.get(t.dtype)
+    if size is None:
+        raise ShardFormatError(path, f"tensor {t.path!r} has unknown dtype {t.dtype!r}")
+    if not 0 <= t.blob < len(blobs):
+        raise ShardFormatError(path, f"tensor {t.path!r} refers to missing blob {t.blob}")
+    if len(t.shape) != len(t.stride) or not all(
+        0 <= n <= _INT64_MAX for n in (*t.shape, *t.stride, t.offset)
+    ):
+        raise ShardFormatError(path, f"tensor {t.path!r} has a malformed shape or stride")
+    # torch multiplies the sizes in int64 (and zero-size tensors still carry the others).
+    nominal = math.prod(max(n, 1) for n in t.shape)
+    if nominal * size > _INT64_MAX:
+        raise ShardFormatError(path, f"tensor {t.path!r} is too large for int64 sizes")
+    blob_nbytes = blobs[t.blob].nbytes
+    numel = math.prod(t.shape)
+    if not shared:
+        if t.offset or t.stride != _contiguous_strides(t.shape) or numel * size != blob_nbytes:
+            raise ShardFormatError(
+                path,
+                f"tensor {t.path!r} alone in blob {t.blob} must be contiguous and fill its "
+                f"{blob_nbytes} bytes (shape {t.shape}, stride {t.stride}, offset {t.offset})",
+            )
+        return
+    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True))
+    if (numel and (last + 1) * size > blob_nbytes) or t.offset * size > blob_nbytes:
+        raise ShardFormatError(path, f"tensor {t.path!r} reaches past the end of its blob")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides as torch gives them (a zero-size dimension counts as 1)."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -49,6 +50,16 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 _tree_encoder = msgspec.msgpack.Encoder()
 _tree_decoder = msgspec.msgpack.Decoder()
+#: How deeply containers may nest in a state (each side of a round trip enforces it, so what
+#: saves also loads, and a crafted tree cannot exhaust the stack).
+_MAX_DEPTH = 128
+#: torch dtypes numpy shares (`N` references: numpy arrays saved as tensors).
+_NUMPY_DTYPES = frozenset(
+    {"bool", "float16", "float32", "float64", "complex64", "complex128"}
+    | {f"{kind}{bits}" for kind in ("int", "uint") for bits in (8, 16, 32, 64)}
+)
+#: A numpy scalar's dtype string as `_encode_numpy` writes it (`<f4`, `|b1`): numeric only.
+_NUMPY_SCALAR = re.compile(r"[<>|=][biufc][0-9]{1,2}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +325,8 @@ def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int])
         return ["y", _dtype_name(v, path)]
     if isinstance(v, torch.device):
         return ["v", str(v)]
+    if isinstance(v, Mapping | list | tuple) and len(path) >= _MAX_DEPTH:
+        raise UnsupportedStateError(path, f"containers nest deeper than {_MAX_DEPTH} levels")
     if id(v) in active:
         raise UnsupportedStateError(path, "the state contains a reference cycle")
     active.add(id(v))
@@ -355,41 +368,69 @@ def _encode_numpy(np: Any, v: Any, path: KeyPath, tensors: list, paths: list) ->
     return ["N", len(tensors) - 1]
 
 
-def _decode(v: Any, tensors: list[torch.Tensor]) -> Any:
+def _decode(v: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
+    """Rebuild one value of the state tree. The tree comes from a file, so every tag's items
+    are checked to be what `_encode` writes: a bad tree is a ValueError, never a value the
+    writer could not have made (an out-of-range tensor reference, an object dtype)."""
     if not isinstance(v, list):
-        if isinstance(v, dict):
-            raise ValueError("untagged map in state tree")
+        if type(v) not in _SCALARS:  # a map, or a msgpack extension type
+            raise ValueError(f"unexpected {type(v).__name__} in state tree")
         return v
+    if not v:
+        raise ValueError("empty array in state tree")
     tag, items = v[0], v[1:]
     match tag:
-        case "d":
-            return {
-                _decode(items[i], tensors): _decode(items[i + 1], tensors)
-                for i in range(0, len(items), 2)
-            }
-        case "l":
-            return [_decode(x, tensors) for x in items]
-        case "t":
-            return tuple(_decode(x, tensors) for x in items)
+        case "d" | "l" | "t":
+            if depth >= _MAX_DEPTH:
+                raise ValueError(f"state tree nested deeper than {_MAX_DEPTH}")
+            children = [_decode(x, tensors, depth + 1) for x in items]
+            if tag == "l":
+                return children
+            if tag == "t":
+                return tuple(children)
+            if len(children) % 2 or not all(type(k) in (str, int, bool) for k in children[::2]):
+                raise ValueError("malformed dict in state tree")
+            return dict(zip(children[::2], children[1::2], strict=True))
         case "T":
-            return tensors[items[0]]
+            return tensors[_reference(items, tensors)]
         case "N":
-            return tensors[items[0]].numpy()
-        case "I":
+            t = tensors[_reference(items, tensors)]
+            if str(t.dtype).removeprefix("torch.") not in _NUMPY_DTYPES:
+                raise ValueError(f"numpy array of dtype {t.dtype}")
+            return t.numpy()
+        case "I" if len(items) == 1 and type(items[0]) is str:
             return int(items[0])
         case "S":
-            import numpy as np
-
-            return np.frombuffer(items[1], dtype=np.dtype(items[0]))[0]
-        case "Z":
+            return _numpy_scalar(items)
+        case "Z" if all(type(n) is int and _INT_MIN <= n < -_INT_MIN for n in items):
             return torch.Size(items)
-        case "y":
-            if items[0] not in DTYPE_SIZES:
-                raise ValueError(f"unknown dtype {items[0]!r}")
+        case "y" if len(items) == 1 and items[0] in DTYPE_SIZES:
             return getattr(torch, items[0])
-        case "v":
-            return torch.device(items[0])
-    raise ValueError(f"unknown tag {tag!r} in state tree")
+        case "v" if len(items) == 1 and type(items[0]) is str:
+            try:
+                return torch.device(items[0])
+            except RuntimeError as e:  # torch's error for an unknown device string
+                raise ValueError(f"bad device {items[0]!r}: {e}") from e
+    raise ValueError(f"unknown or malformed tag {tag!r} in state tree")
+
+
+def _numpy_scalar(items: list[Any]) -> Any:
+    """A numpy scalar from its `S` items: a numeric dtype string and exactly its bytes."""
+    if len(items) != 2 or type(items[0]) is not str or not _NUMPY_SCALAR.fullmatch(items[0]):
+        raise ValueError(f"numpy scalar {items!r:.80}")
+    import numpy as np
+
+    dtype = np.dtype(items[0])
+    if type(items[1]) is not bytes or len(items[1]) != dtype.itemsize:
+        raise ValueError(f"numpy scalar of dtype {items[0]} holds {items[1]!r:.80}")
+    return np.frombuffer(items[1], dtype=dtype)[0]
+
+
+def _reference(items: list[Any], tensors: list[torch.Tensor]) -> int:
+    """The tensor index a `T`/`N` item holds, checked."""
+    if len(items) != 1 or type(items[0]) is not int or not 0 <= items[0] < len(tensors):
+        raise ValueError(f"tensor reference {items!r:.80} (the shard has {len(tensors)} tensors)")
+    return items[0]
 
 
 def _check_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:

@@ -22,7 +22,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog
-from pipeline.errors import ConfigError, ShardFormatError
+from pipeline.errors import ShardFormatError
 from pipeline.names import SUBJECT_ROOT, node_name, shard_relpath
 from pipeline.retention import Eviction, Policy, plan_evictions
 from pipeline.runner import serve
@@ -52,6 +52,7 @@ async def run(
     async with AsyncExitStack() as stack:
         nvme = stack.enter_context(NvmeStore.from_settings(settings))
         s3: S3Store | None = None
+        refused: set[tuple[str, str | None]] = set()  # objects left alone, logged once each
 
         async def object_store() -> S3Store:
             nonlocal s3  # connected on first use: a node without object storage never needs it
@@ -59,20 +60,15 @@ async def run(
                 s3 = await stack.enter_async_context(S3Store(settings))
             return s3
 
-        async def remove(e: Eviction) -> None:
+        async def remove(e: Eviction) -> bool:
             if e.tier == "nvme":
                 path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
                 if Path(e.location) != path:
                     raise ShardFormatError(e.location, f"not this node's shard path {path}")
                 await anyio.to_thread.run_sync(nvme.remove, path)
             else:
-                store = await object_store()
-                bucket, _, key = e.location.removeprefix("s3://").partition("/")
-                if bucket != store.bucket:
-                    raise ConfigError(
-                        f"{e.location} is not in the configured bucket {store.bucket}"
-                    )
-                await store.delete(key)
+                return await _remove_object(await object_store(), e, catalog, node, refused)
+            return True
 
         async def publish(evicted: ShardEvicted) -> None:
             await bus.publish(evicted)
@@ -99,7 +95,8 @@ async def run(
             if policy.nvme_min_free_bytes:
                 free = await anyio.to_thread.run_sync(nvme.free_bytes)
             for e in plan_evictions(catalog, event.job, policy, node=node, nvme_free_bytes=free):
-                await remove(e)
+                if not await remove(e):
+                    continue  # left in place: not this node's copy (logged); publish nothing
                 await publish(
                     ShardEvicted(
                         job=e.job,
@@ -133,3 +130,35 @@ async def run(
             every_node=True,
             task_status=task_status,
         )
+
+
+async def _remove_object(
+    store: S3Store, e: Eviction, catalog: Catalog, node: str, refused: set[tuple[str, str | None]]
+) -> bool:
+    """Delete the object an eviction names, only if it is this node's copy of that shard: at
+    the shard's own key in the configured bucket, uploaded by this node with the header digest
+    the catalog holds. Anything else (a forged or stale `flushed` event naming some other
+    object) stays where it is; it is logged once and the eviction is skipped.
+
+    Returns:
+        True if the object is gone; False if it was left in place.
+    """
+    shard = catalog.shard(e.job, e.step, e.rank)
+    copy = shard.copy("s3") if shard is not None else None
+    digest = copy.header_digest if copy is not None else None
+    if (e.location, digest) in refused:
+        return False
+    key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+    if e.location != f"s3://{store.bucket}/{key}" or digest is None:
+        log.warning(
+            "object_eviction_refused",
+            location=e.location,
+            expected=f"s3://{store.bucket}/{key}",
+            reason="not this shard's key in the configured bucket",
+        )
+        refused.add((e.location, digest))
+        return False
+    if not await store.delete_owned(key, node=node, header_digest=digest):
+        refused.add((e.location, digest))
+        return False
+    return True

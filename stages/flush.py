@@ -75,7 +75,15 @@ async def run(
                     raise ShardFormatError(event.path, f"not this node's shard path {path}")
                 if not await anyio.Path(path).exists():
                     raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
-                done = await s3.upload(path, s3.key_for(relpath), header_digest=event.header_digest)
+                done = await s3.upload(
+                    path,
+                    s3.key_for(relpath),
+                    header_digest=event.header_digest,
+                    node=node,
+                    epoch=event.epoch,
+                    step=event.step,
+                    rewind_to=event.rewind_to,
+                )
                 await bus.publish(
                     event.follow(
                         ShardFlushed,

@@ -10,16 +10,22 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import boto3
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from pipeline.client import Checkpointer
 from pipeline.embedded import S3Server
+from pipeline.errors import StorageConflictError
 from pipeline.names import shard_relpath
 from pipeline.restore import load_shard
 from pipeline.settings import Settings
+from pipeline.state import write_shard
+from pipeline.storage.s3 import S3Store, Uploaded
 from schemas import ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tests.conftest import Agent, Events
 
@@ -262,3 +268,67 @@ def _last_control(settings: Settings, subject: str) -> bytes:
             return found[1]
 
     return anyio.run(get)
+
+
+# --- rewinds: a rewound run's save may replace an abandoned timeline's object, nothing else
+
+
+def _upload(settings: Settings, path: Path, key: str, digest: str, **timeline: Any) -> Uploaded:
+    async def go() -> Uploaded:
+        async with S3Store(settings) as store:
+            return await store.upload(path, key, header_digest=digest, **timeline)
+
+    return anyio.run(go)
+
+
+@pytest.fixture
+def two_saves(tmp_path: Path, job: str) -> tuple[tuple[Path, str], tuple[Path, str]]:
+    """Two different shards of step 5 (an old timeline's and a newer one's), with digests."""
+    old, new = tmp_path / "old.shard", tmp_path / "new.shard"
+    d_old = write_shard(old, {"w": torch.zeros(1000)}, job=job, step=5, epoch=100)
+    d_new = write_shard(new, {"w": torch.ones(1000)}, job=job, step=5, epoch=200)
+    return (old, d_old), (new, d_new)
+
+
+def test_rewound_save_replaces_an_abandoned_timelines_object(
+    settings: Settings, job: str, two_saves: tuple[tuple[Path, str], tuple[Path, str]], s3
+) -> None:
+    """An object of an older epoch at a step after the one a newer run rewound to is replaced
+    by that run's save, which records its own node, digest and epoch."""
+    (old, d_old), (new, d_new) = two_saves
+    key = str(shard_relpath(job, 5, 0, 1))
+    _upload(settings, old, key, d_old, epoch=100, step=5)
+    with capture_logs() as logs:
+        done = _upload(settings, new, key, d_new, epoch=200, step=5, rewind_to=3)
+    assert not done.existed
+    assert s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read() == new.read_bytes()
+    meta = s3.head_object(Bucket=settings.s3_bucket, Key=key)["Metadata"]
+    assert meta == {"tp-header-digest": d_new, "tp-node": settings.node, "tp-epoch": "200"}
+    assert [r["key"] for r in logs if r["event"] == "superseded_object_replaced"] == [key]
+
+
+@pytest.mark.parametrize(
+    "timeline",
+    [
+        {"epoch": 200, "step": 5},  # a newer epoch that did not rewind
+        {"epoch": 50, "step": 5, "rewind_to": 3},  # a rewind, but from an older epoch
+        {"epoch": 200, "step": 5, "rewind_to": 5},  # rewound to this very step: not after it
+    ],
+    ids=["no-rewind", "older-epoch", "not-after-rewind"],
+)
+def test_different_object_at_the_key_stays_a_conflict_unless_superseded(
+    settings: Settings,
+    job: str,
+    two_saves: tuple[tuple[Path, str], tuple[Path, str]],
+    s3,
+    timeline: dict[str, int],
+) -> None:
+    """A different shard at the key that the upload's timeline does not supersede is a
+    StorageConflictError, and the object stays as it was."""
+    (old, d_old), (new, d_new) = two_saves
+    key = str(shard_relpath(job, 5, 0, 1))
+    _upload(settings, old, key, d_old, epoch=100, step=5)
+    with pytest.raises(StorageConflictError) as err:
+        _upload(settings, new, key, d_new, **timeline)
+    assert err.value.location == f"s3://{settings.s3_bucket}/{key}"
+    assert s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read() == old.read_bytes()

@@ -5,8 +5,10 @@ NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC
 (awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies; the
 bytes go out in ~1 MiB pieces through the shared `Throttle`. The final key is write-once
 (`IfNoneMatch="*"`); an object already there with the same size and header digest counts as
-done. Size and checksum are confirmed with a HEAD after completion. botocore's exceptions stop
-here: callers see `StorageUnavailableError` (retryable) or `StorageAuthError` /
+done, and only an abandoned timeline's object (a rewound run's older epoch) may be replaced.
+Size and checksum are confirmed with a HEAD after completion. Objects record which node
+uploaded them, and retention deletes only its own node's (`delete_owned`). botocore's
+exceptions stop here: callers see `StorageUnavailableError` (retryable) or `StorageAuthError` /
 `StorageConflictError` / `IntegrityError` (permanent).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import errno
 import mmap
 import os
@@ -40,6 +43,7 @@ from pipeline.errors import (
     StorageUnavailableError,
     TierpipeError,
 )
+from pipeline.names import node_name
 from pipeline.settings import Settings
 from pipeline.throttle import Throttle
 
@@ -121,8 +125,26 @@ class S3Store:
 
     # --- uploads
 
-    async def upload(self, path: Path, key: str, *, header_digest: str) -> Uploaded:
+    async def upload(
+        self,
+        path: Path,
+        key: str,
+        *,
+        header_digest: str,
+        node: str | None = None,
+        epoch: int = 0,
+        step: int | None = None,
+        rewind_to: int | None = None,
+    ) -> Uploaded:
         """Upload a shard file to `key`, write-once, and confirm it.
+
+        The object's metadata records the shard's header digest, the uploading node and the
+        save's epoch: eviction deletes only objects this node uploaded, and a rewound run may
+        replace an abandoned timeline's object (see `_existing`).
+
+        Args:
+            node: the uploading node (default: this node's name from the settings).
+            epoch, step, rewind_to: the save's timeline, from its events.
 
         Raises:
             StorageUnavailableError: the store is down or timing out (retry later).
@@ -132,18 +154,25 @@ class S3Store:
         """
         t0 = time.perf_counter()
         nbytes = (await anyio.Path(path).stat()).st_size
-        found = await self._existing(key, nbytes, header_digest)
-        if found is not None:
+        save = _Save(header_digest, nbytes, epoch, step, rewind_to)
+        found = await self._existing(key, save)
+        if found is not None and not found.superseded:
             return Uploaded(
-                self.bucket, key, found[0], found[1], nbytes, time.perf_counter() - t0, True
+                self.bucket, key, found.etag, found.checksum, nbytes, time.perf_counter() - t0, True
             )
+        # Write-once, except over the abandoned object seen just now (and only that one).
+        condition = {"IfMatch": f'"{found.etag}"'} if found else {"IfNoneMatch": "*"}
         await self._abort_uploads(key)
         async with _errors(key):
             created = await self.client.create_multipart_upload(
                 Bucket=self.bucket,
                 Key=key,
                 ChecksumAlgorithm="CRC32C",
-                Metadata={"tp-header-digest": header_digest},
+                Metadata={
+                    "tp-header-digest": header_digest,
+                    "tp-node": node or node_name(self.settings.node),
+                    "tp-epoch": str(epoch),
+                },
             )
         upload_id = created["UploadId"]
         try:
@@ -153,26 +182,36 @@ class S3Store:
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
-                    IfNoneMatch="*",
                     MultipartUpload={
                         "Parts": [
                             {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc}
                             for n, etag, crc in parts
                         ]
                     },
+                    **condition,
                 )
         except StorageConflictError:
             await self._abort(key, upload_id)
-            found = await self._existing(key, nbytes, header_digest)
-            if found is None:
+            again = await self._existing(key, save)
+            if again is None or again.superseded:
                 raise
             return Uploaded(
-                self.bucket, key, found[0], found[1], nbytes, time.perf_counter() - t0, True
+                self.bucket, key, again.etag, again.checksum, nbytes, time.perf_counter() - t0, True
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._abort(key, upload_id)
             raise
+        if found is not None:
+            log.warning(
+                "superseded_object_replaced",
+                key=key,
+                bucket=self.bucket,
+                old_epoch=found.epoch,
+                old_header_digest=found.header_digest,
+                epoch=epoch,
+                rewind_to=rewind_to,
+            )
         expected = _composite([base64.b64decode(crc) for _, _, crc in parts])
         checksum = await self._confirm(key, nbytes, expected)
         etag = done.get("ETag", "").strip('"')
@@ -231,8 +270,13 @@ class S3Store:
             await anyio.to_thread.run_sync(_close_all, buffers)
         return results
 
-    async def _existing(self, key: str, nbytes: int, header_digest: str) -> tuple[str, str] | None:
-        """(etag, checksum) of an object at `key` holding this very shard, else None.
+    async def _existing(self, key: str, save: _Save) -> _Found | None:
+        """The object at `key`: this very shard (`superseded` False), or a save of an abandoned
+        timeline that this save may replace (`superseded` True); None if there is none.
+
+        An object is abandoned when it records an older epoch than this save and this save
+        rewound to a step before its own (`rewind_to`): that rank's later steps from the older
+        epoch no longer count. Objects from before epochs existed record none (0).
 
         Raises:
             StorageConflictError: something else holds the key.
@@ -240,14 +284,31 @@ class S3Store:
         head = await self.head(key)
         if head is None:
             return None
-        theirs = head.get("Metadata", {}).get("tp-header-digest")
-        if head["ContentLength"] != nbytes or theirs != header_digest:
-            raise StorageConflictError(
-                f"s3://{self.bucket}/{key}",
-                f"holds {head['ContentLength']} bytes with header digest {theirs}; "
-                f"this shard is {nbytes} bytes with {header_digest}",
-            )
-        return head.get("ETag", "").strip('"'), head.get("ChecksumCRC32C", "")
+        meta = head.get("Metadata", {})
+        theirs = meta.get("tp-header-digest")
+        found = _Found(
+            head.get("ETag", "").strip('"'),
+            head.get("ChecksumCRC32C", ""),
+            theirs,
+            _int_or_none(meta.get("tp-epoch", "0")),
+            superseded=False,
+        )
+        if head["ContentLength"] == save.nbytes and theirs == save.header_digest:
+            return found
+        if (
+            found.epoch is not None
+            and found.epoch < save.epoch
+            and save.rewind_to is not None
+            and save.step is not None
+            and save.step > save.rewind_to
+        ):
+            return dataclasses.replace(found, superseded=True)
+        raise StorageConflictError(
+            f"s3://{self.bucket}/{key}",
+            f"holds {head['ContentLength']} bytes with header digest {theirs} "
+            f"(epoch {meta.get('tp-epoch', 0)}); this shard is {save.nbytes} bytes with "
+            f"{save.header_digest} (epoch {save.epoch}, rewind_to {save.rewind_to})",
+        )
 
     async def _confirm(self, key: str, nbytes: int, expected: str) -> str:
         head = await self.head(key)
@@ -385,6 +446,44 @@ class S3Store:
             async with _errors(key):
                 await self.client.delete_object(Bucket=self.bucket, Key=key)
 
+    async def delete_owned(self, key: str, *, node: str, header_digest: str) -> bool:
+        """Remove the object at `key` only if its metadata says `node` uploaded it with
+        `header_digest` (a retention removal: never another node's or team's object).
+
+        The delete is conditional on the ETag the HEAD saw, so an object replaced in between
+        is left alone too.
+
+        Returns:
+            True if the object is gone (deleted now, or already absent); False if it was left
+            in place because it is not the shard this node uploaded (logged at warning).
+        """
+        head = await self.head(key)
+        if head is None:
+            return True
+        meta = head.get("Metadata", {})
+        owner, theirs = meta.get("tp-node"), meta.get("tp-header-digest")
+        if owner != node or theirs != header_digest:
+            log.warning(
+                "object_delete_refused",
+                bucket=self.bucket,
+                key=key,
+                uploaded_by=owner,
+                header_digest=theirs,
+                expected_node=node,
+                expected_header_digest=header_digest,
+            )
+            return False
+        try:
+            with contextlib.suppress(_NotFound):
+                async with _errors(key):
+                    await self.client.delete_object(
+                        Bucket=self.bucket, Key=key, IfMatch=head.get("ETag", "")
+                    )
+        except StorageConflictError:
+            log.warning("object_delete_refused", bucket=self.bucket, key=key, reason="replaced")
+            return False
+        return True
+
     async def check(self) -> None:
         """Fail fast on a missing bucket or refused credentials (at worker start).
 
@@ -399,6 +498,36 @@ class S3Store:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"
             ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class _Save:
+    """The shard an upload carries, as `_existing` compares it with an object."""
+
+    header_digest: str
+    nbytes: int
+    epoch: int
+    step: int | None
+    rewind_to: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """An object already at an upload's key."""
+
+    etag: str
+    checksum: str
+    header_digest: str | None
+    #: Its `tp-epoch` (None: unreadable, so never treated as older).
+    epoch: int | None
+    superseded: bool
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 class _PacedBody:
