@@ -266,9 +266,11 @@ def test_paused_writer_never_seals_another_steps_bytes(
             # Meanwhile another agent of this node writes and verifies step 1, releases the slot.
             (staged,) = events.all("staged")
             assert isinstance(staged, ShardStaged)
-            with NvmeStore.from_settings(s) as store:
-                digest = write(store, open_image(s.staging_root, staged), final1)
+            image = open_image(s.staging_root, staged)
+            with NvmeStore.from_settings(s) as store, image.view() as view:
+                digest = store.write_image(view, image.head, final1).header_digest
                 store.verify(final1, header_digest=digest, nbytes=final1.stat().st_size)
+            image.close()
             kept = final1.read_bytes()
             release(s.staging_root, job, 0, 1)
             ckpt.save(3, three)  # the trainer reuses slot 0
