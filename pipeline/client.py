@@ -647,8 +647,9 @@ class Checkpointer:
             if slot is None:  # (cannot happen with wait=True)
                 return
             mm = slot.ensure(head.file_nbytes)
-            slot.begin(image[: head.data_offset])  # the generation first, as for every save
-            mm[head.data_offset : head.file_nbytes] = image[head.data_offset : head.file_nbytes]
+            with memoryview(image) as src:
+                slot.begin(src[: head.data_offset])  # the generation first, as for every save
+                mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
             self._pool.mark(slot, step)
             marked = True
             event = ShardStaged(
