@@ -162,11 +162,26 @@ def _run_worker(settings: Settings, names: list[str]) -> int:
     from stages import AGENT_STAGES
 
     node = node_name(settings.node)
-    anyio.run(
-        lambda: run_agent(settings, [AGENT_STAGES[n] for n in names], node=node),
-        backend_options={"use_uvloop": True},
-    )
+    try:
+        anyio.run(
+            lambda: run_agent(settings, [AGENT_STAGES[n] for n in names], node=node),
+            backend_options={"use_uvloop": True},
+        )
+    except BaseExceptionGroup as group:
+        # A stage that refused to start (e.g. AgentLockedError) arrives wrapped by the task
+        # groups: surface it as the one-line error it is, not a traceback.
+        errors = _leaves(group)
+        if len(errors) == 1 and isinstance(errors[0], TierpipeError):
+            raise errors[0] from None
+        raise
     return 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 async def replay_catalog(settings: Settings, job: str) -> Catalog:

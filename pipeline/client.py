@@ -40,7 +40,15 @@ from pipeline.settings import Settings, load_settings
 from pipeline.shard import PREFIX_NBYTES, parse_head, parse_prefix
 from pipeline.staging import NodeSlots, Slot, SlotPool
 from pipeline.state import StatePlan, plan_state
-from schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
+from schemas import (
+    Event,
+    FlushControl,
+    ShardEvent,
+    ShardStaged,
+    ShardVerified,
+    StageFailed,
+    decode_event,
+)
 from stages.snapshot import Snapshot, StagedCopy
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveStats"]
@@ -277,8 +285,40 @@ class Checkpointer:
         bus = self._bus.bus
         await bus.ensure_stream(update=False)
         await bus.subscribe(self._subject.format(kind="*"), self._on_msg)
-        last = await bus.last_event(self._subject.format(kind="staged"))
-        self._pool.reclaim(last.step if isinstance(last, ShardEvent) else None)
+        await self._reclaim_slots()
+
+    async def _reclaim_slots(self) -> None:
+        """Drop staging markers no agent will release: never published, or verified, failed
+        for good or superseded according to the stream. Three direct gets of this rank's
+        newest events on this node, never a replay: a restart reads nothing that grows with
+        the job's history."""
+        bus = self._bus.bus
+        newest: dict[str, tuple[int, Event]] = {}
+        for kind in ("staged", "verified", "failed"):
+            raw = await bus.last_raw(self._subject.format(kind=kind))
+            if raw is None:
+                continue
+            try:
+                newest[kind] = (raw[0], decode_event(raw[1]))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        staged, verified, failed = (newest.get(k) for k in ("staged", "verified", "failed"))
+        published = _step_of(staged, ShardStaged)
+        failed_step = None
+        if failed is not None and isinstance(failed[1], StageFailed):
+            f = failed[1]
+            if not f.retryable and f.stage in ("nvme-write", "verify"):
+                failed_step = f.step
+        pending = None
+        later = [found[0] for found in (verified, failed) if found is not None]
+        if staged is not None and all(staged[0] > seq for seq in later):
+            pending = published  # staged after both: that save is still on its way
+        self._pool.reclaim(
+            published_up_to=published,
+            verified_up_to=_step_of(verified, ShardVerified),
+            failed=failed_step,
+            pending=pending,
+        )
 
     # --- saving
 
@@ -343,7 +383,8 @@ class Checkpointer:
                 busy_steps=sorted(self._pool.busy().values()),
             )
             return SaveHandle(None, step, skipped=True)
-        self._last_step = step
+        # `_last_step` moves only once the save is staged: a save that fails before (staging
+        # full, a publish that failed) may be retried with the same step.
         dsts = self._snapshot.prepare(slot, plan)
         handle = SaveHandle(self, step)
         with self._lock:
@@ -411,6 +452,7 @@ class Checkpointer:
             tensors=len(plan.header.tensors),
             stall_s=round(stall_s, 6),
             blocking=blocking,
+            generation=slot.generation,
         )
         try:
             published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
@@ -425,6 +467,7 @@ class Checkpointer:
             if raise_errors:
                 raise
             return
+        self._last_step = handle.step
         handle._on_event(event)
         handle._staged.set()
         self.stats.staged += 1
@@ -597,12 +640,18 @@ class Checkpointer:
 
     def _stage_again(self, step: int, image: Any, head: Any) -> None:
         """Stage a shard read from object storage, so this node's agent writes it to NVMe."""
+        slot: Slot | None = None
+        marked = False
         try:
             slot = self._pool.acquire(wait=True, timeout_s=self.settings.slot_wait_timeout_s)
-            assert slot is not None
+            if slot is None:  # (cannot happen with wait=True)
+                return
             mm = slot.ensure(head.file_nbytes)
-            mm[: head.file_nbytes] = image[: head.file_nbytes]
+            with memoryview(image) as src:
+                slot.begin(src[: head.data_offset])  # the generation first, as for every save
+                mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
             self._pool.mark(slot, step)
+            marked = True
             event = ShardStaged(
                 job=self.job,
                 node=self.node,
@@ -616,11 +665,17 @@ class Checkpointer:
                 tensors=len(head.header.tensors),
                 stall_s=0.0,
                 origin="restore",
+                generation=slot.generation,
             )
-            self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
+            published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
+            if published.duplicate:  # no agent will ever see this copy: give the slot back
+                raise ConfigError(f"write-back of step {step} was deduplicated by the server")
+            marked = False
         except (TierpipeError, TimeoutError, OSError) as e:
             log.warning("restore_writeback_failed", step=step, error=str(e))
         finally:
+            if marked and slot is not None:
+                self._pool.unmark(slot, step)
             with contextlib.suppress(BufferError):
                 image.close()
 
@@ -735,6 +790,10 @@ def _head_bytes(image: Any) -> int:
     """Bytes of prefix + header at the start of a sealed image."""
     header_len = parse_prefix(image[:PREFIX_NBYTES], "<image>")[0]
     return PREFIX_NBYTES + header_len
+
+
+def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:
+    return found[1].step if found is not None and isinstance(found[1], kind) else None
 
 
 def _terminal(event: Event) -> bool:

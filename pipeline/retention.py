@@ -55,6 +55,8 @@ class Eviction:
     location: str
     nbytes: int
     reason: str
+    #: The copy's header digest as recorded (NVMe removals check the file still holds it).
+    header_digest: str | None = None
 
 
 def plan_evictions(
@@ -128,5 +130,5 @@ def _flushed(shard: Shard, nvme: Copy) -> bool:
 def _eviction(shard: Shard, copy: Copy, reason: str) -> Eviction:
     return Eviction(
         copy.tier, shard.job, shard.step, shard.rank, shard.world_size, copy.location,
-        copy.nbytes, reason,
+        copy.nbytes, reason, copy.header_digest,
     )  # fmt: skip

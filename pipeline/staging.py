@@ -7,9 +7,16 @@ Layout under the staging root (default `/dev/shm/tierpipe`)::
     <job>/rank-<rank:05d>/slot-<i>.step-<step:012d>   marker: slot i holds an unreleased step
 
 A slot is busy while its marker exists. The trainer creates the marker after the copy and before
-publishing `staged`; the node agent removes it once the NVMe copy is verified (`release`). Because
-the bytes live in files, a trainer crash after `save()` returns does not lose the checkpoint, and
-a restarted trainer never reuses a slot whose step the agent has not released.
+publishing `staged`; the node agent removes it once the NVMe copy is verified, or once the save
+failed for good (`release`). Because the bytes live in files, a trainer crash after `save()`
+returns does not lose the checkpoint, and a restarted trainer never reuses a slot whose step the
+agent has not released (it reclaims only markers the stream proves dead: `SlotPool.reclaim`).
+
+Every image begins with a bump of the slot's generation (`Slot.begin`), before any other byte of
+the new image is written; `staged` carries the value. A reader (the agent) reads the generation
+first, copies, and reads it again: the same value proves no reuse of the slot began meanwhile
+(`StagedImage.check`), so an agent that was paused for minutes can never seal another step's
+bytes under this step's header.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from pipeline.errors import (
     StagingGoneError,
 )
 from pipeline.names import validate_token
-from pipeline.shard import Head, parse_head
+from pipeline.shard import GENERATION_OFFSET, Head, parse_head, set_slot_generation, slot_generation
 from schemas import ShardStaged
 
 __all__ = [
@@ -47,11 +54,14 @@ __all__ = [
     "open_staged",
     "rank_dir",
     "release",
+    "stale_markers",
 ]
 
 log = structlog.get_logger(__name__)
 
 _MARKER = re.compile(r"^slot-(\d+)\.step-(\d{12})$")
+#: End of the generation field in the prefix (a u64 at `GENERATION_OFFSET`).
+_GENERATION_END = GENERATION_OFFSET + 8
 _GROW_ALIGN = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -82,6 +92,8 @@ class Slot:
         self._fd: int | None = None
         self.mm: mmap.mmap | None = None
         self.capacity = 0
+        #: The generation of the image last begun in this slot (`begin`).
+        self.generation = 0
 
     def ensure(self, nbytes: int) -> mmap.mmap:
         """Map the slot with room for `nbytes`, growing the file if needed (rare)."""
@@ -115,6 +127,26 @@ class Slot:
         self._fd, self.capacity = fd, capacity
         log.debug("staging_slot_mapped", path=str(self.path), nbytes=capacity)
         return self.mm
+
+    def begin(self, head: bytes | memoryview) -> int:
+        """Start a new image in the mapped slot: bump the slot's generation, then write `head`
+        (the image's first bytes) around the generation field. Returns the new generation.
+
+        The bump is the first store of the new image: x86 makes stores visible in program order
+        (TSO), so an agent that reads the old generation after its copy saw none of this image's
+        bytes. (A weakly ordered CPU would need a release fence here and an acquire fence in the
+        reader; tierpipe's agents run on x86-64.)
+        """
+        mm = self.mm
+        if mm is None:
+            raise RuntimeError("begin() on an unmapped slot: call ensure() first")
+        with memoryview(mm) as view:
+            generation = slot_generation(view) + 1
+            set_slot_generation(view, generation)
+            view[:GENERATION_OFFSET] = head[:GENERATION_OFFSET]
+            view[_GENERATION_END : len(head)] = head[_GENERATION_END:]
+        self.generation = generation
+        return generation
 
     def unmap(self) -> None:
         if self.mm is not None:
@@ -190,17 +222,38 @@ class SlotPool:
         """Give a slot back without the agent (the save failed before the agent saw it)."""
         _marker(self.dir, slot.index, step).unlink(missing_ok=True)
 
-    def reclaim(self, published_up_to: int | None) -> list[int]:
-        """Drop markers of steps newer than the last `staged` event of this rank (a trainer died
-        between marking and publishing); they will never be released by the agent."""
-        dropped = []
+    def reclaim(
+        self,
+        *,
+        published_up_to: int | None,
+        verified_up_to: int | None = None,
+        failed: int | None = None,
+        pending: int | None = None,
+    ) -> dict[int, str]:
+        """Drop markers the agent will never release (see `stale_markers`).
+
+        Returns:
+            step -> why its marker was dropped.
+        """
+        stale = stale_markers(
+            self.busy(),
+            published_up_to=published_up_to,
+            verified_up_to=verified_up_to,
+            failed=failed,
+            pending=pending,
+        )
         for slot, step in _markers(self.dir):
-            if published_up_to is None or step > published_up_to:
+            if step in stale:
                 _marker(self.dir, slot, step).unlink(missing_ok=True)
-                dropped.append(step)
-        if dropped:
-            log.warning("staging_markers_reclaimed", job=self.job, rank=self.rank, steps=dropped)
-        return dropped
+        if stale:
+            log.warning(
+                "staging_markers_reclaimed",
+                job=self.job,
+                rank=self.rank,
+                steps=sorted(stale),
+                reasons=[stale[s] for s in sorted(stale)],
+            )
+        return stale
 
     def close(self) -> None:
         """Unmap every slot and delete free ones; busy slots stay for the agent."""
@@ -214,6 +267,42 @@ class SlotPool:
             self._lock_fd = -1
 
 
+def stale_markers(
+    busy: dict[int, int],
+    *,
+    published_up_to: int | None,
+    verified_up_to: int | None = None,
+    failed: int | None = None,
+    pending: int | None = None,
+) -> dict[int, str]:
+    """Which busy steps (of `busy`: slot -> step) no agent will ever release, and why.
+
+    Args:
+        published_up_to: the step of this rank's newest `staged` event (None: none): a newer
+            marker belongs to a trainer that died between marking and publishing.
+        verified_up_to: the step of this rank's newest `verified` event on this node: that step
+            is done, and older ones are superseded by it (a release that got lost).
+        failed: the step of this rank's newest permanent nvme-write or verify failure on this
+            node (a release that got lost).
+        pending: the step of this rank's newest `staged` event when it came after both of
+            those: a save of that step is still on its way (a rewound run saving it again),
+            whatever an older save of the same step became.
+    """
+    stale: dict[int, str] = {}
+    for step in busy.values():
+        if step == pending:
+            continue
+        if published_up_to is None or step > published_up_to:
+            stale[step] = "never published"
+        elif verified_up_to is not None and step == verified_up_to:
+            stale[step] = "verified"
+        elif verified_up_to is not None and step < verified_up_to:
+            stale[step] = f"superseded by verified step {verified_up_to}"
+        elif failed is not None and step == failed:
+            stale[step] = "failed permanently"
+    return stale
+
+
 @dataclass(frozen=True, slots=True)
 class StagedImage:
     """A staged shard image, mapped read-only by the agent."""
@@ -221,9 +310,30 @@ class StagedImage:
     path: Path
     mm: mmap.mmap
     head: Head
+    #: The slot's generation, read before any other byte of the image.
+    generation: int
+    slot: int
+    step: int
 
     def view(self) -> memoryview:
         return memoryview(self.mm)
+
+    def check(self) -> None:
+        """Prove the slot still holds this image: call after copying it, before trusting the copy.
+
+        Raises:
+            StagingGoneError: the slot was reused (its generation moved on) or released meanwhile.
+        """
+        # The generation first: unchanged means none of a reuse's writes reached our copy
+        # (`Slot.begin`). The marker then proves the save was not released or reclaimed.
+        now = slot_generation(self.mm)
+        if now != self.generation:
+            raise StagingGoneError(
+                str(self.path),
+                f"slot reused while it was copied (generation {self.generation} -> {now})",
+            )
+        if (self.slot, self.step) not in _markers(self.path.parent):
+            raise StagingGoneError(str(self.path), f"step {self.step} was released meanwhile")
 
     def close(self) -> None:
         try:
@@ -248,7 +358,13 @@ def open_image(root: str | os.PathLike[str], event: ShardStaged) -> StagedImage:
         )
     if (event.slot, event.step) not in _markers(directory):
         raise StagingGoneError(str(path), f"step {event.step} was released or never marked")
-    image = _map(path, event.job, event.step, event.rank, event.world_size)
+    image = _map(path, event.slot, event.job, event.step, event.rank, event.world_size)
+    if image.generation != event.generation:
+        image.close()
+        raise StagingGoneError(
+            str(path),
+            f"slot is at generation {image.generation}, the event's copy was {event.generation}",
+        )
     if image.head.file_nbytes != event.nbytes:
         image.close()
         raise StagingGoneError(
@@ -265,13 +381,13 @@ def open_staged(
     for slot, marked in _markers(directory):
         if marked == step:
             try:
-                return _map(directory / f"slot-{slot}", job, step, rank, world_size)
+                return _map(directory / f"slot-{slot}", slot, job, step, rank, world_size)
             except StagingGoneError:
                 return None
     return None
 
 
-def _map(path: Path, job: str, step: int, rank: int, world_size: int) -> StagedImage:
+def _map(path: Path, slot: int, job: str, step: int, rank: int, world_size: int) -> StagedImage:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as e:
@@ -281,6 +397,9 @@ def _map(path: Path, job: str, step: int, rank: int, world_size: int) -> StagedI
     finally:
         os.close(fd)
     try:
+        # The generation before any other byte: a reuse that began after this read shows as a
+        # new generation in `check()`, whatever else of it the copy may have seen.
+        generation = slot_generation(mm) if len(mm) >= _GENERATION_END else 0
         head = parse_head(memoryview(mm), str(path), sealed=False)
         h = head.header
         if (h.job, h.step, h.rank, h.world_size) != (job, step, rank, world_size):
@@ -292,7 +411,7 @@ def _map(path: Path, job: str, step: int, rank: int, world_size: int) -> StagedI
     except BaseException:
         mm.close()
         raise
-    return StagedImage(path, mm, head)
+    return StagedImage(path, mm, head, generation, slot, step)
 
 
 def release(root: str | os.PathLike[str], job: str, rank: int, step: int) -> Path | None:

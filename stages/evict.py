@@ -6,17 +6,20 @@ stream at start), so it knows when a step is complete on a tier. After each even
 objects it uploaded), and publishes `evicted` for each removal.
 
 The RAM tier's rule lives here too: a staging slot is released once the shard's NVMe copy is
-verified (never earlier: verify rewrites a corrupt file from the staging copy); a slot whose
-trainer has exited is deleted.
+verified (never earlier: verify rewrites a corrupt file from the staging copy), or once nvme-write
+or verify failed for good (nothing will ever need the copy again; the trainer's handle reports the
+failure); a slot whose trainer has exited is deleted. Holds the node's evict lock.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
@@ -30,12 +33,14 @@ from pipeline.settings import Settings
 from pipeline.staging import release
 from pipeline.storage.nvme import NvmeStore
 from pipeline.storage.s3 import S3Store
-from schemas import Event, ShardEvicted, ShardVerified
+from schemas import Event, ShardEvicted, ShardVerified, StageFailed
 
 __all__ = ["STAGE", "run"]
 
 STAGE = "evict"
 KINDS = ("written", "verified", "flushed", "evicted", "failed")
+#: Stages whose permanent failure ends a save on this node: its staging slot is released.
+_SAVE_STAGES = ("nvme-write", "verify")
 log = structlog.get_logger(__name__)
 
 
@@ -44,13 +49,13 @@ async def run(
 ) -> None:
     node = node_name(settings.node)
     policy = Policy.from_settings(settings)
-    catalog = Catalog()
-    for event in await bus.history(f"{SUBJECT_ROOT}.*.*.*.*"):
-        catalog.apply(event)
-    log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
-
     async with AsyncExitStack() as stack:
         nvme = stack.enter_context(NvmeStore.from_settings(settings))
+        await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
+        catalog = Catalog()
+        for event in await bus.history(f"{SUBJECT_ROOT}.*.*.*.*"):
+            catalog.apply(event)
+        log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
         s3: S3Store | None = None
         refused: set[tuple[str, str | None]] = set()  # objects left alone, logged once each
 
@@ -61,42 +66,51 @@ async def run(
             return s3
 
         async def remove(e: Eviction) -> bool:
+            """Remove one copy; False if it was left in place: an NVMe file now holds another
+            save, or the object is not this node's copy of that shard (logged)."""
             if e.tier == "nvme":
                 path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
                 if Path(e.location) != path:
                     raise ShardFormatError(e.location, f"not this node's shard path {path}")
-                await anyio.to_thread.run_sync(nvme.remove, path)
-            else:
-                return await _remove_object(await object_store(), e, catalog, node, refused)
-            return True
+                removed = await anyio.to_thread.run_sync(
+                    functools.partial(nvme.remove, path, header_digest=e.header_digest)
+                )
+                return removed or not await anyio.Path(path).exists()
+            return await _remove_object(await object_store(), e, catalog, node, refused)
 
         async def publish(evicted: ShardEvicted) -> None:
             await bus.publish(evicted)
             catalog.apply(evicted)
 
+        async def release_slot(evicted: ShardEvicted) -> None:
+            """Release the slot of `evicted`'s step and publish it (location: the slot)."""
+            slot = await anyio.to_thread.run_sync(
+                release, settings.staging_root, evicted.job, evicted.rank, evicted.step
+            )
+            if slot is not None:
+                await publish(msgspec.structs.replace(evicted, location=str(slot)))
+                log.info("staging_released", slot=str(slot), reason=evicted.reason)
+
         async def handle(event: Event, attempt: int) -> None:
             catalog.apply(event)
             if isinstance(event, ShardVerified) and event.node == node:
-                slot = await anyio.to_thread.run_sync(
-                    release, settings.staging_root, event.job, event.rank, event.step
-                )
-                if slot is not None:
-                    await publish(
-                        event.follow(
-                            ShardEvicted,
-                            node=node,
-                            tier="ram",
-                            location=str(slot),
-                            reason="nvme copy verified",
-                        )
+                await release_slot(
+                    event.follow(
+                        ShardEvicted,
+                        node=node,
+                        tier="ram",
+                        location="",
+                        reason="nvme copy verified",
                     )
-                    log.info("staging_released", slot=str(slot))
+                )
+            elif (failed := _failed_save(event, node)) is not None:
+                await release_slot(failed)
             free = None
             if policy.nvme_min_free_bytes:
                 free = await anyio.to_thread.run_sync(nvme.free_bytes)
             for e in plan_evictions(catalog, event.job, policy, node=node, nvme_free_bytes=free):
                 if not await remove(e):
-                    continue  # left in place: not this node's copy (logged); publish nothing
+                    continue  # left in place (a newer save, or not this node's); publish nothing
                 await publish(
                     ShardEvicted(
                         job=e.job,
@@ -162,3 +176,33 @@ async def _remove_object(
         refused.add((e.location, digest))
         return False
     return True
+
+
+def _failed_save(event: Event, node: str) -> ShardEvicted | None:
+    """The slot release due when `event` ends a save of this node for good (a permanent
+    nvme-write or verify failure: nothing will need the staging copy again), else None."""
+    if not (
+        isinstance(event, StageFailed)
+        and not event.retryable
+        and event.node == node
+        and event.stage in _SAVE_STAGES
+        and event.step is not None
+        and event.rank is not None
+        and event.world_size is not None
+    ):
+        return None
+    try:
+        return ShardEvicted(
+            job=event.job,
+            node=node,
+            ts=time.time(),
+            step=event.step,
+            rank=event.rank,
+            world_size=event.world_size,
+            epoch=event.epoch,
+            tier="ram",
+            location="",
+            reason=f"save failed in {event.stage}: {event.error}: {event.message}",
+        )
+    except ValueError:  # an identity no save can have (rank >= world size): nothing to release
+        return None

@@ -56,7 +56,11 @@ async def run(
     throttle = Throttle(settings.flush_max_bytes_per_s or None)
     subjects = [CONTROL_FLUSH, f"{CONTROL_FLUSH}.{node}"]
     with NvmeStore.from_settings(settings) as nvme:
-        async with S3Store(settings, throttle=throttle) as s3, anyio.create_task_group() as tg:
+        async with (
+            nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),  # one agent per node
+            S3Store(settings, throttle=throttle) as s3,
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(_abort_orphans, s3, nvme, settings)
             latest = [c for c in [await bus.last_raw(s) for s in subjects] if c is not None]
             for _, data in sorted(latest):  # the newest command wins

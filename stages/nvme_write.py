@@ -1,13 +1,17 @@
 """NVMe-write stage: `staged` -> a sealed shard file on node-local NVMe -> `written`.
 
 Reads the unsealed image from the staging slot, writes it to a temp file with large aligned
-O_DIRECT writes while hashing, fsyncs, renames into place and fsyncs the directory
-(`NvmeStore.write_image`). Temp files left by a crash are swept on start. Idempotent: a redelivered
-event finds the final file holding the same save and only republishes (deduplicated).
+O_DIRECT writes while hashing, fsyncs, links into place (never over a valid file) and fsyncs the
+directory (`NvmeStore.write_image`). The slot must still be at the generation the event names,
+before and after the copy (`StagedImage.check`): a writer that was paused while the trainer reused
+the slot fails instead of sealing another step's bytes. Holds the node's nvme-write lock; temp
+files left by a crash are swept on start. Idempotent: a redelivered event finds the final file
+holding the same save and only republishes (deduplicated).
 """
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -16,6 +20,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.bus import Bus
 from pipeline.errors import StagingGoneError, TierpipeError
+from pipeline.faults import maybe_die
 from pipeline.names import node_name, shard_relpath
 from pipeline.runner import serve
 from pipeline.settings import Settings
@@ -33,8 +38,11 @@ async def run(
     settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     node = node_name(settings.node)
-    with NvmeStore.from_settings(settings) as store:
-        await anyio.to_thread.run_sync(store.sweep_temp)
+    async with AsyncExitStack() as stack:
+        store = stack.enter_context(NvmeStore.from_settings(settings))
+        await stack.enter_async_context(store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
+        # Under the lock: another instance's temp files are dead for sure, whatever their PID.
+        await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
 
         async def handle(event: ShardStaged, attempt: int) -> None:
             result, image = await anyio.to_thread.run_sync(
@@ -56,6 +64,7 @@ async def run(
             finally:
                 if image is not None:  # unmapping a large slot takes tens of ms: after the event
                     await anyio.to_thread.run_sync(image.close)
+            maybe_die("nvme-write:before-ack", settings.fault_point)
             log.info(
                 "shard_written",
                 path=result.path,
@@ -91,12 +100,21 @@ def _write(
         return done, None
     try:
         with image.view() as view:
-            # A restore staged this because the copy here was bad: never trust what is there.
-            force = event.origin == "restore"
-            return store.write_image(view, image.head, final, force=force), image
+            result = store.write_image(
+                view, image.head, final, check=image.check, rewind_to=event.rewind_to
+            )
+    except StagingGoneError:
+        # The slot was reused or released mid-copy (nothing was placed): fine if the shard
+        # made it to NVMe meanwhile (another writer's copy, say), else the save is gone.
+        image.close()
+        done = _already_written(final, event)
+        if done is None:
+            raise
+        return done, None
     except BaseException:
         image.close()
         raise
+    return result, image
 
 
 def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:
@@ -105,13 +123,14 @@ def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:
     except (OSError, TierpipeError):
         return None
     h = head.header
-    if (h.job, h.step, h.rank, h.world_size) != (
+    if (h.job, h.step, h.rank, h.world_size, h.epoch) != (
         event.job,
         event.step,
         event.rank,
         event.world_size,
+        event.epoch,
     ):
-        return None
+        return None  # another shard, or this step of another timeline
     return WriteResult(
         str(final), head.file_nbytes, head.header_digest.hex(), len(h.tensors), 0.0, True
     )

@@ -65,9 +65,12 @@ class Snapshot:
         self._image(slot, plan.nbytes, cuda=bool(plan.cuda_devices))
 
     def prepare(self, slot: Slot, plan: StatePlan) -> list[torch.Tensor]:
-        """Map `slot` with room for `plan`, write the image's head; returns the copy targets."""
+        """Map `slot` with room for `plan`, bump its generation, then write the image's head;
+        returns the copy targets. `slot.generation` is the new image's generation."""
         image = self._image(slot, plan.nbytes, cuda=bool(plan.cuda_devices))
-        image.mm[: len(plan.head)] = plan.head
+        # First the generation, then everything else: an agent still copying the slot's last
+        # image sees the bump and discards its copy (see `Slot.begin`).
+        slot.begin(plan.head)
         cached = self._dsts.get(slot.index)
         if cached is None or cached[1] is not image.tensor or cached[0] != plan.layout:
             cached = self._dsts[slot.index] = (

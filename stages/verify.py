@@ -2,13 +2,14 @@
 
 Reads bypass the page cache (O_DIRECT, else the cache is dropped first) so the check sees what
 the device holds, not what was just written. A mismatch publishes `failed` naming the file, the
-part and both digests. If the staging copy still holds the shard, the corrupt file is set aside
-and the shard is rewritten from staging once and checked again.
+part and both digests. If the staging copy still holds the shard, the shard is rewritten from
+staging once (the writer sets the corrupt file aside) and checked again. Holds the node's verify
+lock.
 """
 
 from __future__ import annotations
 
-import os
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -34,7 +35,10 @@ async def run(
     settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
     node = node_name(settings.node)
-    with NvmeStore.from_settings(settings) as store:
+    async with AsyncExitStack() as stack:
+        store = stack.enter_context(NvmeStore.from_settings(settings))
+        await stack.enter_async_context(store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
+        await anyio.to_thread.run_sync(store.sweep_temp, STAGE)  # a killed rewrite's
 
         async def handle(event: ShardWritten, attempt: int) -> None:
             final = store.path_for(
@@ -111,10 +115,11 @@ def _rewrite(
     if image is None:
         return None
     try:
-        if final.exists():  # keep the bad copy aside for forensics (one per shard)
-            os.replace(final, final.with_name(f".{final.name}.corrupt"))
+        # The writer finds the file there corrupt and sets it aside (one kept for forensics).
         with image.view() as view:
-            written = store.write_image(view, image.head, final)
+            written = store.write_image(
+                view, image.head, final, check=image.check, rewind_to=event.rewind_to
+            )
     finally:
         image.close()
     return store.verify(final, header_digest=written.header_digest, nbytes=written.nbytes)

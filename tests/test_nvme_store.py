@@ -16,7 +16,7 @@ from pipeline.errors import NoSpaceError, ShardFormatError
 from pipeline.restore import load_shard
 from pipeline.shard import parse_head
 from pipeline.state import plan_state, tensor_buffer
-from pipeline.storage.nvme import NvmeStore
+from pipeline.storage.nvme import INSTANCE, NvmeStore
 
 
 def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:
@@ -56,13 +56,40 @@ def test_sweep_removes_only_dead_writers_temp_files(tmp_path: Path) -> None:
     dead.wait()
     d = tmp_path / "j" / "step-000000000001"
     d.mkdir(parents=True)
-    stale = d / f".rank-00000-of-00001.shard.{dead.pid}.tmp"
-    live = d / f".rank-00001-of-00002.shard.{os.getpid()}.tmp"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"x")
+    stale = d / f".rank-00000-of-00001.shard.verify.{dead.pid}-0a0b0c.tmp"
+    old_style = d / f".rank-00000-of-00002.shard.{dead.pid}.tmp"
+    live = d / f".rank-00001-of-00002.shard.verify.{os.getpid()}-0a0b0c.tmp"
+    mine = d / f".rank-00001-of-00003.shard.nvme-write.{os.getpid()}-{INSTANCE}.tmp"
+    for p in (stale, old_style, live, mine):
+        p.write_bytes(b"x")
     with NvmeStore(tmp_path) as store:
-        assert store.sweep_temp() == [str(stale)]
-    assert live.exists() and not stale.exists()
+        assert sorted(store.sweep_temp("nvme-write")) == sorted([str(stale), str(old_style)])
+    assert live.exists() and mine.exists()
+
+
+def test_sweep_removes_own_stage_temp_of_another_instance_with_our_pid(tmp_path: Path) -> None:
+    """A temp of this stage left by another instance is swept even when its PID is ours (a
+    restarted container reuses PIDs); the stage lock guarantees that instance is dead."""
+    d = tmp_path / "j" / "step-000000000001"
+    d.mkdir(parents=True)
+    left = d / f".rank-00000-of-00001.shard.nvme-write.{os.getpid()}-deadbeef0000.tmp"
+    left.write_bytes(b"x")
+    with NvmeStore(tmp_path) as store:
+        assert store.sweep_temp("nvme-write") == [str(left)]
+    assert not left.exists()
+
+
+def test_remove_by_digest_spares_a_newer_save(tmp_path: Path) -> None:
+    """Removal with a header digest deletes the file only while it still holds that save."""
+    buf, head = staged_image(1 << 16)
+    with NvmeStore(tmp_path) as store:
+        final = tmp_path / "j" / "step-000000000001" / "a.shard"
+        done = store.write_image(memoryview(buf), head, final)
+        assert not store.remove(final, header_digest="0" * 32)
+        assert final.exists()
+        assert store.remove(final, header_digest=done.header_digest)
+        assert not final.exists() and not final.parent.exists()
+        assert not store.remove(final, header_digest=done.header_digest)
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, ShardFormatError, StagingGoneError
-from pipeline.staging import SlotPool, open_image, release
+from pipeline.shard import slot_generation
+from pipeline.staging import SlotPool, open_image, release, stale_markers
 from schemas import ShardStaged
 
 
@@ -68,7 +69,7 @@ def test_unpublished_markers_are_reclaimed(root: Path) -> None:
     try:
         for i, step in enumerate((4, 9)):
             pool.mark(pool.slots[i], step)
-        assert pool.reclaim(published_up_to=4) == [9]
+        assert pool.reclaim(published_up_to=4) == {9: "never published"}
         assert pool.busy() == {0: 4}
     finally:
         pool.close()
@@ -122,5 +123,33 @@ def test_agent_refuses_foreign_or_released_slots(root: Path) -> None:
         )
         with pytest.raises(StagingGoneError, match="released or never marked"):
             open_image(root, event)
+    finally:
+        pool.close()
+
+
+def test_markers_the_stream_proves_dead_are_stale() -> None:
+    """Markers of a verified, a superseded and a permanently failed step are stale; a step
+    still on its way (staged after those events) and an unpublished-but-older one are not."""
+    busy = {0: 3, 1: 5, 2: 7, 3: 8}
+    assert stale_markers(busy, published_up_to=8, verified_up_to=5, failed=7) == {
+        3: "superseded by verified step 5",
+        5: "verified",
+        7: "failed permanently",
+    }
+    # A newer save of step 5 was staged after the verify of an older one: not stale.
+    assert stale_markers({1: 5}, published_up_to=5, verified_up_to=5, pending=5) == {}
+
+
+def test_each_image_bumps_the_slot_generation_before_its_head(root: Path) -> None:
+    """`Slot.begin` bumps the generation and writes the head around it, so the head's own
+    (zero) generation field never resets it."""
+    pool = SlotPool(root, "j", 0, 1)
+    try:
+        slot = pool.slots[0]
+        mm = slot.ensure(8192)
+        head = bytes(range(256)) * 16
+        assert slot.begin(head) == 1 and slot.begin(head) == 2
+        assert slot_generation(mm) == 2 == slot.generation
+        assert mm[:40] == head[:40] and mm[48:4096] == head[48:4096]
     finally:
         pool.close()

@@ -1,12 +1,18 @@
 """The node-local NVMe tier: seal staged images into shard files, and verify them from the device.
 
-Writes go to `.<name>.<pid>.tmp` beside the final path, preallocated with `posix_fallocate` (a full
+Writes go to `.<name>.<stage>.<pid>-<instance>.tmp` beside the final path (the instance is a random
+token per process: a restarted container reuses PIDs), preallocated with `posix_fallocate` (a full
 disk fails before any byte is written), written with large aligned O_DIRECT writes at queue depth
-> 1 while another thread hashes the same source bytes, fsynced, renamed into place and the
-directory fsynced. So a final file is either absent or complete. Verification re-reads with
-O_DIRECT (or drops the page cache first where O_DIRECT is not supported) and hashes while reading.
-All blocking work runs in this store's thread pool; python-xxhash and os.pread/pwrite release the
-GIL, so hashing and I/O overlap on separate cores.
+> 1 while another thread hashes the same source bytes, fsynced, hard-linked into place (never
+over an existing file) and the directory fsynced. So a final file is either absent or complete,
+and a valid final file is never replaced by another save unless that save supersedes it (a
+rewound run's newer timeline); an unreadable or corrupt one is set aside as `.<name>.corrupt`.
+Verification re-reads with O_DIRECT (or drops the page cache first where O_DIRECT is not
+supported) and hashes while reading. All blocking work runs in this store's thread pool;
+python-xxhash and os.pread/pwrite release the GIL, so hashing and I/O overlap on separate cores.
+
+Each agent stage holds `<root>/.agent-<stage>.lock` (flock) for its whole life: one agent per
+node name and NVMe root (`NvmeStore.lock`).
 """
 
 from __future__ import annotations
@@ -17,16 +23,29 @@ import fcntl
 import mmap
 import os
 import re
+import secrets
+import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
+import anyio
 import structlog
 import xxhash
 
-from pipeline.errors import IntegrityError, NoSpaceError, RetryableError, ShardFormatError
+from pipeline.errors import (
+    AgentLockedError,
+    IntegrityError,
+    NoSpaceError,
+    RetryableError,
+    ShardFormatError,
+    StorageConflictError,
+)
+from pipeline.faults import maybe_die
 from pipeline.settings import Settings
 from pipeline.shard import (
     PREFIX_NBYTES,
@@ -50,8 +69,17 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")
+#: `.<name>.<stage>.<pid>-<instance>.tmp`; `.<name>.<pid>.tmp` from older versions.
+_TMP = re.compile(
+    r"^\..+?(?:\.(?P<stage>[a-z-]+)\.(?P<pid>\d+)-(?P<inst>[0-9a-f]+)|\.(?P<old>\d+))\.tmp$"
+)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: This process's instance token in temp names: a PID alone is reused by the next container.
+INSTANCE = secrets.token_hex(6)
+#: A poll interval while another agent holds a stage lock (no event to wait on: flock has none).
+_LOCK_POLL_S = 0.1
+
+_Verdict = Literal["absent", "same", "corrupt", "superseded", "conflict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +112,7 @@ class NvmeStore:
         chunk_bytes: int = 8 << 20,
         queue_depth: int = 4,
         reserve_bytes: int = 0,
+        fault_point: str = "",
     ) -> None:
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGN} (got {chunk_bytes})")
@@ -92,6 +121,9 @@ class NvmeStore:
         self.chunk_bytes = chunk_bytes
         self.queue_depth = queue_depth
         self.reserve_bytes = reserve_bytes
+        self.fault_point = fault_point
+        #: The stage whose temp files this store writes (set by `lock`).
+        self.stage = "writer"
         # One extra thread: the hasher runs beside `queue_depth` concurrent reads or writes.
         self._pool = ThreadPoolExecutor(queue_depth + 1, thread_name_prefix="tierpipe-io")
         # Aligned read buffers, allocated once: fresh memory costs page faults on every verify.
@@ -107,6 +139,7 @@ class NvmeStore:
             chunk_bytes=settings.io_chunk_bytes,
             queue_depth=settings.io_queue_depth,
             reserve_bytes=settings.nvme_reserve_bytes,
+            fault_point=settings.fault_point,
         )
 
     def __enter__(self) -> NvmeStore:
@@ -127,8 +160,33 @@ class NvmeStore:
             raise ValueError(f"unsafe shard key {relpath}")
         return self.root.joinpath(relpath)
 
-    def remove(self, path: Path) -> bool:
-        """Delete a shard file durably (and its step directory once empty). False if absent."""
+    def remove(self, path: Path, *, header_digest: str | None = None) -> bool:
+        """Delete a shard file durably (and its step directory once empty).
+
+        Args:
+            header_digest: remove only if the file still holds this save (a newer save may have
+                replaced it since the caller looked); a file whose head cannot be read is no
+                valid save and goes regardless.
+
+        Returns:
+            False if the file is absent, or holds another save than `header_digest`.
+        """
+        if header_digest is not None:
+            try:
+                held = read_head(path).header_digest.hex()
+            except FileNotFoundError:
+                return False
+            except (ShardFormatError, IntegrityError):
+                held = header_digest
+            if held != header_digest:
+                log.warning(
+                    "shard_removal_skipped",
+                    path=str(path),
+                    reason="holds another save",
+                    expected=header_digest,
+                    actual=held,
+                )
+                return False
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -147,13 +205,27 @@ class NvmeStore:
         st = os.statvfs(directory)
         return st.f_bavail * st.f_frsize
 
-    def sweep_temp(self) -> list[str]:
-        """Remove temp files left by writers that died mid-write. Returns what was removed."""
+    def sweep_temp(self, stage: str | None = None) -> list[str]:
+        """Remove temp files left by writers that died mid-write. Returns what was removed.
+
+        Call it holding `stage`'s lock: then a temp of `stage` from another instance is dead for
+        sure (one live holder per stage), even when its PID is ours (a restarted container).
+        Temps of other stages go only once their PID is dead.
+        """
+        stage = stage or self.stage
         removed = []
         for dirpath, _, files in os.walk(self.root):
             for name in files:
                 m = _TMP.match(name)
-                if m and not _pid_alive(int(m.group(1))):
+                if m is None:
+                    continue
+                if m["old"] is not None:
+                    dead = not _pid_alive(int(m["old"]))
+                elif m["stage"] == stage:
+                    dead = m["inst"] != INSTANCE
+                else:
+                    dead = not _pid_alive(int(m["pid"]))
+                if dead:
                     path = os.path.join(dirpath, name)
                     try:
                         os.unlink(path)
@@ -161,41 +233,101 @@ class NvmeStore:
                     except FileNotFoundError:
                         pass
         if removed:
-            log.info("temp_files_swept", count=len(removed), root=str(self.root))
+            log.info("temp_files_swept", count=len(removed), root=str(self.root), stage=stage)
         return removed
+
+    # --- one agent per node
+
+    @contextlib.asynccontextmanager
+    async def lock(self, stage: str, *, timeout_s: float) -> AsyncIterator[None]:
+        """Hold `<root>/.agent-<stage>.lock` exclusively while the block runs.
+
+        The holder writes "pid, host, start time" into the file. While another process holds
+        it, this logs `agent_lock_busy` once and polls for up to `timeout_s` (a rolling
+        update's old agent may still be draining).
+
+        Raises:
+            AgentLockedError: still held by another process after `timeout_s`.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".agent-{stage}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            logged = False
+            while not _try_flock(fd):
+                holder = _read_holder(fd)
+                if time.monotonic() >= deadline:
+                    raise AgentLockedError(str(path), holder)
+                if not logged:
+                    log.warning(
+                        "agent_lock_busy",
+                        path=str(path),
+                        holder=holder,
+                        timeout_s=timeout_s,
+                    )
+                    logged = True
+                await anyio.sleep(_LOCK_POLL_S)
+            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            holder = f"pid {os.getpid()}, host {socket.gethostname()}, started {started}"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode() + b"\n", 0)
+            self.stage = stage
+            log.info("agent_lock_acquired", path=str(path), holder=holder)
+            yield
+        finally:
+            os.close(fd)  # drops the flock
 
     # --- write
 
     def write_image(
-        self, image: memoryview, head: Head, final: Path, *, force: bool = False
+        self,
+        image: memoryview,
+        head: Head,
+        final: Path,
+        *,
+        check: Callable[[], None] | None = None,
+        rewind_to: int | None = None,
     ) -> WriteResult:
         """Seal a staged (unsealed) image into `final`, atomically and durably.
 
-        Idempotent: if `final` already holds this very save, nothing is written (unless
-        `force`: the file there is known to be bad).
+        The file is placed with a hard link, which never replaces anything. If `final` exists:
+        this very save there (a redelivery) is left alone and reported (`existed`); an
+        unreadable, misplaced or corrupt file is set aside as `.<name>.corrupt`; a valid save
+        of an abandoned timeline (older epoch, and this save's run rewound to before this step:
+        `rewind_to`) is removed; any other valid save stays and the write fails.
+
+        Args:
+            check: called once every byte is copied and hashed, before the file is placed;
+                raises if the source changed meanwhile (`StagedImage.check`).
+            rewind_to: the save's `ShardStaged.rewind_to`.
 
         Raises:
             NoSpaceError: the filesystem cannot take the file (nothing final is created).
             RetryableError: an I/O error while writing (the temp file is removed).
+            StorageConflictError: `final` holds another valid save this one does not supersede.
+            StagingGoneError: (from `check`) the source was reused mid-copy; nothing placed.
         """
         t0 = time.perf_counter()
-        existing = None if force else self._existing(final, head.header)
-        if existing is not None:
+        verdict, found = self._judge(final, head.header, rewind_to)
+        if verdict == "same":
             return WriteResult(
                 str(final),
                 head.file_nbytes,
-                existing,
+                found,
                 len(head.header.tensors),
                 time.perf_counter() - t0,
                 True,
             )
+        if verdict == "conflict":
+            raise StorageConflictError(str(final), found)
         if len(image) < head.file_nbytes:
             raise ShardFormatError(
                 "<staging image>", f"{len(image)} bytes, header says {head.file_nbytes}"
             )
         self._check_space(head.file_nbytes)
         _makedirs_durable(final.parent)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        tmp = final.with_name(f".{final.name}.{self.stage}.{os.getpid()}-{INSTANCE}.tmp")
         fd = self._create(tmp)
         try:
             _fallocate(fd, head.file_nbytes, final.parent, self.reserve_bytes)
@@ -206,8 +338,11 @@ class NvmeStore:
             ]
             if chunks:  # alone first: it settles whether O_DIRECT works for this buffer
                 _pwrite_all(fd, chunks[0][1], chunks[0][0], may_fall_back=True)
+                maybe_die("nvme-write:mid-write", self.fault_point)
             writes = [self._pool.submit(_pwrite_all, fd, data, off) for off, data in chunks[1:]]
             _wait_all([*writes, hashing])
+            if check is not None:
+                check()  # every byte read from the source is still this save's
             header = seal_header(head.header, hashing.result())
             sealed = encode_head(header, sealed=True)
             if len(sealed) != head.data_offset:  # digests are fixed-size, so this cannot move
@@ -221,9 +356,15 @@ class NvmeStore:
                 raise _io_error(e, str(final), head.file_nbytes, self.reserve_bytes) from e
             raise
         os.close(fd)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        digest = xxhash.xxh3_128_hexdigest(
+        maybe_die("nvme-write:after-fsync", self.fault_point)
+        try:
+            existing = self._place(tmp, final, header, rewind_to)
+        except BaseException as e:
+            _unlink_quietly(tmp)
+            if isinstance(e, OSError):
+                raise _io_error(e, str(final), head.file_nbytes, self.reserve_bytes) from e
+            raise
+        digest = existing or xxhash.xxh3_128_hexdigest(
             sealed[PREFIX_NBYTES : PREFIX_NBYTES + len(head.header_bytes)]
         )
         return WriteResult(
@@ -232,42 +373,87 @@ class NvmeStore:
             digest,
             len(header.tensors),
             time.perf_counter() - t0,
-            False,
+            existing is not None,
         )
 
-    def _existing(self, final: Path, header: ShardHeader) -> str | None:
-        """Header digest of `final` if it holds this very save (same identity, time and layout)."""
+    def _place(
+        self, tmp: Path, final: Path, header: ShardHeader, rewind_to: int | None
+    ) -> str | None:
+        """Link the complete temp file to `final`, never over a valid file (see `write_image`).
+
+        Returns:
+            None once placed; the header digest of `final` if it already held this very save.
+        """
+        for _ in range(3):
+            try:
+                os.link(tmp, final)  # EEXIST instead of replacing: unlike rename
+            except FileExistsError:
+                verdict, found = self._judge(final, header, rewind_to)
+                if verdict == "same":
+                    _unlink_quietly(tmp)
+                    return found
+                if verdict == "conflict":
+                    raise StorageConflictError(str(final), found) from None
+                if verdict == "corrupt":
+                    self._set_aside(final, found)
+                elif verdict == "superseded":
+                    self._drop_superseded(final, found)
+                continue
+            maybe_die("nvme-write:after-link", self.fault_point)
+            os.unlink(tmp)
+            _fsync_dir(final.parent)
+            return None
+        raise RetryableError(f"{final} kept changing while it was being placed")
+
+    def _judge(
+        self, final: Path, header: ShardHeader, rewind_to: int | None
+    ) -> tuple[_Verdict, str]:
+        """What `final` holds compared with the save `header` describes, and the header digest
+        (for `same`) or the reason (otherwise). A file is judged valid only once it passed a
+        full verification against its own header."""
         try:
-            head = read_head(final, direct_io=False)
+            fd = open_for_read(final, direct_io=self.direct_io)
         except FileNotFoundError:
-            return None
-        except (ShardFormatError, IntegrityError) as e:
-            log.warning("existing_shard_replaced", path=str(final), error=str(e))
-            return None
-        old = head.header
-        same = (
-            old.job,
-            old.step,
-            old.rank,
-            old.world_size,
-            old.created,
-            old.tree,
-            old.tensors,
-        ) == (
-            header.job,
-            header.step,
-            header.rank,
-            header.world_size,
-            header.created,
-            header.tree,
-            header.tensors,
-        ) and [(b.offset, b.nbytes) for b in old.blobs] == [
-            (b.offset, b.nbytes) for b in header.blobs
-        ]
-        if not same:
-            log.warning("existing_shard_replaced", path=str(final), reason="different save")
-            return None
-        return head.header_digest.hex()
+            return "absent", ""
+        try:
+            try:
+                found = read_head_fd(fd, str(final), os.fstat(fd).st_size)
+                self._check_blobs(fd, found, str(final))
+            except (ShardFormatError, IntegrityError) as e:
+                return "corrupt", str(e)
+        except OSError as e:
+            raise RetryableError(f"cannot read {final}: {e}") from e
+        finally:
+            os.close(fd)
+        old = found.header
+        if _identity(old) != _identity(header):
+            return "corrupt", (
+                f"holds {old.job} step {old.step} rank {old.rank} of {old.world_size}, "
+                "not the shard of this path"
+            )
+        if _same_save(old, header):
+            return "same", found.header_digest.hex()
+        if old.epoch < header.epoch and rewind_to is not None and header.step > rewind_to:
+            return "superseded", (
+                f"epoch {old.epoch} is superseded by epoch {header.epoch}, "
+                f"which rewound to step {rewind_to}"
+            )
+        return "conflict", (
+            f"holds another valid save of this shard (created {old.created}, epoch {old.epoch}); "
+            f"the new save (created {header.created}, epoch {header.epoch}, rewind_to "
+            f"{rewind_to}) does not supersede it, and a valid shard file is never replaced"
+        )
+
+    def _set_aside(self, final: Path, reason: str) -> None:
+        aside = final.with_name(f".{final.name}.corrupt")
+        os.replace(final, aside)  # one kept for forensics: an older one is overwritten
+        _fsync_dir(final.parent)
+        log.warning("corrupt_shard_set_aside", path=str(final), kept=str(aside), reason=reason)
+
+    def _drop_superseded(self, final: Path, reason: str) -> None:
+        os.unlink(final)
+        _fsync_dir(final.parent)
+        log.warning("superseded_shard_replaced", path=str(final), reason=reason)
 
     def _check_space(self, nbytes: int) -> None:
         free = self.free_bytes()
@@ -306,16 +492,25 @@ class NvmeStore:
             actual = head.header_digest.hex()
             if actual != header_digest:
                 raise IntegrityError(str(path), "header", header_digest, actual)
-            digests = self._hash_file(fd, head, str(path))
+            self._check_blobs(fd, head, str(path))
         except OSError as e:
             raise RetryableError(f"cannot read {path}: {e}") from e
         finally:
             os.close(fd)
+        return VerifyResult(str(path), size, header_digest, time.perf_counter() - t0)
+
+    def _check_blobs(self, fd: int, head: Head, path: str) -> None:
+        """Hash the data region from the device and compare every blob with its header digest.
+
+        Raises:
+            IntegrityError: a digest does not match (names the file, the part, both digests).
+            ShardFormatError: the data region is truncated.
+        """
+        digests = self._hash_file(fd, head, path)
         names = _blob_names(head.header)
         for i, (blob, got) in enumerate(zip(head.header.blobs, digests, strict=True)):
             if blob.digest != got:
-                raise IntegrityError(str(path), names[i], blob.digest.hex(), got.hex())
-        return VerifyResult(str(path), size, header_digest, time.perf_counter() - t0)
+                raise IntegrityError(path, names[i], blob.digest.hex(), got.hex())
 
     def _hash_file(self, fd: int, head: Head, path: str) -> list[bytes]:
         """Read the data region at queue depth `queue_depth` and hash it in order, overlapped."""
@@ -435,6 +630,37 @@ class _BlobHasher:
 
     def digests(self) -> list[bytes]:
         return [h.digest() for h in self._hashers]
+
+
+def _identity(h: ShardHeader) -> tuple[str, int, int, int]:
+    return (h.job, h.step, h.rank, h.world_size)
+
+
+def _same_save(old: ShardHeader, new: ShardHeader) -> bool:
+    """Whether two headers describe the same save (identity, creation time and layout)."""
+    return (
+        _identity(old) == _identity(new)
+        and (old.created, old.epoch, old.tree, old.tensors)
+        == (new.created, new.epoch, new.tree, new.tensors)
+        and [(b.offset, b.nbytes) for b in old.blobs] == [(b.offset, b.nbytes) for b in new.blobs]
+    )
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _read_holder(fd: int) -> str:
+    """Who holds a stage lock, as the holder wrote it ("unknown" before it wrote)."""
+    try:
+        text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "unknown holder"
 
 
 def _blob_digests(image: memoryview, head: Head) -> list[bytes]:
