@@ -31,10 +31,11 @@ from pipeline.errors import (
     IntegrityError,
     ShardFailedError,
     ShardFormatError,
+    StaleStepError,
     TierpipeError,
 )
 from pipeline.log import configure_logging
-from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, validate_token
+from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_subject, validate_token
 from pipeline.recovery import Restored, Source
 from pipeline.settings import Settings, load_settings
 from pipeline.shard import PREFIX_NBYTES, parse_head, parse_prefix
@@ -229,6 +230,15 @@ class Checkpointer:
         node: this node's name; default the settings' `node`, else the host name's first label.
             Must match the node agent's.
         settings: default `load_settings()` (TOML file + `TIERPIPE_*` environment).
+        overwrite: this run starts the job over: its first save of a step the job already has
+            (or an older one) supersedes that step and every later one saved before, on every
+            tier (they are no longer restorable, and retention removes them). Without it, a
+            process that did not `restore()` first may not save such a step (`StaleStepError`).
+
+    Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
+    `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
+    made by earlier epochs are superseded: a run that went back in its history branches it,
+    and the abandoned branch is never restored again.
 
     Raises:
         InvalidNameError: job or node is not a safe name.
@@ -244,6 +254,7 @@ class Checkpointer:
         world_size: int | None = None,
         node: str | None = None,
         settings: Settings | None = None,
+        overwrite: bool = False,
     ) -> None:
         self.settings = settings or load_settings()
         configure_logging(
@@ -256,6 +267,14 @@ class Checkpointer:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} out of range for world_size {self.world_size}")
         self.stats = SaveStats()
+        #: This process's timeline (see the class docstring).
+        self.epoch = time.time_ns()
+        self._overwrite = overwrite
+        #: Set by `restore()` or the first `overwrite` save that goes back in the job's history:
+        #: this rank's older epochs' saves after it are superseded.
+        self._rewind_to: int | None = None
+        #: The newest step this rank saved in this job before this process (None: none).
+        self._newest_saved: int | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}
@@ -286,6 +305,14 @@ class Checkpointer:
         await bus.ensure_stream(update=False)
         await bus.subscribe(self._subject.format(kind="*"), self._on_msg)
         await self._reclaim_slots()
+        self._newest_saved = await self._newest_staged_step()
+
+    async def _newest_staged_step(self) -> int | None:
+        """The step of this rank's most recent `staged` event on any node (the newest message
+        on each node's subject; a handful of messages, never a replay)."""
+        found = await self._bus.bus.latest(shard_subject(self.job, "staged", "*", self.rank))
+        newest = max(found, default=None, key=lambda item: item[0])
+        return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
 
     async def _reclaim_slots(self) -> None:
         """Drop staging markers no agent will release: never published, or verified, failed
@@ -353,6 +380,8 @@ class Checkpointer:
             SlotTimeoutError: policy `wait` and no slot freed up in time.
             UnsupportedStateError: the state holds a value that cannot be stored without pickle.
             BusUnavailableError: `staged` could not be published (the save is void).
+            StaleStepError: the job already has this step or a newer one, and this process
+                neither restored first nor passed `overwrite=True`.
         """
         if self._closed:
             raise ConfigError("save() on a closed Checkpointer")
@@ -361,6 +390,12 @@ class Checkpointer:
         self._await_inflight()
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow the last saved step {self._last_step}")
+        rewind_to = self._rewind_to
+        newest = self._newest_saved
+        if rewind_to is None and newest is not None and step <= newest:
+            if not self._overwrite:
+                raise StaleStepError(self.job, self.rank, step, newest)
+            rewind_to = step - 1  # supersede every step from this one on (set once staged)
         t0 = time.perf_counter()
         plan = plan_state(
             state,
@@ -369,6 +404,7 @@ class Checkpointer:
             rank=self.rank,
             world_size=self.world_size,
             node=self.node,
+            epoch=self.epoch,
         )
         s = self.settings
         slot = self._pool.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
@@ -397,7 +433,13 @@ class Checkpointer:
                 raise
             handle._host_copied.set()
             self._publish(
-                handle, slot, plan, time.perf_counter() - t0, blocking=True, raise_errors=True
+                handle,
+                slot,
+                plan,
+                time.perf_counter() - t0,
+                blocking=True,
+                raise_errors=True,
+                rewind_to=rewind_to,
             )
             return handle
         try:
@@ -410,10 +452,15 @@ class Checkpointer:
             self._copier = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tierpipe-copy"
             )
-        self._inflight = (handle, self._copier.submit(self._finish_copy, handle, copy, t0))
+        self._inflight = (
+            handle,
+            self._copier.submit(self._finish_copy, handle, copy, t0, rewind_to),
+        )
         return handle
 
-    def _finish_copy(self, handle: SaveHandle, copy: StagedCopy, t0: float) -> None:
+    def _finish_copy(
+        self, handle: SaveHandle, copy: StagedCopy, t0: float, rewind_to: int | None
+    ) -> None:
         try:
             copy.finish(handle._host_copied.set)
         except BaseException as e:
@@ -426,6 +473,7 @@ class Checkpointer:
             time.perf_counter() - t0,
             blocking=False,
             raise_errors=False,
+            rewind_to=rewind_to,
         )
 
     def _publish(
@@ -437,6 +485,7 @@ class Checkpointer:
         *,
         blocking: bool,
         raise_errors: bool,
+        rewind_to: int | None,
     ) -> None:
         self._pool.mark(slot, handle.step)
         event = ShardStaged(
@@ -453,6 +502,8 @@ class Checkpointer:
             stall_s=round(stall_s, 6),
             blocking=blocking,
             generation=slot.generation,
+            epoch=self.epoch,
+            rewind_to=rewind_to,
         )
         try:
             published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
@@ -468,6 +519,7 @@ class Checkpointer:
                 raise
             return
         self._last_step = handle.step
+        self._rewind_to = rewind_to
         handle._on_event(event)
         handle._staged.set()
         self.stats.staged += 1
@@ -573,6 +625,9 @@ class Checkpointer:
         )
         restored = self._bus.run(restorer.run(step=step), self.settings.restore_timeout_s + 60)
         self._last_step = restored.step
+        # Saves from here on branch the job's history at the restored step: this rank's older
+        # epochs' saves of later steps are superseded (a normal restart has none that count).
+        self._rewind_to = restored.step
         if restored.image is not None:
             if self._copier is None:
                 self._copier = concurrent.futures.ThreadPoolExecutor(
@@ -666,6 +721,7 @@ class Checkpointer:
                 stall_s=0.0,
                 origin="restore",
                 generation=slot.generation,
+                epoch=head.header.epoch,  # the restored save's own timeline
             )
             published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
             if published.duplicate:  # no agent will ever see this copy: give the slot back
@@ -723,6 +779,8 @@ class Checkpointer:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         step = getattr(event, "step", None)
+        if getattr(event, "epoch", self.epoch) != self.epoch:
+            return  # another run's save of the same step (a write-back, an older epoch)
         with self._lock:
             handle = self._handles.get(step) if step is not None else None
             if handle is not None and _terminal(event):
@@ -737,7 +795,11 @@ class Checkpointer:
                 event = self._bus.run(self._bus.bus.last_event(self._subject.format(kind=kind)), 5)
             except (TierpipeError, TimeoutError):
                 return
-            if isinstance(event, ShardEvent | StageFailed) and event.step == handle.step:
+            if (
+                isinstance(event, ShardEvent | StageFailed)
+                and event.step == handle.step
+                and event.epoch == self.epoch
+            ):
                 handle._on_event(event)
 
     def wait_until_finished(self, timeout: float | None = None) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "plan_subject",
     "redact_url",
     "shard_relpath",
+    "shard_subject",
     "validate_token",
 ]
 
@@ -88,6 +89,11 @@ def event_subject(event: Event) -> str:
 
 def plan_subject(job: str) -> str:
     return f"{SUBJECT_ROOT}.{job}.plan"
+
+
+def shard_subject(job: str, kind: str, node: str, rank: int | str) -> str:
+    """`tp.<job>.<kind>.<node>.<rank>`; `*` in any part is a wildcard."""
+    return f"{SUBJECT_ROOT}.{job}.{kind}.{node}.{rank}"
 
 
 def filter_subject(kind: str, *, node: str, job: str = "*") -> str:

@@ -1,0 +1,100 @@
+"""Going back in a job's history is explicit: refused by default, a branch when asked for.
+
+A run restarted from scratch under the same job name would save steps the job already has (or
+older ones) and be shadowed by the old run's newer steps. Such a save is refused unless the
+process restored first (a branch at the restored step) or says `overwrite=True` (a branch at its
+first save). Either way the abandoned steps of this rank are superseded: never restored again,
+their files and objects replaced by the new saves of the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from pipeline.client import Checkpointer
+from pipeline.errors import StaleStepError
+from pipeline.recovery import NoCheckpointError
+from pipeline.restore import load_shard
+from pipeline.settings import Settings
+from schemas import ShardFlushed, StageFailed
+from tests.conftest import Agent, Events
+
+pytestmark = pytest.mark.slow
+
+
+def state(value: float) -> dict[str, object]:
+    return {"w": torch.full((256,), value), "b": torch.arange(8) * value}
+
+
+def save_all(ckpt: Checkpointer, steps: list[int], value: float) -> None:
+    for step in steps:
+        ckpt.save(step, state(value + step)).result(timeout=30)
+
+
+def test_fresh_process_may_not_save_an_older_step(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    """A new process that did not restore gets StaleStepError for a step at or before the job's
+    newest; a newer step is fine."""
+    agent("nvme-write", "verify", "evict").wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as first:
+        save_all(first, [10, 20], 1.0)
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as second:
+        for step in (5, 20):
+            with pytest.raises(StaleStepError) as err:
+                second.save(step, state(2.0))
+            assert (err.value.job, err.value.step, err.value.newest) == (job, step, 20)
+        assert "overwrite=True" in str(err.value)
+        second.save(21, state(2.0)).result(timeout=30)
+        assert second.latest_step() == 21
+
+
+def test_overwrite_supersedes_the_newer_steps_and_replaces_the_same_step(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """overwrite=True: saving step 10 again supersedes the old 10 and 20; the new 10 replaces the
+    old file on NVMe and the old object in S3, and only it is listed and restored."""
+    agent().wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as first:
+        save_all(first, [10, 20], 1.0)
+    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 20, kind="flushed")
+    with Checkpointer(job, rank=0, world_size=1, settings=settings, overwrite=True) as second:
+        verified = second.save(10, state(5.0)).result(timeout=30)
+        _, on_disk = load_shard(verified.path)
+        assert torch.equal(on_disk["w"], state(15.0)["w"])
+        events.wait_for(
+            lambda e: isinstance(e, ShardFlushed) and e.step == 10 and e.epoch == second.epoch,
+            kind="flushed",
+        )
+        assert second.all_steps() == [10]
+        with pytest.raises(NoCheckpointError, match="superseded"):
+            second.restore(step=20)
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as third:
+        restored = third.restore()
+        assert restored.step == 10 and torch.equal(restored.state["w"], state(15.0)["w"])
+    failures = [e for e in events.all("failed") if isinstance(e, StageFailed) and not e.retryable]
+    assert failures == []
+
+
+def test_restore_then_save_branches_the_history(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """Restoring step 20 of 10/20/30 and training on: the new 30 replaces the abandoned 30 on
+    every tier and is what the next restart restores."""
+    agent().wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as first:
+        save_all(first, [10, 20, 30], 1.0)
+    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 30, kind="flushed")
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as second:
+        assert second.restore(step=20).step == 20
+        save_all(second, [30], 7.0)
+        events.wait_for(
+            lambda e: isinstance(e, ShardFlushed) and e.step == 30 and e.epoch == second.epoch,
+            kind="flushed",
+        )
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as third:
+        restored = third.restore()
+        assert restored.step == 30 and torch.equal(restored.state["w"], state(37.0)["w"])
