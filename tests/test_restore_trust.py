@@ -538,6 +538,29 @@ def test_restore_with_s3_down_skips_it_for_this_attempt_only(
 
 
 @pytest.mark.slow
+def test_restore_refused_by_s3_hints_at_trainer_credentials_and_keeps_the_copy(
+    settings: Settings, elsewhere: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """A trainer whose S3 credentials are refused skips the copy for this attempt with a hint
+    about trainer credentials; with the right ones, the next restore reads it."""
+    agent()
+    saved_states = save(settings, job, [1], events)
+    refused = elsewhere.replace(s3_secret_access_key="not-the-secret")
+    with (
+        Checkpointer(job, rank=0, world_size=1, settings=refused) as c,
+        pytest.raises(NoCheckpointError, match="StorageAuthError"),
+    ):
+        c.restore()
+    (failed,) = failures(events, "s3")
+    assert failed.error == "StorageAuthError" and failed.retryable
+    assert "for trainers" in failed.message and "not-the-secret" not in failed.message
+    target = model(99)
+    with Checkpointer(job, rank=0, world_size=1, settings=elsewhere) as c:
+        assert c.restore({"model": target}).source.tier == "s3"
+    assert_equal(target, saved_states[1])
+
+
+@pytest.mark.slow
 def test_s3_hung_during_restore_fails_this_attempt_within_the_deadline(
     settings: Settings,
     elsewhere: Settings,
