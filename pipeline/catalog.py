@@ -1,7 +1,23 @@
 """The catalog: events folded into job -> step -> rank -> copies on each tier.
 
-One fold serves every reader of the stream (the demo and `status` today; eviction and recovery
-next). Applying the same event twice changes nothing, so replays and redeliveries are harmless.
+One fold serves every reader of the stream (`status`, eviction and recovery). Applying the same
+event twice changes nothing, so replays and redeliveries are harmless.
+
+A copy counts only with the evidence its tier needs, so one schema-valid but bogus event cannot
+make a step restorable:
+- an NVMe copy is verified only by a `verified` event that follows a `written` event of the same
+  node with the same path, size and header digest;
+- an object-storage copy counts only if its header digest and size match a verified NVMe copy of
+  the same shard, or if `tierpipe reindex` published it (`origin="reindex"`: read back from the
+  object's own metadata, for a node that is gone).
+The residual: whoever can publish events can forge a matching pair, or a reindex `flushed`. That
+buys at most a wasted restore round, never wrong bytes: every load checks the shard header's
+identity (job, step, rank, world size) and header digest against the plan before any byte
+reaches a target, and falls back to the next copy (`pipeline.restore`).
+
+"Unreachable" is not "corrupt": only evidence (a digest or identity mismatch, a garbled file)
+marks a copy corrupt, and a later good check of the same copy (`verified`, `flushed`, or a
+restore that loaded it) clears the mark.
 """
 
 from __future__ import annotations
@@ -21,7 +37,10 @@ from schemas import (
     Tier,
 )
 
-__all__ = ["Catalog", "Copy", "Shard"]
+__all__ = ["EVIDENCE_ERRORS", "Catalog", "Copy", "Shard"]
+
+#: Error classes that prove a copy bad (as opposed to unreachable, missing or refused).
+EVIDENCE_ERRORS = frozenset({"IntegrityError", "ShardFormatError"})
 
 
 @dataclass(slots=True)
@@ -38,6 +57,8 @@ class Copy:
     verified: bool = False
     corrupt: bool = False
     evicted: bool = False
+    #: Why the copy is marked corrupt (the failure that proved it), for operators.
+    corrupt_reason: str = ""
 
     @property
     def usable(self) -> bool:
@@ -52,6 +73,8 @@ class Shard:
     world_size: int
     copies: dict[tuple[Tier, str], Copy] = field(default_factory=dict)
     failures: list[StageFailed] = field(default_factory=list)
+    #: Events ignored for lack of evidence (a `verified` with no matching `written`, ...).
+    doubts: list[str] = field(default_factory=list)
 
     def copy(self, tier: Tier, node: str = "") -> Copy | None:
         return self.copies.get((tier, node))
@@ -68,42 +91,89 @@ class Catalog:
         self._shards: dict[tuple[str, int, int], Shard] = {}
 
     def apply(self, event: Event) -> None:
-        if isinstance(event, RecoveryPlanned | RestoreReport):
-            return  # restore coordination, not copies
-        if isinstance(event, StageFailed):
-            if event.step is not None and event.rank is not None:
-                shard = self._shard(event.job, event.step, event.rank, event.world_size or 0)
-                if event not in shard.failures:
-                    shard.failures.append(event)
-                bad = event.tier or ("nvme" if event.stage == "verify" else None)
-                copy = shard.copy(bad, "" if bad == "s3" else event.node) if bad else None
-                if copy is not None and not event.retryable:
-                    copy.corrupt = True
-            return
-        shard = self._shard(event.job, event.step, event.rank, event.world_size)
         match event:
+            case RecoveryPlanned():
+                return  # restore coordination, not copies
+            case RestoreReport():
+                self._loaded(event)
+            case StageFailed():
+                self._failed(event)
             case ShardStaged():
+                shard = self._shard(event.job, event.step, event.rank, event.world_size)
                 shard.copies.setdefault(
                     ("ram", event.node),
                     Copy("ram", event.node, event.staging_path, event.nbytes, by=event.node),
                 )
             case ShardWritten():
                 # A first write, or a rewrite of a different save: verification starts over.
-                _nvme_copy(shard, event)
+                _nvme_copy(self._shard(event.job, event.step, event.rank, event.world_size), event)
             case ShardVerified():
-                nvme = _nvme_copy(shard, event)
-                nvme.verified, nvme.corrupt, nvme.evicted = True, False, False
+                self._verified(event)
             case ShardFlushed():
-                # The store confirmed size and checksum after the upload: a verified copy.
-                location = f"s3://{event.bucket}/{event.key}"
-                shard.copies[("s3", "")] = Copy(
-                    "s3", "", location, event.nbytes, event.header_digest, event.node, verified=True
-                )
+                self._flushed(event)
             case ShardEvicted():
+                shard = self._shard(event.job, event.step, event.rank, event.world_size)
                 key = (event.tier, "" if event.tier == "s3" else event.node)
                 found = shard.copies.get(key)
                 if found is not None:
                     found.evicted = True
+
+    def _verified(self, event: ShardVerified) -> None:
+        shard = self._shard(event.job, event.step, event.rank, event.world_size)
+        nvme = shard.copy("nvme", event.node)
+        if (
+            nvme is None
+            or nvme.header_digest != event.header_digest
+            or nvme.nbytes != event.nbytes
+            or nvme.location != event.path
+        ):
+            _doubt(shard, f"nvme@{event.node}: `verified` without a matching `written` (ignored)")
+            return
+        nvme.verified, nvme.evicted = True, False
+        _clear(nvme)
+
+    def _flushed(self, event: ShardFlushed) -> None:
+        shard = self._shard(event.job, event.step, event.rank, event.world_size)
+        backed = event.origin == "reindex" or any(
+            c.verified and c.header_digest == event.header_digest and c.nbytes == event.nbytes
+            for (tier, _), c in shard.copies.items()
+            if tier == "nvme"
+        )
+        if not backed:
+            _doubt(shard, f"s3 by {event.node}: `flushed` matches no verified NVMe copy (ignored)")
+            return
+        # The store confirmed size and checksum after the upload: a verified copy.
+        location = f"s3://{event.bucket}/{event.key}"
+        shard.copies[("s3", "")] = Copy(
+            "s3", "", location, event.nbytes, event.header_digest, event.node, verified=True
+        )
+
+    def _failed(self, event: StageFailed) -> None:
+        if event.step is None or event.rank is None:
+            return
+        shard = self._shard(event.job, event.step, event.rank, event.world_size or 0)
+        if event not in shard.failures:
+            shard.failures.append(event)
+        bad = event.tier or ("nvme" if event.stage == "verify" else None)
+        copy = shard.copy(bad, "" if bad == "s3" else event.node) if bad else None
+        # Only evidence marks a copy corrupt: an outage, a refusal or a missing copy is retried
+        # or skipped by its reader, never held against the copy. (verify's final verdict on a
+        # copy it could never verify counts too: nothing else will judge that copy.)
+        proof = event.error in EVIDENCE_ERRORS or event.stage == "verify"
+        if copy is not None and not event.retryable and proof:
+            copy.corrupt = True
+            copy.corrupt_reason = f"{event.stage}: {event.error}: {event.message}"
+
+    def _loaded(self, report: RestoreReport) -> None:
+        """A restore loaded this copy, every digest checked: it is good after all."""
+        if report.phase != "loaded" or report.step is None or report.tier is None:
+            return
+        shard = self._shards.get((report.job, report.step, report.rank))
+        copy = None
+        if shard is not None:
+            copy = shard.copy(report.tier, "" if report.tier == "s3" else report.node)
+        if copy is not None and copy.verified:
+            _clear(copy)
 
     def _shard(self, job: str, step: int, rank: int, world_size: int) -> Shard:
         key = (job, step, rank)
@@ -144,12 +214,26 @@ class Catalog:
         return done
 
 
-def _nvme_copy(shard: Shard, event: ShardWritten | ShardVerified) -> Copy:
+def _nvme_copy(shard: Shard, event: ShardWritten) -> Copy:
     """The node's NVMe copy of this save (a new, unverified one if the node had none, or a
     copy of a different save)."""
     nvme = shard.copy("nvme", event.node)
-    if nvme is None or nvme.header_digest != event.header_digest:
+    if (
+        nvme is None
+        or nvme.header_digest != event.header_digest
+        or nvme.nbytes != event.nbytes
+        or nvme.location != event.path
+    ):
         nvme = shard.copies[("nvme", event.node)] = Copy(
             "nvme", event.node, event.path, event.nbytes, event.header_digest, event.node
         )
     return nvme
+
+
+def _clear(copy: Copy) -> None:
+    copy.corrupt, copy.corrupt_reason = False, ""
+
+
+def _doubt(shard: Shard, why: str) -> None:
+    if why not in shard.doubts:
+        shard.doubts.append(why)

@@ -28,9 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from pipeline.bus import Bus
 from pipeline.errors import (
     ConfigError,
-    IntegrityError,
     ShardFailedError,
-    ShardFormatError,
+    ShardMissingError,
     StaleStepError,
     TierpipeError,
 )
@@ -616,7 +615,7 @@ class Checkpointer:
             world_size=self.world_size,
             node=self.node,
             restart=restart or _restart_id(),
-            load=lambda source: self._load_source(source, into),
+            load=lambda source, step: self._load_source(source, step, into),
             collective=(
                 Collective.from_torch(self.rank, self.world_size)
                 if self.settings.restore_use_torch_distributed
@@ -645,18 +644,28 @@ class Checkpointer:
         )
         return dataclasses.replace(restored, image=None)
 
-    async def _load_source(self, source: Source, into: Any) -> tuple[Any, Any]:
-        from pipeline.restore import load_image, load_into
+    async def _load_source(self, source: Source, step: int, into: Any) -> tuple[Any, Any]:
+        """This rank's shard of `step` from `source`, checked against the plan's identity and
+        header digest before any byte reaches `into`.
+
+        Raises:
+            ShardMissingError: the copy is not there (or not reachable from this node).
+            IntegrityError, ShardFormatError: the copy is not the shard planned, or is corrupt.
+            StorageUnavailableError, StorageAuthError: object storage is down or refused.
+        """
+        from pipeline.restore import Expected, load_image, load_into
 
         s = self.settings
+        expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
         if source.tier == "nvme":
             if source.node != self.node:
-                raise ShardFormatError(source.location, f"on node {source.node}, not {self.node}")
+                raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
             loaded = await anyio.to_thread.run_sync(
                 functools.partial(
                     load_into,
                     source.location,
                     into,
+                    expected=expected,
                     direct_io=s.restore_direct_io,
                     queue_depth=s.io_queue_depth,
                     chunk_bytes=s.io_chunk_bytes,
@@ -666,19 +675,19 @@ class Checkpointer:
         store = await self._object_store()
         bucket, _, key = source.location.removeprefix("s3://").partition("/")
         if bucket != store.bucket:
-            raise ShardFormatError(source.location, f"not in the configured bucket {store.bucket}")
+            raise ShardMissingError(source.location, f"not in the configured bucket {store.bucket}")
         reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
         image = await store.download(key, source.nbytes, hold=reads.hold)
         try:
             head = parse_head(
-                image[: _head_bytes(image)], source.location, actual_nbytes=source.nbytes
+                image[: _head_bytes(image, source.location)],
+                source.location,
+                actual_nbytes=source.nbytes,
             )
-            if head.header_digest.hex() != source.header_digest:
-                raise IntegrityError(
-                    source.location, "header", source.header_digest, head.header_digest.hex()
-                )
             loaded = await anyio.to_thread.run_sync(
-                load_image, memoryview(image), head, source.location, into
+                functools.partial(
+                    load_image, memoryview(image), head, source.location, into, expected=expected
+                )
             )
         except BaseException:
             with contextlib.suppress(BufferError):
@@ -848,9 +857,9 @@ def _restart_id() -> str:
     return f"{run}-{count}" if run and count is not None else "anonymous"
 
 
-def _head_bytes(image: Any) -> int:
+def _head_bytes(image: Any, location: str) -> int:
     """Bytes of prefix + header at the start of a sealed image."""
-    header_len = parse_prefix(image[:PREFIX_NBYTES], "<image>")[0]
+    header_len = parse_prefix(image[:PREFIX_NBYTES], location)[0]
     return PREFIX_NBYTES + header_len
 
 

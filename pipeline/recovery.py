@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,14 +23,13 @@ import msgspec
 import structlog
 
 from pipeline.bus import Bus
-from pipeline.catalog import Catalog, Copy, Shard
+from pipeline.catalog import EVIDENCE_ERRORS, Catalog, Copy, Shard
 from pipeline.collective import Collective
 from pipeline.errors import (
     ConfigError,
-    IntegrityError,
-    ShardFormatError,
-    StorageUnavailableError,
+    StorageAuthError,
     TierpipeError,
+    UnavailableError,
 )
 from pipeline.names import SUBJECT_ROOT, plan_subject
 from pipeline.settings import Settings
@@ -48,6 +47,8 @@ log = structlog.get_logger(__name__)
 #: The restart id when neither torchelastic nor the caller names one: ranks then match up by
 #: stream order (a report counts only if published after this rank's `ready`).
 _ANONYMOUS = "anonymous"
+#: Tries of one source during an outage (the store down or hung) before this restore skips it.
+_OUTAGE_TRIES = 3
 
 __all__ = [
     "NoCheckpointError",
@@ -85,6 +86,8 @@ class Plan:
     sources: dict[int, list[Source]]
     #: newer step -> why it could not be used.
     rejected: dict[int, str] = field(default_factory=dict)
+    #: What operators should know about the chosen step (copies skipped as corrupt, ...).
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         lines = [f"restore step {self.step} of job {self.job!r} ({self.world_size} ranks)"]
@@ -95,6 +98,7 @@ class Plan:
             lines.append(f"  rank {rank}: {where}: {first.location}{more}")
         for step, why in sorted(self.rejected.items(), reverse=True):
             lines.append(f"  step {step} rejected: {why}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -106,7 +110,7 @@ def plan_recovery(
     alive: Collection[str],
     rank_nodes: Mapping[int, str],
     step: int | None = None,
-    exclude: Collection[int] = (),
+    exclude: Collection[int] | Mapping[int, str] = (),
     local_steps: Mapping[int, Collection[int]] | None = None,
 ) -> Plan:
     """The newest restorable step (or exactly `step`) and every rank's sources.
@@ -115,7 +119,8 @@ def plan_recovery(
         alive: nodes that survived with their NVMe (a replaced node is not alive).
         rank_nodes: the new run's node for each rank.
         step: restore this step rather than the newest possible one.
-        exclude: steps already found unusable (a bad copy at load time).
+        exclude: steps already found unusable in this restart (a rank had no loadable copy);
+            a mapping gives the reason for each.
         local_steps: per rank, the steps whose NVMe copy that rank found on its node (checked on
             disk); when given, an NVMe copy counts only if it is listed.
 
@@ -129,14 +134,25 @@ def plan_recovery(
     steps = catalog.steps(job)
     if not steps:
         raise NoCheckpointError(f"job {job!r} has no checkpoints in the event stream")
+    if step is not None and step not in steps:
+        raise NoCheckpointError(
+            f"step {step} of job {job!r} was never saved; {_newest_saved(catalog, job)}"
+        )
     rejected: dict[int, str] = {}
     candidates = sorted((s for s in steps if step is None or s == step), reverse=True)
     for s in candidates:
         shards = steps[s]
         if s in exclude:
-            rejected[s] = "a copy failed verification at load time"
+            why = exclude[s] if isinstance(exclude, Mapping) else ""
+            rejected[s] = f"a rank found no loadable copy in this restore ({why or 'see its log'})"
             continue
-        saved_world = shards[0].world_size
+        # Only shards with a verified copy say which world size saved the step: a bogus event
+        # must not turn into a world-size error.
+        backed = [sh for sh in shards if any(c.usable for c in sh.copies.values())]
+        if not backed:
+            rejected[s] = "; ".join(_why_not(sh, sh.rank, "", alive) for sh in shards)
+            continue
+        saved_world = backed[0].world_size
         if saved_world != world_size:
             if not rejected and s == candidates[0]:
                 raise WorldSizeMismatchError(
@@ -156,10 +172,18 @@ def plan_recovery(
             else:
                 problems.append(_why_not(by_rank.get(rank), rank, rank_nodes[rank], alive))
         if not problems:
-            return Plan(job, s, world_size, sources, rejected)
+            return Plan(job, s, world_size, sources, rejected, _notes(by_rank.values(), job))
         rejected[s] = "; ".join(problems)
     detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
     raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
+
+
+def _newest_saved(catalog: Catalog, job: str, count: int = 5) -> str:
+    done = catalog.complete_steps(job, ("nvme", "s3"))
+    if not done:
+        return "no step of it is complete on any tier"
+    newest = ", ".join(map(str, reversed(done[-count:])))
+    return f"the newest complete steps are {newest}"
 
 
 def _sources(
@@ -197,12 +221,30 @@ def _why_not(shard: Shard | None, rank: int, node: str, alive: Collection[str]) 
     ]
     states = [
         f"{c.tier}{'@' + c.node if c.node else ''}: "
-        + ("evicted" if c.evicted else "corrupt" if c.corrupt else "unverified")
+        + ("evicted" if c.evicted else _corrupt(c, shard.job) if c.corrupt else "unverified")
         for c in shard.copies.values()
         if c.tier != "ram" and not c.usable
     ]
-    reason = ", ".join(held + states) or "no copy beyond RAM"
-    return f"rank {rank} (on {node}) has no reachable verified copy [{reason}]"
+    reason = ", ".join(held + states + shard.doubts) or "no copy beyond RAM"
+    where = f" (on {node})" if node else ""
+    return f"rank {rank}{where} has no reachable verified copy [{reason}]"
+
+
+def _corrupt(copy: Copy, job: str) -> str:
+    why = copy.corrupt_reason or "a failed check"
+    if len(why) > 160:
+        why = why[:157] + "..."
+    return f"marked corrupt ({why}; `tierpipe reindex --job {job}` re-checks it)"
+
+
+def _notes(shards: Iterable[Shard], job: str) -> list[str]:
+    """Copies of the chosen step the plan skipped as corrupt (a fallback took their place)."""
+    return [
+        f"rank {sh.rank}: {c.tier}{'@' + c.node if c.node else ''} skipped: {_corrupt(c, job)}"
+        for sh in shards
+        for c in sh.copies.values()
+        if c.corrupt and not c.evicted
+    ]
 
 
 # --- one restart, as every rank runs it
@@ -249,7 +291,7 @@ class Restorer:
         world_size: int,
         node: str,
         restart: str,
-        load: Callable[[Source], Awaitable[tuple[Any, Any]]],
+        load: Callable[[Source, int], Awaitable[tuple[Any, Any]]],
         collective: Collective | None = None,
     ) -> None:
         self.bus, self.settings = bus, settings
@@ -262,25 +304,29 @@ class Restorer:
     async def run(self, *, step: int | None = None) -> Restored:
         t0 = time.perf_counter()
         self._deadline = time.monotonic() + self.settings.restore_timeout_s
-        catalog = Catalog()
-        for event in await self.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
-            catalog.apply(event)
-        local = await anyio.to_thread.run_sync(self._local_steps, catalog)
+        local = await anyio.to_thread.run_sync(self._local_steps, await self._catalog())
         if self._collective is not None:
-            return await self._run_collective(catalog, local, step, t0)
+            return await self._run_collective(local, step, t0)
         if self.rank == 0:
             window = await self._last_final_plan()
             await self._report("ready", local_steps=local)
-            return await self._lead(catalog, step, window, t0)
+            return await self._lead(step, window, t0)
         since, _ = await self._report("ready", local_steps=local)
         return await self._follow(since, t0)
+
+    async def _catalog(self) -> Catalog:
+        """The job's catalog as the stream stands now."""
+        catalog = Catalog()
+        for event in await self.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
+            catalog.apply(event)
+        return catalog
 
     def _plan(
         self,
         catalog: Catalog,
         reports: list[RestoreReport],
         step: int | None,
-        excluded: set[int],
+        excluded: dict[int, str],
         round_: int,
     ) -> Plan:
         """Rank 0's plan from every rank's `ready` report (its node, its local steps)."""
@@ -304,15 +350,16 @@ class Restorer:
         )
         return plan
 
-    async def _run_collective(
-        self, catalog: Catalog, local: list[int], step: int | None, t0: float
-    ) -> Restored:
+    async def _run_collective(self, local: list[int], step: int | None, t0: float) -> Restored:
         """The same protocol through torch.distributed collectives: every rank takes part in
         each gather and broadcast, so all ranks see the same reports and decide alike. Reports
         and plans are still published on the stream, for operators."""
         _, ready = await self._report("ready", local_steps=local)
         reports = await self._gather(ready)
-        excluded: set[int] = set()
+        # Rank 0 plans from the stream as it stands once every rank reported (each reported
+        # after its own saves were verified), never from a snapshot taken before.
+        catalog = await self._catalog() if self.rank == 0 else Catalog()
+        excluded: dict[int, str] = {}
         for round_ in itertools.count(1):
             planned, error = None, None
             if self.rank == 0:
@@ -333,13 +380,12 @@ class Restorer:
             mine, report = await self._load_planned(
                 planned.step, planned.sources[self.rank], round_
             )
-            failed = sorted(r.rank for r in await self._gather(report) if r.phase == "failed")
+            failed = [r for r in await self._gather(report) if r.phase == "failed"]
             if not failed and mine is not None:
                 if self.rank == 0:
                     await self.bus.publish(msgspec.structs.replace(planned, final=True))
                 return self._restored(planned.step, mine, planned.sources, round_, t0)
-            log.warning("recovery_step_abandoned", step=planned.step, failed_ranks=failed)
-            excluded.add(planned.step)
+            excluded[planned.step] = self._abandon(planned.step, failed)
             step = None
         raise AssertionError("unreachable")
 
@@ -377,9 +423,12 @@ class Restorer:
                             steps.append(s)
         return steps
 
-    async def _lead(self, catalog: Catalog, step: int | None, window: int, t0: float) -> Restored:
+    async def _lead(self, step: int | None, window: int, t0: float) -> Restored:
         reports = list((await self._await_reports(window, round_=0)).values())
-        excluded: set[int] = set()
+        # Plan from the stream as it stands now that every rank reported (each reported after
+        # its own saves were verified), never from a snapshot taken when rank 0 arrived.
+        catalog = await self._catalog()
+        excluded: dict[int, str] = {}
         for round_ in itertools.count(1):
             try:
                 plan = self._plan(catalog, reports, step, excluded, round_)
@@ -391,14 +440,20 @@ class Restorer:
             published = await self.bus.publish(self._planned(round_, plan, final=False))
             mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
             answers = await self._await_reports(published.seq, round_=round_)
-            failed = sorted(r.rank for r in answers.values() if r.phase == "failed")
+            failed = [r for r in answers.values() if r.phase == "failed"]
             if not failed and mine is not None:
                 await self.bus.publish(self._planned(round_, plan, final=True))
                 return self._restored(plan.step, mine, plan.sources, round_, t0)
-            log.warning("recovery_step_abandoned", step=plan.step, failed_ranks=failed)
-            excluded.add(plan.step)
+            excluded[plan.step] = self._abandon(plan.step, failed)
             step = None
         raise AssertionError("unreachable")
+
+    def _abandon(self, step: int, failed: list[RestoreReport]) -> str:
+        """Why every rank moves on from `step` (the failed ranks' own words), logged."""
+        log.warning(
+            "recovery_step_abandoned", step=step, failed_ranks=sorted(r.rank for r in failed)
+        )
+        return "; ".join(f"rank {r.rank}: {r.error}" for r in sorted(failed, key=lambda r: r.rank))
 
     async def _follow(self, since: int, t0: float) -> Restored:
         round_, mine, planned = 0, None, None
@@ -416,18 +471,34 @@ class Restorer:
     async def _load_planned(
         self, step: int, sources: list[Source], round_: int
     ) -> tuple[tuple[Source, Any, Any] | None, RestoreReport]:
-        """This rank's shard from its first good source (None if none), and its report."""
+        """This rank's shard from its first good source (None if none), and its report.
+
+        Only evidence (a digest or identity mismatch, a garbled file) is reported as a bad copy
+        (`failed`, not retryable); a copy that is unreachable (an outage, retried a few times
+        first), refused (credentials) or missing is skipped for this restore only (`failed`,
+        retryable), so the next restore tries it again.
+        """
+        problems = []
         for source in sources:
             try:
-                loaded, image = await self._load(source)
-            except (IntegrityError, ShardFormatError, StorageUnavailableError) as e:
+                loaded, image = await self._load_retrying(step, source)
+            except TierpipeError as e:
+                evidence = type(e).__name__ in EVIDENCE_ERRORS
+                message = str(e)
+                if isinstance(e, StorageAuthError):
+                    message += (
+                        " (the trainer's own S3 credentials are used for restores: set "
+                        "s3_access_key_id / s3_secret_access_key, or TIERPIPE_S3_*, for trainers)"
+                    )
                 log.warning(
                     "restore_source_failed",
                     step=step,
                     tier=source.tier,
                     location=source.location,
-                    error=str(e),
+                    error=message,
+                    corrupt=evidence,
                 )
+                problems.append(f"{source.tier}: {type(e).__name__}")
                 await self.bus.publish(
                     StageFailed(
                         job=self.job,
@@ -435,8 +506,8 @@ class Restorer:
                         ts=time.time(),
                         stage="restore",
                         error=type(e).__name__,
-                        message=str(e),
-                        retryable=False,
+                        message=message,
+                        retryable=not evidence,
                         attempt=round_,
                         step=step,
                         rank=self.rank,
@@ -448,9 +519,44 @@ class Restorer:
             _, report = await self._report("loaded", round_=round_, step=step, tier=source.tier)
             return (source, loaded, image), report
         _, report = await self._report(
-            "failed", round_=round_, step=step, error="no good copy left"
+            "failed",
+            round_=round_,
+            step=step,
+            error="no good copy left (" + (", ".join(problems) or "no sources") + ")",
         )
         return None, report
+
+    async def _load_retrying(self, step: int, source: Source) -> tuple[Any, Any]:
+        """Load `source`, retrying an outage a few times while the restore deadline allows
+        (leaving the other ranks time to hear from this one)."""
+        delay = self.settings.retry_base_s
+        margin = min(30.0, self.settings.restore_timeout_s / 4)
+        for attempt in itertools.count(1):
+            left = self._deadline - margin - time.monotonic()
+            try:
+                with anyio.fail_after(max(left, 1.0)):
+                    return await self._load(source, step)
+            except TimeoutError as e:
+                if isinstance(e, TierpipeError):
+                    raise
+                raise _Unreachable(
+                    f"{source.location}: no answer within this restore's deadline"
+                ) from e
+            except UnavailableError as e:
+                if attempt >= _OUTAGE_TRIES or delay > self._deadline - margin - time.monotonic():
+                    raise
+                log.warning(
+                    "restore_source_unavailable",
+                    step=step,
+                    tier=source.tier,
+                    location=source.location,
+                    attempt=attempt,
+                    retry_in_s=delay,
+                    error=str(e),
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_s)
+        raise AssertionError("unreachable")
 
     async def _report(
         self, phase: str, *, round_: int = 0, **fields: Any
@@ -552,6 +658,10 @@ class Restorer:
             image,
             agreement="nats" if self._collective is None else "torch.distributed",
         )
+
+
+class _Unreachable(UnavailableError):
+    """A source did not answer within the restore's deadline."""
 
 
 def _raise_plan_error(plan: RecoveryPlanned) -> None:

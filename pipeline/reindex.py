@@ -137,4 +137,5 @@ async def _s3_event(
         header_digest=digest,
         nbytes=size,
         seconds=0.0,
+        origin="reindex",
     )

@@ -18,21 +18,21 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
-from pipeline.errors import IntegrityError, ShardFormatError
+from pipeline.errors import IntegrityError, ShardFormatError, ShardMissingError
 from pipeline.pinned import page_lock, page_unlock
 from pipeline.shard import Head
 from pipeline.state import KeyPath, blob_view, flatten_targets, rebuild_state
 from pipeline.storage.nvme import open_for_read, read_head_fd
 from schemas import ShardHeader
 
-__all__ = ["Loaded", "load_image", "load_into", "load_shard"]
+__all__ = ["Expected", "Loaded", "check_head", "load_image", "load_into", "load_shard"]
 
 #: The smallest restore arena (see `_Layout`).
 ARENA_MIN_BYTES = 64 << 20
@@ -48,10 +48,49 @@ class Loaded:
     in_place: int
 
 
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the catalog says a copy holds: checked against the shard's own header before any
+    byte reaches a target, so a stale, misplaced or swapped file never loads as this shard."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    #: The header digest recorded when the copy was written (hex).
+    header_digest: str
+
+
+def check_head(head: Head, expected: Expected | None, path: str) -> None:
+    """Refuse a shard whose identity or header digest is not the one expected.
+
+    Raises:
+        IntegrityError: names what was expected and what the file holds.
+    """
+    if expected is None:
+        return
+    h = head.header
+    want = (expected.job, expected.step, expected.rank, expected.world_size)
+    got = (h.job, h.step, h.rank, h.world_size)
+    if got != want:
+        raise IntegrityError(
+            path, "identity (job, step, rank, world size)", _identity(want), _identity(got)
+        )
+    actual = head.header_digest.hex()
+    if actual != expected.header_digest:
+        raise IntegrityError(path, "header", expected.header_digest, actual)
+
+
+def _identity(ident: tuple[str, int, int, int]) -> str:
+    job, step, rank, world = ident
+    return f"job {job!r} step {step} rank {rank}/{world}"
+
+
 def load_into(
     path: str,
     into: Any = None,
     *,
+    expected: Expected | None = None,
     direct_io: bool = False,
     queue_depth: int = 4,
     chunk_bytes: int = 8 << 20,
@@ -64,18 +103,22 @@ def load_into(
             `state_dict()`, in nested dicts/lists): a saved tensor whose key path has a target of
             the same shape and dtype is copied into it in place; the rest come back as new CPU
             tensors. Objects with `load_state_dict()` get their restored state loaded.
+        expected: the identity and header digest the file must have (a restore always passes
+            the catalog's), checked before any byte is read into a target.
 
     Raises:
-        ShardFormatError: missing, truncated or garbled (names the file).
-        IntegrityError: a digest does not match (names the file and tensor).
+        ShardMissingError: the file is not there.
+        ShardFormatError: truncated or garbled (names the file).
+        IntegrityError: a digest does not match, or the file is another shard than `expected`.
     """
     t0 = time.perf_counter()
     try:
         fd = open_for_read(path, direct_io=direct_io)
     except FileNotFoundError as e:
-        raise ShardFormatError(path, "file is missing") from e
+        raise ShardMissingError(path, "file is missing") from e
     try:
         head = read_head_fd(fd, path, os.fstat(fd).st_size)
+        check_head(head, expected, path)
         match = _Match(head.header, into)
         blobs = _read_blobs(
             fd,
@@ -104,9 +147,12 @@ def load_shard(path: str | os.PathLike[str]) -> tuple[ShardHeader, Any]:
     return loaded.header, loaded.state
 
 
-def load_image(image: memoryview, head: Head, path: str, into: Any = None) -> Loaded:
+def load_image(
+    image: memoryview, head: Head, path: str, into: Any = None, *, expected: Expected | None = None
+) -> Loaded:
     """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
     t0 = time.perf_counter()
+    check_head(head, expected, path)
 
     def blobs() -> Iterator[tuple[int, torch.Tensor]]:
         for i, b in enumerate(head.header.blobs):
@@ -384,7 +430,7 @@ def _assemble(
     for index, e in enumerate(header.tensors):
         by_blob.setdefault(e.blob, []).append(index)
     restored: list[torch.Tensor | None] = [None] * len(header.tensors)
-    copied: set[KeyPath] = set()
+    copied: dict[KeyPath, torch.Tensor] = {}
     for i, blob in blobs:
         for index in by_blob.get(i, []):
             e, target = header.tensors[index], match.targets[index]
@@ -394,18 +440,50 @@ def _assemble(
                 continue
             target.copy_(view, non_blocking=target.is_cuda)
             restored[index] = target
-            copied.add(e.path)
+            copied[e.path] = target
     for device in match.cuda_devices:
         torch.cuda.current_stream(device).synchronize()
     state = rebuild_state(header, [], path, tensors=restored)
     for obj, keypath in match.loaders:
         sub = _at(state, keypath)
-        if isinstance(obj, torch.nn.Module):
-            theirs = {(*keypath, k) for k in obj.state_dict()}
-            if theirs <= copied:
-                continue  # every tensor already copied into the module's own parameters
+        if isinstance(obj, torch.nn.Module) and _restored_in_place(obj, sub, keypath, copied):
+            continue  # every entry was copied into the module's own parameters and buffers
         obj.load_state_dict(sub)
     return Loaded(header, state, head.file_nbytes, time.perf_counter() - t0, len(copied))
+
+
+def _restored_in_place(
+    module: torch.nn.Module, saved: Any, keypath: KeyPath, copied: dict[KeyPath, torch.Tensor]
+) -> bool:
+    """Whether every entry of the module's state dict went into a tensor that provably IS one
+    of its live parameters or buffers (same memory, shape, stride and dtype), and the saved
+    entries are exactly those (`load_state_dict` reports missing and unexpected keys).
+
+    `state_dict()` may return copies (FSDP full state dicts, hooks that clone or cast) or
+    entries that are no tensor of the module (`_extra_state`); bytes copied into those never
+    reach the module, so anything short of proof means calling `load_state_dict`.
+    """
+    live = dict(module.named_parameters(remove_duplicate=False))
+    live.update(module.named_buffers(remove_duplicate=False))
+    names = list(module.state_dict(keep_vars=True))
+    if not isinstance(saved, Mapping) or set(saved) != set(names):
+        return False
+    for name in names:
+        target, own = copied.get((*keypath, name)), live.get(name)
+        if target is None or own is None or not _same_tensor(target, own):
+            return False
+    return bool(names) or not live
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 def _at(state: Any, keypath: KeyPath) -> Any:

@@ -11,12 +11,14 @@ tests can throw arbitrary histories at it. The rules, per job:
   step divisible by `s3_keep_period`.
 - Never removed, whatever the rules above say: any copy of the newest complete step of each tier,
   and any copy of the newest step that is complete across tiers together (what recovery would
-  load), so the last good checkpoint always survives.
+  load), so the last good checkpoint always survives; nor any copy of a step that an
+  in-progress restore planned (`pinned`), while its ranks read it.
 - A node removes only what it owns: its own NVMe files, and the objects it uploaded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pipeline.catalog import Catalog, Copy, Shard
@@ -66,13 +68,18 @@ def plan_evictions(
     *,
     node: str,
     nvme_free_bytes: int | None = None,
+    pinned: Collection[int] = (),
 ) -> list[Eviction]:
-    """Copies of `job` that `node` should remove now, oldest first."""
+    """Copies of `job` that `node` should remove now, oldest first.
+
+    Args:
+        pinned: steps an in-progress restore of the job reads: none of their copies goes.
+    """
     steps = catalog.steps(job)
     nvme_done = catalog.complete_steps(job, ("nvme",))
     s3_done = catalog.complete_steps(job, ("s3",))
     any_done = catalog.complete_steps(job, ("nvme", "s3"))
-    protected = {done[-1] for done in (nvme_done, s3_done, any_done) if done}
+    protected = {done[-1] for done in (nvme_done, s3_done, any_done) if done} | set(pinned)
 
     evictions: list[Eviction] = []
     nvme_floor = _floor(nvme_done, policy.nvme_keep_latest_k)

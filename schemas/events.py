@@ -148,6 +148,10 @@ class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):
     header_digest: Digest
     nbytes: NonNegInt
     seconds: float
+    #: "reindex": republished by `tierpipe reindex` from the object's own metadata. The catalog
+    #: counts a `flush` copy only if it matches a verified NVMe copy; a reindexed one stands on
+    #: its own (its node may be gone), and restore checks its header on load either way.
+    origin: Literal["flush", "reindex"] = "flush"
 
 
 class ShardEvicted(ShardEvent, frozen=True, kw_only=True, tag="evicted"):

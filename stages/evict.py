@@ -9,6 +9,11 @@ The RAM tier's rule lives here too: a staging slot is released once the shard's 
 verified (never earlier: verify rewrites a corrupt file from the staging copy), or once nvme-write
 or verify failed for good (nothing will ever need the copy again; the trainer's handle reports the
 failure); a slot whose trainer has exited is deleted. Holds the node's evict lock.
+
+A step that an in-progress restore planned is pinned: its copies stay while the ranks read
+them, until the restore ends (rank 0's final plan, or its error) or times out (the plan's time
+plus `restore_timeout_s`). The pins come from the newest plan of each job, read at start and
+then followed live on `tp.*.plan`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import functools
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -26,16 +32,16 @@ from anyio.abc import TaskStatus
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog
 from pipeline.errors import ShardFormatError
-from pipeline.names import SUBJECT_ROOT, node_name, shard_relpath
+from pipeline.names import SUBJECT_ROOT, node_name, plan_subject, shard_relpath
 from pipeline.retention import Eviction, Policy, plan_evictions
 from pipeline.runner import serve
 from pipeline.settings import Settings
 from pipeline.staging import release
 from pipeline.storage.nvme import NvmeStore
 from pipeline.storage.s3 import S3Store
-from schemas import Event, ShardEvicted, ShardVerified, StageFailed
+from schemas import Event, RecoveryPlanned, ShardEvicted, ShardVerified, StageFailed, decode_event
 
-__all__ = ["STAGE", "run"]
+__all__ = ["STAGE", "RestorePins", "run"]
 
 STAGE = "evict"
 KINDS = ("written", "verified", "flushed", "evicted", "failed")
@@ -56,6 +62,11 @@ async def run(
         for event in await bus.history(f"{SUBJECT_ROOT}.*.*.*.*"):
             catalog.apply(event)
         log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
+        pins = RestorePins(settings.restore_timeout_s)
+        # Subscribed before the read: no plan falls between the two.
+        await bus.subscribe(plan_subject("*"), pins.on_msg)
+        for _, plan in await bus.latest(plan_subject("*")):
+            pins.note(plan)
         s3: S3Store | None = None
         refused: set[tuple[str, str | None]] = set()  # objects left alone, logged once each
 
@@ -108,7 +119,10 @@ async def run(
             free = None
             if policy.nvme_min_free_bytes:
                 free = await anyio.to_thread.run_sync(nvme.free_bytes)
-            for e in plan_evictions(catalog, event.job, policy, node=node, nvme_free_bytes=free):
+            pinned = pins.steps(event.job)
+            for e in plan_evictions(
+                catalog, event.job, policy, node=node, nvme_free_bytes=free, pinned=pinned
+            ):
                 if not await remove(e):
                     continue  # left in place (a newer save, or not this node's); publish nothing
                 await publish(
@@ -206,3 +220,34 @@ def _failed_save(event: Event, node: str) -> ShardEvicted | None:
         )
     except ValueError:  # an identity no save can have (rank >= world size): nothing to release
         return None
+
+
+class RestorePins:
+    """Per job, the step its in-progress restore reads (from the job's newest recovery plan)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._plans: dict[str, RecoveryPlanned] = {}
+
+    def note(self, event: Event) -> None:
+        """Take a plan into account (anything else, or an older plan, changes nothing)."""
+        if not isinstance(event, RecoveryPlanned):
+            return
+        known = self._plans.get(event.job)
+        if known is None or event.ts >= known.ts:
+            self._plans[event.job] = event
+
+    async def on_msg(self, msg: Any) -> None:
+        try:
+            self.note(decode_event(msg.data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+
+    def steps(self, job: str, *, now: float | None = None) -> set[int]:
+        """Steps of `job` no copy of which may go now."""
+        plan = self._plans.get(job)
+        if plan is None or plan.final or plan.error:
+            return set()
+        if (time.time() if now is None else now) > plan.ts + self._timeout_s:
+            return set()  # the restore timed out
+        return {plan.step}

@@ -38,6 +38,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pipeline.errors import (
     IntegrityError,
     RetryableError,
+    ShardMissingError,
     StorageAuthError,
     StorageConflictError,
     StorageUnavailableError,
@@ -389,8 +390,11 @@ class S3Store:
                 concurrent reads during a restart); entered in a worker thread.
 
         Raises:
+            ShardMissingError: there is no object at `key`.
             StorageUnavailableError: the store failed or the object is shorter than `nbytes`.
+            StorageAuthError: the store refused the request (credentials, permissions).
         """
+        location = f"s3://{self.bucket}/{key}"
         part = self.settings.part_size_bytes
         buf = mmap.mmap(-1, max(nbytes, 1))
         limiter = anyio.Semaphore(self.settings.part_concurrency)
@@ -407,14 +411,16 @@ class S3Store:
                         )
                         got = 0
                         async for chunk in r["Body"].iter_chunks(1 << 20):
+                            if got + len(chunk) > size:
+                                raise StorageUnavailableError(f"{location}: long read at {offset}")
                             buf[offset + got : offset + got + len(chunk)] = chunk
                             got += len(chunk)
+                except _NotFound:
+                    raise ShardMissingError(location, "no such object") from None
                 finally:
                     guard.__exit__(None, None, None)
                 if got != size:
-                    raise StorageUnavailableError(
-                        f"s3://{self.bucket}/{key}: short read at {offset}"
-                    )
+                    raise StorageUnavailableError(f"{location}: short read at {offset}")
 
         try:
             async with anyio.create_task_group() as tg:
@@ -422,10 +428,7 @@ class S3Store:
                     tg.start_soon(one, offset)
         except BaseExceptionGroup as group:
             buf.close()
-            raise _first(group) from group
-        except _NotFound:
-            buf.close()
-            raise StorageUnavailableError(f"s3://{self.bucket}/{key} does not exist") from None
+            raise _download_error(group, location) from group
         return buf
 
     async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
@@ -599,6 +602,27 @@ def _first(group: BaseExceptionGroup) -> BaseException:
         else:
             leaves.append(e)
     return next((e for e in leaves if isinstance(e, TierpipeError)), leaves[0])
+
+
+def _download_error(group: BaseExceptionGroup, location: str) -> BaseException:
+    """The one error a failed download raises: a missing object first, then the project's
+    own errors, else the first cause as an outage; never a private class or a group."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    for kind in (ShardMissingError, TierpipeError):
+        found = next((e for e in leaves if isinstance(e, kind)), None)
+        if found is not None:
+            return found
+    first = leaves[0]
+    if not isinstance(first, Exception) or isinstance(first, anyio.get_cancelled_exc_class()):
+        return first  # cancellation and interpreter exits pass through as they are
+    return StorageUnavailableError(f"{location}: download failed ({type(first).__name__}: {first})")
 
 
 def _composite(part_crcs: list[bytes]) -> str:
