@@ -18,6 +18,11 @@ reaches a target, and falls back to the next copy (`pipeline.restore`).
 "Unreachable" is not "corrupt": only evidence (a digest or identity mismatch, a garbled file)
 marks a copy corrupt, and a later good check of the same copy (`verified`, `flushed`, or a
 restore that loaded it) clears the mark.
+
+A run that went back in a job's history (it restored step r, or saved with `overwrite=True`)
+sets `rewind_to` on its saves: this rank's copies of later steps saved by older epochs are
+superseded, whatever order their events arrive in. A copy's slot (tier, node) never goes back
+from a newer epoch's save to an older one's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from schemas import (
     Event,
     RecoveryPlanned,
     RestoreReport,
+    ShardEvent,
     ShardEvicted,
     ShardFlushed,
     ShardStaged,
@@ -59,10 +65,13 @@ class Copy:
     evicted: bool = False
     #: Why the copy is marked corrupt (the failure that proved it), for operators.
     corrupt_reason: str = ""
+    #: The save's epoch, and whether a later rewind of its rank abandoned it.
+    epoch: int = 0
+    superseded: bool = False
 
     @property
     def usable(self) -> bool:
-        return self.verified and not self.corrupt and not self.evicted
+        return self.verified and not self.corrupt and not self.evicted and not self.superseded
 
 
 @dataclass(slots=True)
@@ -89,8 +98,13 @@ class Catalog:
 
     def __init__(self) -> None:
         self._shards: dict[tuple[str, int, int], Shard] = {}
+        self._by_rank: dict[tuple[str, int], list[Shard]] = {}
+        #: (job, rank) -> the rewinds of that rank: (epoch, rewind_to).
+        self._rewinds: dict[tuple[str, int], set[tuple[int, int]]] = {}
 
     def apply(self, event: Event) -> None:
+        if isinstance(event, ShardEvent) and event.rewind_to is not None:
+            self._rewind(event.job, event.rank, event.epoch, event.rewind_to)
         match event:
             case RecoveryPlanned():
                 return  # restore coordination, not copies
@@ -100,13 +114,27 @@ class Catalog:
                 self._failed(event)
             case ShardStaged():
                 shard = self._shard(event.job, event.step, event.rank, event.world_size)
-                shard.copies.setdefault(
-                    ("ram", event.node),
-                    Copy("ram", event.node, event.staging_path, event.nbytes, by=event.node),
-                )
+                ram = shard.copy("ram", event.node)
+                if ram is None or ram.epoch < event.epoch:
+                    shard.copies[("ram", event.node)] = self._mark(
+                        shard,
+                        Copy(
+                            "ram",
+                            event.node,
+                            event.staging_path,
+                            event.nbytes,
+                            by=event.node,
+                            epoch=event.epoch,
+                        ),
+                    )
             case ShardWritten():
                 # A first write, or a rewrite of a different save: verification starts over.
-                _nvme_copy(self._shard(event.job, event.step, event.rank, event.world_size), event)
+                shard = self._shard(event.job, event.step, event.rank, event.world_size)
+                nvme = shard.copy("nvme", event.node)
+                if nvme is not None and nvme.epoch > event.epoch:
+                    _doubt(shard, f"nvme@{event.node}: `written` of an older epoch (ignored)")
+                    return
+                self._mark(shard, _nvme_copy(shard, event))
             case ShardVerified():
                 self._verified(event)
             case ShardFlushed():
@@ -115,7 +143,7 @@ class Catalog:
                 shard = self._shard(event.job, event.step, event.rank, event.world_size)
                 key = (event.tier, "" if event.tier == "s3" else event.node)
                 found = shard.copies.get(key)
-                if found is not None:
+                if found is not None and found.epoch <= event.epoch:
                     found.evicted = True
 
     def _verified(self, event: ShardVerified) -> None:
@@ -142,10 +170,24 @@ class Catalog:
         if not backed:
             _doubt(shard, f"s3 by {event.node}: `flushed` matches no verified NVMe copy (ignored)")
             return
+        known = shard.copy("s3")
+        if known is not None and known.epoch > event.epoch:
+            _doubt(shard, f"s3 by {event.node}: `flushed` of an older epoch (ignored)")
+            return
         # The store confirmed size and checksum after the upload: a verified copy.
         location = f"s3://{event.bucket}/{event.key}"
-        shard.copies[("s3", "")] = Copy(
-            "s3", "", location, event.nbytes, event.header_digest, event.node, verified=True
+        shard.copies[("s3", "")] = self._mark(
+            shard,
+            Copy(
+                "s3",
+                "",
+                location,
+                event.nbytes,
+                event.header_digest,
+                event.node,
+                verified=True,
+                epoch=event.epoch,
+            ),
         )
 
     def _failed(self, event: StageFailed) -> None:
@@ -175,11 +217,32 @@ class Catalog:
         if copy is not None and copy.verified:
             _clear(copy)
 
+    def _rewind(self, job: str, rank: int, epoch: int, rewind_to: int) -> None:
+        """Record a rewind of (job, rank) and supersede the copies it abandons."""
+        known = self._rewinds.setdefault((job, rank), set())
+        if (epoch, rewind_to) in known:
+            return
+        known.add((epoch, rewind_to))
+        for shard in self._by_rank.get((job, rank), []):
+            if shard.step > rewind_to:
+                for copy in shard.copies.values():
+                    if copy.epoch < epoch:
+                        copy.superseded = True
+
+    def _mark(self, shard: Shard, copy: Copy) -> Copy:
+        """`copy`, marked superseded if a known rewind of its rank abandoned it."""
+        copy.superseded = any(
+            copy.epoch < epoch and shard.step > rewind_to
+            for epoch, rewind_to in self._rewinds.get((shard.job, shard.rank), ())
+        )
+        return copy
+
     def _shard(self, job: str, step: int, rank: int, world_size: int) -> Shard:
         key = (job, step, rank)
         shard = self._shards.get(key)
         if shard is None:
             shard = self._shards[key] = Shard(job, step, rank, world_size)
+            self._by_rank.setdefault((job, rank), []).append(shard)
         elif world_size and not shard.world_size:
             shard.world_size = world_size
         return shard
@@ -225,7 +288,13 @@ def _nvme_copy(shard: Shard, event: ShardWritten) -> Copy:
         or nvme.location != event.path
     ):
         nvme = shard.copies[("nvme", event.node)] = Copy(
-            "nvme", event.node, event.path, event.nbytes, event.header_digest, event.node
+            "nvme",
+            event.node,
+            event.path,
+            event.nbytes,
+            event.header_digest,
+            event.node,
+            epoch=event.epoch,
         )
     return nvme
 

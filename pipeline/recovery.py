@@ -221,7 +221,15 @@ def _why_not(shard: Shard | None, rank: int, node: str, alive: Collection[str]) 
     ]
     states = [
         f"{c.tier}{'@' + c.node if c.node else ''}: "
-        + ("evicted" if c.evicted else _corrupt(c, shard.job) if c.corrupt else "unverified")
+        + (
+            "superseded (a later run went back past it)"
+            if c.superseded
+            else "evicted"
+            if c.evicted
+            else _corrupt(c, shard.job)
+            if c.corrupt
+            else "unverified"
+        )
         for c in shard.copies.values()
         if c.tier != "ram" and not c.usable
     ]

@@ -14,6 +14,7 @@ tests can throw arbitrary histories at it. The rules, per job:
   load), so the last good checkpoint always survives; nor any copy of a step that an
   in-progress restore planned (`pinned`), while its ranks read it.
 - A node removes only what it owns: its own NVMe files, and the objects it uploaded.
+- Copies a rewind superseded (an abandoned branch of the job's history) go at once.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Eviction:
     reason: str
     #: The copy's header digest as recorded (NVMe removals check the file still holds it).
     header_digest: str | None = None
+    #: The copy's save's epoch (the `evicted` event names it, so a newer save is never hit).
+    epoch: int = 0
 
 
 def plan_evictions(
@@ -82,12 +85,18 @@ def plan_evictions(
     protected = {done[-1] for done in (nvme_done, s3_done, any_done) if done} | set(pinned)
 
     evictions: list[Eviction] = []
+    for shards in steps.values():  # abandoned by a rewind: never restored again, whatever step
+        for shard in shards:
+            for copy in (shard.copy("nvme", node), shard.copy("s3")):
+                mine = copy is not None and (copy.tier == "nvme" or copy.by == node)
+                if mine and copy.superseded and not copy.evicted:
+                    evictions.append(_eviction(shard, copy, "superseded"))
     nvme_floor = _floor(nvme_done, policy.nvme_keep_latest_k)
     spare: list[tuple[Shard, Copy]] = []  # kept NVMe copies that pressure may still take
     for step, shards in steps.items():
         for shard in shards:
             nvme = shard.copy("nvme", node)
-            if nvme is None or nvme.evicted or step in protected:
+            if nvme is None or nvme.evicted or nvme.superseded or step in protected:
                 continue
             if not nvme.verified and not nvme.corrupt:
                 continue  # still being written or verified: not ours to judge yet
@@ -117,7 +126,7 @@ def plan_evictions(
                 continue
             for shard in shards:
                 obj = shard.copy("s3")
-                if obj is not None and not obj.evicted and obj.by == node:
+                if obj is not None and not obj.evicted and not obj.superseded and obj.by == node:
                     evictions.append(_eviction(shard, obj, "retention"))
 
     evictions.sort(key=lambda e: (e.step, e.rank, e.tier))
@@ -137,5 +146,5 @@ def _flushed(shard: Shard, nvme: Copy) -> bool:
 def _eviction(shard: Shard, copy: Copy, reason: str) -> Eviction:
     return Eviction(
         copy.tier, shard.job, shard.step, shard.rank, shard.world_size, copy.location,
-        copy.nbytes, reason, copy.header_digest,
+        copy.nbytes, reason, copy.header_digest, copy.epoch,
     )  # fmt: skip

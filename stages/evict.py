@@ -133,6 +133,7 @@ async def run(
                         step=e.step,
                         rank=e.rank,
                         world_size=e.world_size,
+                        epoch=e.epoch,
                         tier=e.tier,
                         location=e.location,
                         reason=e.reason,

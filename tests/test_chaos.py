@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.settings import Settings
-from schemas import ShardFlushed
+from schemas import ShardFlushed, StageFailed
 from tests.conftest import Agent, Events
 
 pytestmark = pytest.mark.slow
@@ -106,6 +106,16 @@ def test_node_loss_restart_resumes_exactly(
     for r in range(WORLD):
         assert restored[r]["digest"] == saved[(r, step)], f"rank {r} restored state differs"
         assert finals[r] == expected[r], f"rank {r} did not continue exactly"
+    # The restarted run saved steps the killed run had saved too (a branch of the history at the
+    # restored step): its saves replace the abandoned ones on every tier, none fails, and the
+    # newest step is complete in object storage with the restarted run's bytes.
+    events.wait_for(
+        lambda e: isinstance(e, ShardFlushed) and e.step == STEPS and e.rank == WORLD - 1,
+        kind="flushed",
+        timeout=60,
+    )
+    hard = [e for e in events.all("failed") if isinstance(e, StageFailed) and not e.retryable]
+    assert hard == [], hard
     report = {
         "steps_lost": killed_at - step,
         "killed_at_step": killed_at,
