@@ -331,8 +331,9 @@ def _plan(
 
     catalog = _replay_known(settings, job)
     steps = catalog.steps(job)
-    newest = steps[max(steps)]
-    world = newest[0].world_size
+    # The world size of the newest complete step (a stray event of another size cannot set it).
+    done = catalog.complete_steps(job, ("nvme", "s3"))
+    world = steps[done[-1] if done else max(steps)][0].world_size
     rank_nodes: dict[int, str] = {}
     for shards in steps.values():  # each rank's node, from its newest NVMe copy
         for s in shards:
@@ -356,6 +357,7 @@ def _plan(
                         for r, srcs in plan.sources.items()
                     },
                     "rejected": {str(s): why for s, why in plan.rejected.items()},
+                    "notes": plan.notes,
                 }
             )
         )

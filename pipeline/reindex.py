@@ -24,7 +24,7 @@ from pipeline.names import node_name, shard_relpath, validate_token
 from pipeline.settings import Settings
 from pipeline.storage.nvme import NvmeStore, read_head
 from pipeline.storage.s3 import S3Store
-from schemas import ShardFlushed, ShardVerified, ShardWritten
+from schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten
 
 __all__ = ["Reindexed", "reindex"]
 
@@ -87,7 +87,13 @@ def _nvme_events(
         raise TierpipeError(f"header says job {h.job!r} step {h.step} rank {h.rank}")
     digest = head.header_digest.hex()
     ident = dict(
-        job=job, node=node, ts=time.time(), step=h.step, rank=h.rank, world_size=h.world_size
+        job=job,
+        node=node,
+        ts=time.time(),
+        step=h.step,
+        rank=h.rank,
+        world_size=h.world_size,
+        epoch=h.epoch,
     )
     written = ShardWritten(
         **ident,
@@ -120,12 +126,17 @@ async def _s3_event(
         return None
     step, rank, world = int(m.group(2)), int(m.group(3)), int(m.group(4))
     head = await objects.head(key)
-    digest = (head or {}).get("Metadata", {}).get("tp-header-digest", "")
+    meta = (head or {}).get("Metadata", {})
+    digest = meta.get("tp-header-digest", "")
     if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest) or rank >= world:
         return None
+    # The node that uploaded it stays its owner (only it removes it); its save's epoch too.
+    uploader = meta.get("tp-node", "")
+    epoch = meta.get("tp-epoch", "0")
     return ShardFlushed(
         job=job,
-        node=node,
+        node=uploader if re.fullmatch(TOKEN_PATTERN, uploader) else node,
+        epoch=int(epoch) if epoch.isdigit() else 0,
         ts=time.time(),
         step=step,
         rank=rank,

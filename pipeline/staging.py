@@ -40,9 +40,18 @@ from pipeline.errors import (
     ShardFormatError,
     SlotTimeoutError,
     StagingGoneError,
+    TierpipeError,
 )
 from pipeline.names import validate_token
-from pipeline.shard import GENERATION_OFFSET, Head, parse_head, set_slot_generation, slot_generation
+from pipeline.shard import (
+    GENERATION_OFFSET,
+    PREFIX_NBYTES,
+    Head,
+    parse_head,
+    parse_prefix,
+    set_slot_generation,
+    slot_generation,
+)
 from schemas import ShardStaged
 
 __all__ = [
@@ -414,8 +423,14 @@ def _map(path: Path, slot: int, job: str, step: int, rank: int, world_size: int)
     return StagedImage(path, mm, head, generation, slot, step)
 
 
-def release(root: str | os.PathLike[str], job: str, rank: int, step: int) -> Path | None:
+def release(
+    root: str | os.PathLike[str], job: str, rank: int, step: int, *, epoch: int | None = None
+) -> Path | None:
     """Free the slot holding `step` of (job, rank); delete the slot file if its trainer is gone.
+
+    Args:
+        epoch: free it only if it holds that save's epoch (after a rewind, a late event about
+            an abandoned save of the same step must not free the new save's slot).
 
     Returns:
         The slot path that was released, or None if no slot held that step (already released).
@@ -423,12 +438,24 @@ def release(root: str | os.PathLike[str], job: str, rank: int, step: int) -> Pat
     directory = rank_dir(root, job, rank)
     released = None
     for slot, marked in _markers(directory):
-        if marked == step:
+        path = directory / f"slot-{slot}"
+        if marked == step and (epoch is None or _image_epoch(path) in (epoch, None)):
             _marker(directory, slot, step).unlink(missing_ok=True)
-            released = directory / f"slot-{slot}"
+            released = path
     if released is not None:
         _delete_if_orphaned(directory, released)
     return released
+
+
+def _image_epoch(path: Path) -> int | None:
+    """The epoch in the header of the image a slot holds (None: unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(PREFIX_NBYTES)
+            head = prefix + f.read(parse_prefix(prefix, str(path))[0])
+        return parse_head(head, str(path), sealed=False).header.epoch
+    except (OSError, TierpipeError):
+        return None
 
 
 def _delete_if_orphaned(directory: Path, slot_path: Path) -> None:

@@ -96,7 +96,14 @@ async def run(
         async def release_slot(evicted: ShardEvicted) -> None:
             """Release the slot of `evicted`'s step and publish it (location: the slot)."""
             slot = await anyio.to_thread.run_sync(
-                release, settings.staging_root, evicted.job, evicted.rank, evicted.step
+                functools.partial(
+                    release,
+                    settings.staging_root,
+                    evicted.job,
+                    evicted.rank,
+                    evicted.step,
+                    epoch=evicted.epoch,
+                )
             )
             if slot is not None:
                 await publish(msgspec.structs.replace(evicted, location=str(slot)))

@@ -160,7 +160,7 @@ def test_world_size_mismatch_and_nothing_to_restore(
 
 
 def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
-    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
     """After the stream loses everything, `tierpipe reindex` rebuilds it from the shard files
     and objects, and `tierpipe plan` gives the same answer as before."""
@@ -188,6 +188,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
 
     before = plan()
     assert before["step"] == 2 and before["sources"]["0"][0]["tier"] == "nvme"
+    assert before["notes"] == []  # no copy of the chosen step was skipped as corrupt
 
     async def purge() -> None:
         async with Bus(settings) as bus:
@@ -205,6 +206,18 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
     assert "republished 2 NVMe shards and 2 objects" in out.stdout
     after = plan()
     assert after["step"] == before["step"]
+    # A reindex run from another node keeps each object's uploader (only it removes the
+    # object) and the save's epoch, read from the object's metadata.
+    elsewhere = {**env, "TIERPIPE_NODE": "reindexer", "TIERPIPE_NVME_ROOT": str(tmp_path / "x")}
+    subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "reindex", "--job", job],
+        env=elsewhere,
+        capture_output=True,
+        check=True,
+    )
+    flushed = [e for e in events.all("flushed") if isinstance(e, ShardFlushed)]
+    assert flushed and {e.node for e in flushed} == {settings.node}
+    assert all(e.epoch > 0 and e.origin == "reindex" for e in flushed)
     assert [s["tier"] for s in after["sources"]["0"]] == [s["tier"] for s in before["sources"]["0"]]
     assert after["sources"]["0"][0]["header_digest"] == before["sources"]["0"][0]["header_digest"]
 

@@ -6,10 +6,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.errors import ConfigError, ShardFormatError, StagingGoneError
 from pipeline.shard import slot_generation
 from pipeline.staging import SlotPool, open_image, release, stale_markers
+from pipeline.state import plan_state
 from schemas import ShardStaged
 
 
@@ -151,5 +153,25 @@ def test_each_image_bumps_the_slot_generation_before_its_head(root: Path) -> Non
         assert slot.begin(head) == 1 and slot.begin(head) == 2
         assert slot_generation(mm) == 2 == slot.generation
         assert mm[:40] == head[:40] and mm[48:4096] == head[48:4096]
+    finally:
+        pool.close()
+
+
+def test_release_for_another_epoch_leaves_the_slot_alone(root: Path) -> None:
+    """After a rewind, a late release for the abandoned save of a step never frees the slot now
+    holding the new save of that step (the slot's image names its epoch)."""
+    pool = SlotPool(root, "j", 0, 1)
+    try:
+        slot = pool.acquire(wait=False, timeout_s=0)
+        assert slot is not None
+        plan = plan_state(
+            {"w": torch.ones(8)}, job="j", step=5, rank=0, world_size=1, node="n", epoch=222
+        )
+        mm = slot.ensure(plan.nbytes)
+        mm[: len(plan.head)] = plan.head
+        pool.mark(slot, 5)
+        assert release(root, "j", 0, 5, epoch=111) is None
+        assert pool.busy() == {slot.index: 5}
+        assert release(root, "j", 0, 5, epoch=222) == slot.path
     finally:
         pool.close()
