@@ -332,8 +332,13 @@ def _read_blobs(
     """
     blobs = head.header.blobs
     layout = _Layout(head, staged, depth, chunk)
+    # This runs on a helper thread, whose current device is 0: register in the targets'
+    # device context, or every rank of a node would create a context on GPU 0.
+    device = min(devices, key=lambda d: d.index or 0, default=None)
     pinned = (
-        bool(devices) and layout.arena is not None and page_lock(layout.arena, what="restore arena")
+        device is not None
+        and layout.arena is not None
+        and page_lock(layout.arena, what="restore arena", device=device)
     )
     hashers = [xxhash.xxh3_128() for _ in blobs]
     done = [0] * len(blobs)
@@ -366,7 +371,7 @@ def _read_blobs(
         if pinned:
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
-            page_unlock(layout.arena)
+            page_unlock(layout.arena, device=device)
 
 
 def _round(n: int) -> int:

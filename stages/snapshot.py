@@ -29,6 +29,8 @@ class _Image:
     tensor: torch.Tensor
     #: Page-locked for CUDA (cudaHostRegister), so device-to-host copies can be asynchronous.
     pinned: bool
+    #: The device whose context registered it (unregistered in the same one).
+    device: torch.device | None = None
 
 
 @dataclass(slots=True)
@@ -62,12 +64,12 @@ class Snapshot:
 
     def reserve(self, slot: Slot, plan: StatePlan) -> None:
         """Allocate, fault in (and for CUDA, page-lock) `slot` for a state like `plan`."""
-        self._image(slot, plan.nbytes, cuda=bool(plan.cuda_devices))
+        self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
 
     def prepare(self, slot: Slot, plan: StatePlan) -> list[torch.Tensor]:
         """Map `slot` with room for `plan`, bump its generation, then write the image's head;
         returns the copy targets. `slot.generation` is the new image's generation."""
-        image = self._image(slot, plan.nbytes, cuda=bool(plan.cuda_devices))
+        image = self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
         # First the generation, then everything else: an agent still copying the slot's last
         # image sees the bump and discards its copy (see `Slot.begin`).
         slot.begin(plan.head)
@@ -116,19 +118,26 @@ class Snapshot:
         for index in list(self._images):
             self._drop(index)
 
-    def _image(self, slot: Slot, nbytes: int, *, cuda: bool) -> _Image:
+    def _image(self, slot: Slot, nbytes: int, *, device: torch.device | None) -> _Image:
         image = self._images.get(slot.index)
         if image is None or slot.capacity < nbytes or slot.mm is not image.mm:
             self._drop(slot.index)
             mm = slot.ensure(nbytes)
             image = _Image(mm, torch.frombuffer(mm, dtype=torch.uint8), pinned=False)
             self._images[slot.index] = image
-        if cuda and not image.pinned:
-            image.pinned = page_lock(image.mm, what="staging slot")
+        if device is not None and not image.pinned:
+            # Registered in the state's device context, not whatever this thread has current.
+            image.pinned = page_lock(image.mm, what="staging slot", device=device)
+            image.device = device
         return image
 
     def _drop(self, index: int) -> None:
         self._dsts.pop(index, None)
         image = self._images.pop(index, None)
         if image is not None and image.pinned:
-            page_unlock(image.mm)
+            page_unlock(image.mm, device=image.device)
+
+
+def _first(devices: frozenset[torch.device]) -> torch.device | None:
+    """The lowest-numbered CUDA device of a state (None for a CPU-only state)."""
+    return min(devices, key=lambda d: d.index or 0, default=None)
