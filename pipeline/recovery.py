@@ -393,8 +393,8 @@ class Restorer:
                 if self.rank == 0:
                     await self.bus.publish(msgspec.structs.replace(planned, final=True))
                 return self._restored(planned.step, mine, planned.sources, round_, t0)
+            # An explicit `step` stays the only candidate: the next plan then says why it failed.
             excluded[planned.step] = self._abandon(planned.step, failed)
-            step = None
         raise AssertionError("unreachable")
 
     async def _gather(self, report: RestoreReport) -> list[RestoreReport]:
@@ -452,8 +452,8 @@ class Restorer:
             if not failed and mine is not None:
                 await self.bus.publish(self._planned(round_, plan, final=True))
                 return self._restored(plan.step, mine, plan.sources, round_, t0)
+            # An explicit `step` stays the only candidate: the next plan then says why it failed.
             excluded[plan.step] = self._abandon(plan.step, failed)
-            step = None
         raise AssertionError("unreachable")
 
     def _abandon(self, step: int, failed: list[RestoreReport]) -> str:

@@ -293,3 +293,28 @@ def run_gloo_ranks(settings: Settings, job: str, world: int, tmp_path: Path) -> 
         assert p.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
+
+
+def test_explicit_step_with_no_good_copy_is_refused_never_swapped(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """restore(step=N) returns step N or raises: when N's copies turn out gone at load time,
+    the ranks do not fall back to another step (older or newer) behind the caller's back."""
+    agent()
+    save_steps(settings, job, 1, [1, 2], events)
+    path = Path(settings.nvme_root) / shard_relpath(job, 1, 0, 1)
+    path.unlink()  # gone from NVMe after it was verified, and ...
+
+    async def drop_object() -> None:  # ... from object storage after it was flushed
+        from pipeline.storage.s3 import S3Store
+
+        async with S3Store(settings) as store:
+            await store.delete(store.key_for(shard_relpath(job, 1, 0, 1)))
+
+    import anyio
+
+    anyio.run(drop_object)
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
+        with pytest.raises(NoCheckpointError, match="step 1"):
+            c.restore(step=1)
+        assert c.restore().step == 2  # the newest is still fine
