@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from pipeline.bus import Bus
-from pipeline.errors import PermanentError, RetryableError
+from pipeline.errors import PermanentError, RetryableError, StorageUnavailableError
 from pipeline.runner import serve
 from pipeline.settings import Settings
 from schemas import ShardStaged, StageFailed
@@ -86,12 +86,13 @@ async def test_permanent_error_terminates_with_one_failed_event(
 async def test_attempts_are_bounded_by_max_deliver(
     settings: Settings, job: str, events: Events
 ) -> None:
-    """An error that never clears is given up after max_deliver attempts, with a final report."""
+    """A retryable error that never clears is given up after max_deliver attempts, with a
+    final report."""
     calls: list[int] = []
 
     async def handler(event: ShardStaged, attempt: int) -> None:
         calls.append(attempt)
-        raise ValueError("bug")  # unexpected errors are retried like retryable ones
+        raise RetryableError("disk still full")
 
     s = settings.replace(max_deliver=3, retry_base_s=0.05)
     await run_stage(s, handler, 3.0, staged(s, job, 3))
@@ -99,6 +100,88 @@ async def test_attempts_are_bounded_by_max_deliver(
     failed = await anyio.to_thread.run_sync(events.all, "failed")
     assert [f.retryable for f in failed] == [True, True, False]
     assert "gave up after 3 attempts" in failed[-1].message
+
+
+async def test_unexpected_error_is_terminated_and_the_worker_goes_on(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """An exception no stage raises on purpose terms its message with one permanent `failed`
+    event, and the next message is still handled."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(event.step)
+        if event.step == 1:
+            raise KeyError("a bug")
+
+    await run_stage(settings, handler, 3.0, staged(settings, job, 1), staged(settings, job, 2))
+    assert calls == [1, 2]
+    (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
+    assert (failed.step, failed.error, failed.retryable) == (1, "KeyError", False)
+
+
+async def test_a_failing_non_shard_event_is_reported_not_fatal(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """A handler failing on a `failed` event (no shard identity to follow) gets that message
+    termed with a `failed` event naming the input's identity; serve() keeps running."""
+    seen: list[str] = []
+
+    async def handler(event: StageFailed, attempt: int) -> None:
+        seen.append(event.stage)
+        raise PermanentError("cannot handle this failure")
+
+    forged = StageFailed(
+        job=job, node=settings.node or "", ts=time.time(), stage="nvme-write", error="X",
+        message="forged", retryable=False, attempt=1, step=5, rank=0, world_size=1,
+    )  # fmt: skip
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        await bus.publish(forged)
+        with anyio.move_on_after(2.5):
+            await serve(
+                bus,
+                settings,
+                stage="test",
+                node=settings.node or "",
+                kinds=("failed",),
+                handler=handler,
+            )
+    mine = [
+        f
+        for f in await anyio.to_thread.run_sync(events.all, "failed")
+        if isinstance(f, StageFailed) and f.stage == "test"
+    ]
+    assert seen.count("nvme-write") == 1  # termed, not redelivered
+    (report,) = mine
+    assert (report.step, report.rank, report.retryable) == (5, 0, False)
+    assert report.message == "cannot handle this failure"
+
+
+async def test_outage_is_retried_in_place_beyond_max_deliver(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """An outage is retried in place for as long as it lasts (far beyond max_deliver), reported
+    once, never given up; the message is acked when the handler finally succeeds."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        if len(calls) < 12:
+            raise StorageUnavailableError("the store is down")
+
+    s = settings.replace(max_deliver=2, retry_base_s=0.01, retry_max_s=0.05)
+    await run_stage(s, handler, 4.0, staged(s, job, 6))
+    assert len(calls) == 12 and calls == list(range(1, 13))
+    (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
+    assert failed.retryable and failed.error == "StorageUnavailableError"
+
+    async def pending() -> tuple[int, int]:
+        async with Bus(s) as bus:
+            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            return info.num_ack_pending + info.num_pending, info.num_redelivered
+
+    assert await pending() == (0, 0)  # acked, and never handed back for redelivery
 
 
 async def test_long_work_is_not_redelivered(settings: Settings, job: str) -> None:
