@@ -77,6 +77,8 @@ class Bus:
         self._connected = False
         self._last_error: BaseException | None = None
         self._refused = asyncio.Event()
+        #: Set while connected: publishes wait for it rather than queue up in nats-py's buffer.
+        self._up = asyncio.Event()
         self.nc: nats.NATS | None = None
         self.js: Any = None
         # Every process that talks to NATS masks these in its logs (see pipeline.log).
@@ -122,6 +124,7 @@ class Bus:
                 delay = min(delay * 2, 2.0)
         self.nc.options["max_reconnect_attempts"] = -1
         self._connected = True
+        self._up.set()
         self.js = self.nc.jetstream(timeout=s.request_timeout_s)
         log.debug("bus_connected", url=redact_url(s.nats_url), name=self.name)
 
@@ -131,6 +134,7 @@ class Bus:
         s = self.settings
         self._last_error = None
         self._refused = asyncio.Event()
+        self._up = asyncio.Event()
         nc = nats.NATS()
         connecting = asyncio.ensure_future(
             nc.connect(
@@ -184,10 +188,12 @@ class Bus:
                 self._refused.set()
 
     async def _on_disconnected(self) -> None:
+        self._up.clear()
         if not self._closing:
             log.warning("bus_disconnected", name=self.name)
 
     async def _on_reconnected(self) -> None:
+        self._up.set()
         log.info("bus_reconnected", name=self.name)
 
     # --- stream and consumers
@@ -328,28 +334,80 @@ class Bus:
     async def _publish(
         self, subject: str, data: bytes, *, headers: dict[str, str] | None, timeout: float | None
     ) -> Any:
-        """Publish into the stream and wait for its ack; a stream found missing (deleted
-        under us) is created again, once, and the publish retried."""
-        for recreate in (True, False):
+        """Publish into the stream and wait for its ack, trying again until `timeout`.
+
+        A stream found missing (deleted under us, lost by the server) is created again, once:
+        nobody answers a publish to a missing stream, and only when no core subscriber listens
+        on the subject does the server say so at once; otherwise the publish just times out, so
+        a timed-out try checks that the stream still exists. Tries share one `Nats-Msg-Id`, so
+        the stream keeps one copy whichever of them landed.
+        """
+        timeout = timeout or self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout
+        per_try = max(1.0, timeout / 4)
+        checked = tried = False
+        while True:
+            # While disconnected, nats-py would buffer the message and send it after the
+            # reconnect, long after the caller was told it failed: wait for the connection
+            # instead, so a publish that failed was never sent.
+            await self._until_connected(subject, deadline)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BusUnavailableError(f"publish to {subject}: no ack within {timeout:g} s")
             try:
-                return await self.js.publish(
+                ack = await self.js.publish(
                     subject,
                     data,
-                    timeout=timeout or self.settings.request_timeout_s,
+                    timeout=min(left, per_try),
                     stream=self.settings.stream,
                     # nats-py adds the expected-stream header to the dict it is given
                     headers=dict(headers) if headers is not None else None,
                 )
             except nats.js.errors.NoStreamResponseError as e:
-                if not recreate:
+                if checked:
                     raise BusUnavailableError(f"publish to {subject}: no stream answered") from e
+                checked = True
                 log.warning("publish_found_no_stream", stream=self.settings.stream)
                 await self.ensure_stream(update=False)
+            except nats.errors.TimeoutError as e:
+                if time.monotonic() >= deadline:
+                    raise BusUnavailableError(f"publish to {subject}: {e}") from e
+                if not checked:
+                    checked = True
+                    if await self._stream_missing():
+                        log.warning("publish_found_no_stream", stream=self.settings.stream)
+                        await self.ensure_stream(update=False)
             except nats.js.errors.APIError as e:
                 raise BusError(f"publish to {subject} refused: {e.description or e}") from e
             except _UNAVAILABLE as e:
                 raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
-        raise AssertionError("unreachable")
+            else:
+                if tried and ack.duplicate:  # our own earlier try landed after all
+                    ack.duplicate = False
+                return ack
+            tried = True
+
+    async def _stream_missing(self) -> bool:
+        try:
+            await self.js.stream_info(self.settings.stream)
+        except nats.js.errors.NotFoundError:
+            return True
+        except Exception as e:  # unknown: keep trying the publish
+            log.debug("stream_check_failed", error=str(e) or type(e).__name__)
+        return False
+
+    async def _until_connected(self, subject: str, deadline: float) -> None:
+        if self.nc is None or self.nc.is_closed:
+            raise BusUnavailableError(f"publish to {subject}: the connection is closed")
+        if self._up.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._up.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError as e:
+            raise BusUnavailableError(
+                f"publish to {subject}: disconnected from NATS at "
+                f"{redact_url(self.settings.nats_url)} (reconnecting)"
+            ) from e
 
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Any:
         """A core (non-JetStream) subscription: live events only, no replay."""

@@ -299,6 +299,11 @@ class _Worker:
         text = _text(e)
         if retryable and final:
             text = f"gave up after {attempt} attempts: {text}"
+        if self._own_report(event):
+            # Failing on this stage's own failure report: reporting that would feed itself.
+            log.error("own_failure_unprocessed", error=type(e).__name__, message=text)
+            await _quietly(msg.term())
+            return
         await self._report(self._failure(msg, event, seq, tries, e, text, retryable=not final))
         if final:
             log.error("message_terminated", error=type(e).__name__, message=text, attempt=tries)
@@ -313,6 +318,12 @@ class _Worker:
                 delay_s=delay,
             )
             await _quietly(msg.nak(delay=delay))
+
+    def _own_report(self, event: Event) -> bool:
+        """Whether `event` is a failure this stage of this node reported (evict reads them)."""
+        return (
+            isinstance(event, StageFailed) and event.stage == self.stage and event.node == self.node
+        )
 
     def _failure(
         self,
