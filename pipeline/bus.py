@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,8 @@ _UNAVAILABLE = (
 #: JetStream API error codes: the stream, or the consumer, does not exist.
 _STREAM_NOT_FOUND = 10059
 _CONSUMER_NOT_FOUND = 10014
+#: A permissions violation as nats-py reports it: `... for Publish to "<subject>"`.
+_DENIED = re.compile(r"Permissions Violation for (Publish|Subscription) to \"?([^\"']+)\"?", re.I)
 #: What `Bus.missing` found gone.
 Missing = Literal["stream", "consumer"]
 
@@ -77,6 +80,8 @@ class Bus:
         self._connected = False
         self._last_error: BaseException | None = None
         self._refused = asyncio.Event()
+        #: Subjects the server refused a publish to (permissions), with its words.
+        self._denied: dict[str, str] = {}
         #: Set while connected: publishes wait for it rather than queue up in nats-py's buffer.
         self._up = asyncio.Event()
         self.nc: nats.NATS | None = None
@@ -179,22 +184,37 @@ class Bus:
             log.debug("bus_flush_failed", error=str(e) or type(e).__name__)
         await nc.close()
 
+    # nats-py runs these callbacks inside its read loop: an exception escaping one (a log
+    # write to a closed stream, say) would stop the connection's reading for good.
+
     async def _on_error(self, e: Exception) -> None:
-        if self._connected:  # failed first attempts are reported by connect() itself
-            log.warning("bus_error", error=str(e) or type(e).__name__)
-        else:
-            self._last_error = e
-            if _refusal(e) is not None:
-                self._refused.set()
+        try:
+            denied = _DENIED.search(str(e))
+            if denied is not None:
+                # The server drops a publish it does not permit and says so only here: remember
+                # it, so the publish waiting for its ack fails as refused, not as an outage.
+                if len(self._denied) > 1000:
+                    self._denied.clear()
+                self._denied[denied[2]] = f"not permitted to {denied[1].lower()} to {denied[2]}"
+            if self._connected:  # failed first attempts are reported by connect() itself
+                log.warning("bus_error", error=str(e) or type(e).__name__)
+            else:
+                self._last_error = e
+                if _refusal(e) is not None:
+                    self._refused.set()
+        except Exception:  # noqa: S110 (see above: never raise into nats-py)
+            pass
 
     async def _on_disconnected(self) -> None:
         self._up.clear()
-        if not self._closing:
-            log.warning("bus_disconnected", name=self.name)
+        with contextlib.suppress(Exception):
+            if not self._closing:
+                log.warning("bus_disconnected", name=self.name)
 
     async def _on_reconnected(self) -> None:
         self._up.set()
-        log.info("bus_reconnected", name=self.name)
+        with contextlib.suppress(Exception):
+            log.info("bus_reconnected", name=self.name)
 
     # --- stream and consumers
 
@@ -346,6 +366,7 @@ class Bus:
         deadline = time.monotonic() + timeout
         per_try = max(1.0, timeout / 4)
         checked = tried = False
+        last: BaseException | None = None
         while True:
             # While disconnected, nats-py would buffer the message and send it after the
             # reconnect, long after the caller was told it failed: wait for the connection
@@ -353,7 +374,10 @@ class Bus:
             await self._until_connected(subject, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BusUnavailableError(f"publish to {subject}: no ack within {timeout:g} s")
+                why = f"{type(last).__name__}" if last else "no ack"
+                raise BusUnavailableError(
+                    f"publish to {subject}: no ack within {timeout:g} s ({why})"
+                ) from last
             try:
                 ack = await self.js.publish(
                     subject,
@@ -363,20 +387,17 @@ class Bus:
                     # nats-py adds the expected-stream header to the dict it is given
                     headers=dict(headers) if headers is not None else None,
                 )
-            except nats.js.errors.NoStreamResponseError as e:
-                if checked:
-                    raise BusUnavailableError(f"publish to {subject}: no stream answered") from e
-                checked = True
-                log.warning("publish_found_no_stream", stream=self.settings.stream)
-                await self.ensure_stream(update=False)
-            except nats.errors.TimeoutError as e:
-                if time.monotonic() >= deadline:
-                    raise BusUnavailableError(f"publish to {subject}: {e}") from e
+            except (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError) as e:
+                if subject in self._denied:
+                    where = redact_url(self.settings.nats_url)
+                    raise BusAuthError(where, self._denied.pop(subject)) from e
+                # No stream answered: deleted, or (in a cluster) electing a new leader.
+                last = e
                 if not checked:
                     checked = True
-                    if await self._stream_missing():
-                        log.warning("publish_found_no_stream", stream=self.settings.stream)
-                        await self.ensure_stream(update=False)
+                    await self._recreate_if_missing(min(left, per_try))
+                elif isinstance(e, nats.js.errors.NoStreamResponseError):
+                    await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
                 raise BusError(f"publish to {subject} refused: {e.description or e}") from e
             except _UNAVAILABLE as e:
@@ -387,14 +408,18 @@ class Bus:
                 return ack
             tried = True
 
-    async def _stream_missing(self) -> bool:
+    async def _recreate_if_missing(self, timeout: float) -> None:
+        """Create the stream (with the settings at hand) if JetStream says it does not exist."""
         try:
-            await self.js.stream_info(self.settings.stream)
+            await asyncio.wait_for(self.js.stream_info(self.settings.stream), timeout)
         except nats.js.errors.NotFoundError:
-            return True
-        except Exception as e:  # unknown: keep trying the publish
+            log.warning("publish_found_no_stream", stream=self.settings.stream)
+            try:
+                await self.ensure_stream(update=False)
+            except BusUnavailableError as e:
+                log.debug("stream_not_recreated", error=str(e))
+        except Exception as e:  # unknown (an outage, an election): keep trying the publish
             log.debug("stream_check_failed", error=str(e) or type(e).__name__)
-        return False
 
     async def _until_connected(self, subject: str, deadline: float) -> None:
         if self.nc is None or self.nc.is_closed:

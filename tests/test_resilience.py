@@ -389,7 +389,9 @@ def test_a_three_server_cluster_losing_one_server_keeps_the_pipeline_going(
             stream_replicas=3,
             retry_base_s=0.1,
             retry_max_s=0.5,
-            request_timeout_s=3.0,
+            # Longer than a Raft election (4-9 s): a save waits out the new leader's election.
+            request_timeout_s=20.0,
+            publish_timeout_s=20.0,
         )
         running = agent(settings=s).wait_ready()
         with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
