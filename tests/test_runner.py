@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -15,8 +16,13 @@ import anyio
 import pytest
 
 from pipeline.bus import Bus
-from pipeline.errors import PermanentError, RetryableError, StorageUnavailableError
-from pipeline.runner import serve
+from pipeline.errors import (
+    BusUnavailableError,
+    PermanentError,
+    RetryableError,
+    StorageUnavailableError,
+)
+from pipeline.runner import _Drain, _drain, serve
 from pipeline.settings import Settings
 from schemas import ShardStaged, StageFailed
 from tests.conftest import Events, make_staged
@@ -184,6 +190,45 @@ async def test_outage_is_retried_in_place_beyond_max_deliver(
     assert await pending() == (0, 0)  # acked, and never handed back for redelivery
 
 
+async def test_an_outage_is_handed_back_at_once_when_the_worker_stops(
+    settings: Settings, job: str
+) -> None:
+    """A worker waiting out an outage (between tries) hands the message back as soon as it is
+    told to stop, without waiting for its backoff or the drain timeout."""
+    calls: list[int] = []
+    tried = anyio.Event()
+    drain = _Drain(timeout_s=30.0)
+    token = _drain.set(drain)
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        tried.set()
+        raise BusUnavailableError("down")
+
+    s = settings.replace(retry_base_s=30.0, retry_max_s=30.0)  # a long wait between tries
+    try:
+        async with Bus(s) as bus:
+            await bus.ensure_stream()
+            await bus.publish(staged(s, job, 8))
+            async with anyio.create_task_group() as tg:
+                await tg.start(
+                    functools.partial(
+                        serve, bus, s, stage="test", node=s.node or "", kinds=("staged",),
+                        handler=handler,
+                    )
+                )  # fmt: skip
+                with anyio.fail_after(10):
+                    await tried.wait()
+                t0 = time.monotonic()
+                drain.begin()
+            assert time.monotonic() - t0 < 3.0
+            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            assert info.delivered.stream_seq >= 1 and info.ack_floor.stream_seq == 0  # not acked
+    finally:
+        _drain.reset(token)
+    assert calls == [1]
+
+
 async def test_long_work_is_not_redelivered(settings: Settings, job: str) -> None:
     """Heartbeats keep a message that takes 3x ack_wait from being redelivered."""
     calls: list[int] = []
@@ -226,7 +271,8 @@ def test_sigterm_drains_in_flight_work(
 
     proc = subprocess.Popen(
         [sys.executable, str(script)],
-        env={**os.environ, **settings.as_env()},
+        # The script's folder comes first on sys.path: name this checkout's.
+        env={**os.environ, **settings.as_env(), "PYTHONPATH": str(Path(__file__).parent.parent)},
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parent.parent,
