@@ -141,7 +141,7 @@ class _Consumer:
         """The next message, or none (after a failure has been dealt with)."""
         try:
             msgs = await self.bus.fetch(self.sub, batch=1, timeout=1.0)
-        except TierpipeError as e:
+        except Exception as e:  # whatever it is, the stage must go on fetching
             await self._recover(e, drain)
             return []
         if self.failures:
@@ -149,10 +149,10 @@ class _Consumer:
             self.failures = 0
         return msgs
 
-    async def _recover(self, error: TierpipeError, drain: _Drain) -> None:
+    async def _recover(self, error: Exception, drain: _Drain) -> None:
         self.failures += 1
         if self.failures == 1:  # once per run of failures: an outage must not flood the log
-            log.warning("fetch_failed", stage=self.stage, error=str(error))
+            log.warning("fetch_failed", stage=self.stage, error=_text(error))
         try:
             # A pull from a consumer that no longer exists fails at once, every time: find out
             # whether that is why, rather than waiting for an outage that is not there.
@@ -160,8 +160,8 @@ class _Consumer:
             if gone is not None:
                 await self._recreate(gone)
                 return
-        except TierpipeError as e:
-            log.debug("consumer_check_failed", stage=self.stage, error=str(e))
+        except Exception as e:  # an outage, most likely: wait and fetch again
+            log.debug("consumer_check_failed", stage=self.stage, error=_text(e))
         # Fetching is cheap: retry soon after an outage ends, whatever retry_max_s says.
         await drain.sleep(_backoff(self.settings, self.failures, cap_s=5.0))
 
@@ -240,9 +240,10 @@ class _Worker:
                 reported = time.monotonic()
                 log.warning("outage_retrying", error=type(error).__name__,
                             message=_text(error), attempt=tries)  # fmt: skip
-                await self._report(
-                    self._failure(msg, event, seq, tries, error, _text(error), retryable=True)
-                )
+                if not self._own_report(event):
+                    await self._report(
+                        self._failure(msg, event, seq, tries, error, _text(error), retryable=True)
+                    )
             await self._idle(msg, _backoff(self.settings, outage))
             if self.drain.stopping:
                 continue  # handed back above
