@@ -340,7 +340,8 @@ class Bus:
         """
         if isinstance(event, StageFailed):
             # Errors are reported with str(e): last-resort masking of a secret one may embed.
-            event = msgspec.structs.replace(event, message=scrub(event.message))
+            message = scrub(event.message, self.settings.secrets())
+            event = msgspec.structs.replace(event, message=message)
         headers = {
             "Nats-Msg-Id": msg_id(event) + id_suffix,
             KIND_HEADER: type(event).__struct_config__.tag,

@@ -43,23 +43,26 @@ def settings_secrets(settings: Settings) -> list[str]:
 def register_secrets(values: Iterable[str | None]) -> None:
     """Add secret values to be masked in every log line of this process (idempotent)."""
     global _secrets
-    forms: set[str] = set()
-    for value in values:
-        if not value or len(value) < 4:  # too short to tell apart from ordinary text
-            continue
-        # As written, as JSON escapes it, and percent-decoded (as it may sit in a URL).
-        forms.update({value, json.dumps(value)[1:-1], unquote(value)})
     with _lock:
-        merged = set(_secrets) | {f for f in forms if len(f) >= 4}
-        _secrets = tuple(sorted(merged, key=len, reverse=True))
+        _secrets = tuple(sorted(set(_secrets) | _forms(values), key=len, reverse=True))
 
 
-def scrub(text: str) -> str:
-    """`text` with every registered secret replaced by `***`."""
-    for secret in _secrets:
+def scrub(text: str, secrets: Iterable[str | None] | None = None) -> str:
+    """`text` with every registered secret (or every one of `secrets`) replaced by `***`."""
+    known = _secrets if secrets is None else sorted(_forms(secrets), key=len, reverse=True)
+    for secret in known:
         if secret in text:
             text = text.replace(secret, _MASK)
     return text
+
+
+def _forms(values: Iterable[str | None]) -> set[str]:
+    """Each value as written, as JSON escapes it, and percent-decoded (as in a URL)."""
+    forms: set[str] = set()
+    for value in values:
+        if value and len(value) >= 4:  # shorter: too easily ordinary text
+            forms.update({value, json.dumps(value)[1:-1], unquote(value)})
+    return {f for f in forms if len(f) >= 4}
 
 
 class _Scrubbed:

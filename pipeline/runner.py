@@ -44,7 +44,7 @@ from pipeline.errors import (
     TierpipeError,
     UnavailableError,
 )
-from pipeline.log import register_secrets, scrub, settings_secrets
+from pipeline.log import register_secrets, settings_secrets
 from pipeline.names import SUBJECT_ROOT, consumer_name, filter_subject, validate_token
 from pipeline.settings import Settings
 from schemas import Event, ShardEvent, StageFailed, decode_event
@@ -341,7 +341,7 @@ class _Worker:
         fields: dict[str, Any] = {
             "stage": self.stage,
             "error": type(e).__name__,
-            "message": scrub(text),
+            "message": text,  # Bus.publish masks secrets in it
             "retryable": retryable,
             "attempt": max(1, tries),
             "subject": msg.subject,
@@ -375,7 +375,7 @@ class _Worker:
                 ts=time.time(),
                 stage=self.stage,
                 error=type(e).__name__,
-                message=scrub(text),
+                message=text,
                 retryable=False,
                 attempt=max(1, attempt),
                 subject=msg.subject,
