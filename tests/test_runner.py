@@ -177,7 +177,7 @@ async def test_outage_is_retried_in_place_beyond_max_deliver(
             raise StorageUnavailableError("the store is down")
 
     s = settings.replace(max_deliver=2, retry_base_s=0.01, retry_max_s=0.05)
-    await run_stage(s, handler, 4.0, staged(s, job, 6))
+    await run_stage(s, handler, 2.5, staged(s, job, 6))
     assert len(calls) == 12 and calls == list(range(1, 13))
     (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
     assert failed.retryable and failed.error == "StorageUnavailableError"
