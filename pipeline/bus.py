@@ -1,17 +1,22 @@
 """The event bus: one NATS connection, the `TIERPIPE` stream, durable consumers, publishing.
 
-nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout) or
-`BusError` (refused: bad config, API error).
+nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
+`BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
+config, API error). Credentials and TLS come from the settings (user/password, token, creds
+file, nkey seed, CA and client certificate). A stream that vanished (deleted by an operator,
+lost by the server) is recreated by the next publish that finds it missing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats
@@ -21,12 +26,13 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
-from pipeline.errors import BusError, BusUnavailableError
+from pipeline.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
+from pipeline.log import register_secrets, scrub, settings_secrets
 from pipeline.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
 from pipeline.settings import Settings
-from schemas import SCHEMA_VERSION, Event, decode_event, encode_event
+from schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 
-__all__ = ["Bus", "Published", "redact_url"]
+__all__ = ["Bus", "Missing", "Published", "redact_url"]
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +51,13 @@ _UNAVAILABLE = (
     asyncio.TimeoutError,
     OSError,
 )
+#: JetStream API error codes: the stream, or the consumer, does not exist.
+_STREAM_NOT_FOUND = 10059
+_CONSUMER_NOT_FOUND = 10014
+#: A permissions violation as nats-py reports it: `... for Publish to "<subject>"`.
+_DENIED = re.compile(r"Permissions Violation for (Publish|Subscription) to \"?([^\"']+)\"?", re.I)
+#: What `Bus.missing` found gone.
+Missing = Literal["stream", "consumer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +78,16 @@ class Bus:
         self.connect_wait_s = connect_wait_s
         self._closing = False
         self._connected = False
+        self._last_error: BaseException | None = None
+        self._refused = asyncio.Event()
+        #: Subjects the server refused a publish to (permissions), with its words.
+        self._denied: dict[str, str] = {}
+        #: Set while connected: publishes wait for it rather than queue up in nats-py's buffer.
+        self._up = asyncio.Event()
         self.nc: nats.NATS | None = None
         self.js: Any = None
+        # Every process that talks to NATS masks these in its logs (see pipeline.log).
+        register_secrets(settings_secrets(settings))
 
     async def __aenter__(self) -> Bus:
         await self.connect(wait_s=self.connect_wait_s)
@@ -81,38 +102,74 @@ class Bus:
 
         Raises:
             BusUnavailableError: no server answered in time.
+            BusAuthError: a server refused the credentials or the TLS handshake failed.
+            ConfigError: a credentials, key or certificate file cannot be read.
         """
         s = self.settings
         servers = [u.strip() for u in s.nats_url.split(",") if u.strip()]
+        options = _auth_options(s)
         deadline = time.monotonic() + wait_s
         delay = 0.1
         while True:
             try:
-                self.nc = await nats.connect(
-                    servers,
-                    name=self.name,
-                    connect_timeout=s.connect_timeout_s,
-                    # Bounded while connecting (so a dead address fails); unlimited once up.
-                    max_reconnect_attempts=1,
-                    reconnect_time_wait=0.5,
-                    allow_reconnect=True,
-                    error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                )
+                self.nc = await self._connect_once(servers, options)
                 break
             except Exception as e:
                 self.nc = None
+                where = redact_url(s.nats_url)
+                refused = _refusal(self._last_error or e)
+                if refused is not None:
+                    raise BusAuthError(where, refused) from e
                 if time.monotonic() + delay > deadline:
+                    cause = self._last_error or e
                     raise BusUnavailableError(
-                        f"cannot reach NATS at {redact_url(s.nats_url)}: {e or type(e).__name__}"
+                        f"cannot reach NATS at {where}: {scrub(str(cause) or type(cause).__name__)}"
                     ) from e
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.nc.options["max_reconnect_attempts"] = -1
         self._connected = True
+        self._up.set()
         self.js = self.nc.jetstream(timeout=s.request_timeout_s)
         log.debug("bus_connected", url=redact_url(s.nats_url), name=self.name)
+
+    async def _connect_once(self, servers: list[str], options: dict[str, Any]) -> nats.NATS:
+        """One round over `servers`. nats-py keeps retrying a server whose certificate it
+        rejects instead of failing, so a refusal reported to the error callback ends it here."""
+        s = self.settings
+        self._last_error = None
+        self._refused = asyncio.Event()
+        self._up = asyncio.Event()
+        nc = nats.NATS()
+        connecting = asyncio.ensure_future(
+            nc.connect(
+                servers,
+                name=self.name,
+                connect_timeout=s.connect_timeout_s,
+                # Bounded while connecting (so a dead address fails); unlimited once up.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+                **options,
+            )
+        )
+        refused = asyncio.ensure_future(self._refused.wait())
+        limit = 2 * len(servers) * (s.connect_timeout_s + 1.0)
+        try:
+            await asyncio.wait({connecting, refused}, timeout=limit, return_when="FIRST_COMPLETED")
+        finally:
+            refused.cancel()
+        if connecting.done():
+            connecting.result()  # raises what connecting raised
+            return nc
+        connecting.cancel()
+        await asyncio.wait({connecting}, timeout=5)  # its own end, without raising it here
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise self._last_error or BusUnavailableError(f"no NATS server answered in {limit:g} s")
 
     async def aclose(self) -> None:
         nc, self.nc = self.nc, None
@@ -126,16 +183,37 @@ class Bus:
             log.debug("bus_flush_failed", error=str(e) or type(e).__name__)
         await nc.close()
 
+    # nats-py runs these callbacks inside its read loop: an exception escaping one (a log
+    # write to a closed stream, say) would stop the connection's reading for good.
+
     async def _on_error(self, e: Exception) -> None:
-        if self._connected:  # failed first attempts are reported by connect() itself
-            log.warning("bus_error", error=str(e) or type(e).__name__)
+        try:
+            denied = _DENIED.search(str(e))
+            if denied is not None:
+                # The server drops a publish it does not permit and says so only here: remember
+                # it, so the publish waiting for its ack fails as refused, not as an outage.
+                if len(self._denied) > 1000:
+                    self._denied.clear()
+                self._denied[denied[2]] = f"not permitted to {denied[1].lower()} to {denied[2]}"
+            if self._connected:  # failed first attempts are reported by connect() itself
+                log.warning("bus_error", error=str(e) or type(e).__name__)
+            else:
+                self._last_error = e
+                if _refusal(e) is not None:
+                    self._refused.set()
+        except Exception:  # noqa: S110 (see above: never raise into nats-py)
+            pass
 
     async def _on_disconnected(self) -> None:
-        if not self._closing:
-            log.warning("bus_disconnected", name=self.name)
+        self._up.clear()
+        with contextlib.suppress(Exception):
+            if not self._closing:
+                log.warning("bus_disconnected", name=self.name)
 
     async def _on_reconnected(self) -> None:
-        log.info("bus_reconnected", name=self.name)
+        self._up.set()
+        with contextlib.suppress(Exception):
+            log.info("bus_reconnected", name=self.name)
 
     # --- stream and consumers
 
@@ -208,6 +286,29 @@ class Bus:
         except _UNAVAILABLE as e:
             raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
 
+    async def missing(self, durable: str) -> Missing | None:
+        """What of the stream and `durable` is gone: "stream" (and with it every consumer),
+        "consumer", or None when both exist.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer (an outage says nothing about them).
+        """
+        try:
+            await self.js.consumer_info(self.settings.stream, durable)
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == _STREAM_NOT_FOUND:
+                return "stream"
+            if e.err_code == _CONSUMER_NOT_FOUND:
+                return "consumer"
+            raise BusError(f"consumer {durable}: {e.description or e}") from e
+        except nats.js.errors.APIError as e:
+            if isinstance(e, nats.js.errors.ServiceUnavailableError):
+                raise BusUnavailableError(f"consumer {durable}: JetStream unavailable") from e
+            raise BusError(f"consumer {durable}: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
+        return None
+
     async def pull(self, durable: str) -> Any:
         """A pull subscription bound to an existing durable consumer."""
         return await self.js.pull_subscribe_bind(durable=durable, stream=self.settings.stream)
@@ -237,25 +338,101 @@ class Bus:
             BusUnavailableError: no ack in time.
             BusError: the server refused the message.
         """
+        if isinstance(event, StageFailed):
+            # Errors are reported with str(e): last-resort masking of a secret one may embed.
+            message = scrub(event.message, self.settings.secrets())
+            event = msgspec.structs.replace(event, message=message)
         headers = {
             "Nats-Msg-Id": msg_id(event) + id_suffix,
             KIND_HEADER: type(event).__struct_config__.tag,
             SCHEMA_HEADER: str(SCHEMA_VERSION),
         }
         subject = event_subject(event)
-        try:
-            ack = await self.js.publish(
-                subject,
-                encode_event(event),
-                timeout=timeout or self.settings.request_timeout_s,
-                stream=self.settings.stream,
-                headers=headers,
-            )
-        except nats.js.errors.APIError as e:
-            raise BusError(f"publish to {subject} refused: {e.description or e}") from e
-        except _UNAVAILABLE as e:
-            raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
+        ack = await self._publish(subject, encode_event(event), headers=headers, timeout=timeout)
         return Published(ack.seq, bool(ack.duplicate))
+
+    async def _publish(
+        self, subject: str, data: bytes, *, headers: dict[str, str] | None, timeout: float | None
+    ) -> Any:
+        """Publish into the stream and wait for its ack, trying again until `timeout`.
+
+        A stream found missing (deleted under us, lost by the server) is created again, once:
+        nobody answers a publish to a missing stream, and only when no core subscriber listens
+        on the subject does the server say so at once; otherwise the publish just times out, so
+        a timed-out try checks that the stream still exists. Tries share one `Nats-Msg-Id`, so
+        the stream keeps one copy whichever of them landed.
+        """
+        timeout = timeout or self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout
+        per_try = max(1.0, timeout / 4)
+        checked = tried = False
+        last: BaseException | None = None
+        while True:
+            # While disconnected, nats-py would buffer the message and send it after the
+            # reconnect, long after the caller was told it failed: wait for the connection
+            # instead, so a publish that failed was never sent.
+            await self._until_connected(subject, deadline)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f"{type(last).__name__}" if last else "no ack"
+                raise BusUnavailableError(
+                    f"publish to {subject}: no ack within {timeout:g} s ({why})"
+                ) from last
+            try:
+                ack = await self.js.publish(
+                    subject,
+                    data,
+                    timeout=min(left, per_try),
+                    stream=self.settings.stream,
+                    # nats-py adds the expected-stream header to the dict it is given
+                    headers=dict(headers) if headers is not None else None,
+                )
+            except (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError) as e:
+                if subject in self._denied:
+                    where = redact_url(self.settings.nats_url)
+                    raise BusAuthError(where, self._denied.pop(subject)) from e
+                # No stream answered: deleted, or (in a cluster) electing a new leader.
+                last = e
+                if not checked:
+                    checked = True
+                    await self._recreate_if_missing(min(left, per_try))
+                elif isinstance(e, nats.js.errors.NoStreamResponseError):
+                    await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
+            except nats.js.errors.APIError as e:
+                raise BusError(f"publish to {subject} refused: {e.description or e}") from e
+            except _UNAVAILABLE as e:
+                raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
+            else:
+                if tried and ack.duplicate:  # our own earlier try landed after all
+                    ack.duplicate = False
+                return ack
+            tried = True
+
+    async def _recreate_if_missing(self, timeout: float) -> None:
+        """Create the stream (with the settings at hand) if JetStream says it does not exist."""
+        try:
+            await asyncio.wait_for(self.js.stream_info(self.settings.stream), timeout)
+        except nats.js.errors.NotFoundError:
+            log.warning("publish_found_no_stream", stream=self.settings.stream)
+            try:
+                await self.ensure_stream(update=False)
+            except BusUnavailableError as e:
+                log.debug("stream_not_recreated", error=str(e))
+        except Exception as e:  # unknown (an outage, an election): keep trying the publish
+            log.debug("stream_check_failed", error=str(e) or type(e).__name__)
+
+    async def _until_connected(self, subject: str, deadline: float) -> None:
+        if self.nc is None or self.nc.is_closed:
+            raise BusUnavailableError(f"publish to {subject}: the connection is closed")
+        if self._up.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._up.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError as e:
+            raise BusUnavailableError(
+                f"publish to {subject}: disconnected from NATS at "
+                f"{redact_url(self.settings.nats_url)} (reconnecting)"
+            ) from e
 
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Any:
         """A core (non-JetStream) subscription: live events only, no replay."""
@@ -263,14 +440,7 @@ class Bus:
 
     async def publish_raw(self, subject: str, data: bytes) -> int:
         """Publish a non-event message (a control command) into the stream; returns its seq."""
-        try:
-            ack = await self.js.publish(
-                subject, data, timeout=self.settings.request_timeout_s, stream=self.settings.stream
-            )
-        except nats.js.errors.APIError as e:
-            raise BusError(f"publish to {subject} refused: {e.description or e}") from e
-        except _UNAVAILABLE as e:
-            raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
+        ack = await self._publish(subject, data, headers=None, timeout=None)
         return ack.seq
 
     async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
@@ -381,3 +551,72 @@ _STREAM_FIELDS = (
     "discard",
     "description",
 )
+
+
+def _auth_options(s: Settings) -> dict[str, Any]:
+    """nats-py `connect` keywords for the credentials and TLS in the settings."""
+    options: dict[str, Any] = {}
+    if s.nats_user is not None:
+        options["user"] = s.nats_user
+    if s.nats_password is not None:
+        options["password"] = s.nats_password
+    if s.nats_token is not None:
+        options["token"] = s.nats_token
+    for field, keyword in (
+        ("nats_creds_file", "user_credentials"),
+        ("nats_nkey_seed_file", "nkeys_seed"),
+    ):
+        path = getattr(s, field)
+        if path is not None:
+            _check_readable(field, path)
+            options[keyword] = path
+    if s.nats_tls_ca_file or s.nats_tls_cert_file or s.nats_tls_key_file:
+        options["tls"] = _tls_context(s)
+    return options
+
+
+def _tls_context(s: Settings) -> ssl.SSLContext:
+    """A client TLS context: the server is checked against the CA (the system's when none is
+    set) and the host name of the URL it was reached at; the client certificate, if any, is
+    offered for mutual TLS."""
+    if bool(s.nats_tls_cert_file) != bool(s.nats_tls_key_file):
+        raise ConfigError("nats_tls_cert_file and nats_tls_key_file go together (mutual TLS)")
+    for field in ("nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file"):
+        if getattr(s, field):
+            _check_readable(field, getattr(s, field))
+    try:
+        context = ssl.create_default_context(cafile=s.nats_tls_ca_file)
+        if s.nats_tls_cert_file and s.nats_tls_key_file:
+            context.load_cert_chain(s.nats_tls_cert_file, s.nats_tls_key_file)
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"cannot load the NATS TLS files: {e}") from e
+    return context
+
+
+def _check_readable(field: str, path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot read {path}: {e.strerror}") from e
+
+
+def _refusal(e: BaseException) -> str | None:
+    """Why the server refused this client (credentials, TLS), or None for an outage."""
+    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
+        return (
+            "the server refused the credentials (authorization violation): check nats_user / "
+            "nats_password, nats_token, nats_creds_file or nats_nkey_seed_file"
+        )
+    if isinstance(e, nats.errors.InvalidUserCredentialsError):
+        return f"invalid credentials file: {e}"
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return (
+            f"the server's TLS certificate was not accepted ({e.verify_message}): check "
+            "nats_tls_ca_file and that the URL's host name is in the certificate"
+        )
+    if isinstance(e, ssl.SSLError):
+        return f"TLS handshake failed ({e.reason or e}): check nats_tls_cert_file / key / CA"
+    if isinstance(e, nats.errors.SecureConnRequiredError):
+        return "the server requires TLS: use a tls:// URL or set nats_tls_ca_file"
+    return None

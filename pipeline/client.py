@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipeline.bus import Bus
 from pipeline.errors import (
+    BusUnavailableError,
     ConfigError,
     ShardFailedError,
     ShardMissingError,
@@ -200,11 +201,22 @@ class _BusThread:
             raise
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run `coro` on the bus thread and return its result.
+
+        Raises:
+            BusUnavailableError: no answer within `timeout` (NATS down or unreachable: the
+                client keeps reconnecting meanwhile), with the cause kept.
+            TierpipeError: what the coroutine raised.
+        """
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         done, _ = concurrent.futures.wait([future], timeout)
         if not done:  # (not `except TimeoutError`: the coroutine may raise a TimeoutError itself)
             future.cancel()
-            raise TimeoutError(f"bus call timed out after {timeout} s")
+            nc = self.bus.nc
+            state = "connected" if nc is not None and nc.is_connected else "not connected"
+            raise BusUnavailableError(
+                f"NATS did not answer within {timeout:g} s ({state})"
+            ) from TimeoutError(f"bus call timed out after {timeout} s")
         return future.result()
 
     def close(self) -> None:

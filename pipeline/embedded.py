@@ -16,13 +16,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, TierpipeError
 
-__all__ = ["NatsServer", "S3Server", "find_binary"]
+__all__ = ["NatsServer", "S3Server", "find_binary", "free_ports"]
 
 
 def find_binary(name: str) -> Path:
@@ -37,19 +38,29 @@ def find_binary(name: str) -> Path:
 
 
 class NatsServer:
-    """A JetStream-enabled nats-server on free loopback ports.
+    """A JetStream-enabled nats-server on loopback ports.
+
+    The first start lets the server pick free ports; `restart()` reuses them and the store, so
+    clients reconnect to the same `url` (what a supervisor restarting a crashed server does).
 
     Args:
         store_dir: its own directory (two servers must never share one).
         sync_always: fsync every JetStream write (the production setting; slower).
+        config: more configuration appended to the generated file (authorization, TLS, a
+            cluster block with `server_name`); paths in it must be absolute.
     """
 
-    def __init__(self, store_dir: str | os.PathLike[str], *, sync_always: bool = False) -> None:
+    def __init__(
+        self, store_dir: str | os.PathLike[str], *, sync_always: bool = False, config: str = ""
+    ) -> None:
         self.store_dir = Path(store_dir).absolute()
         self.sync_always = sync_always
+        self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.monitor_url = ""
+        #: (client port, monitoring port) of the first start; kept for restart().
+        self.ports: tuple[int, int] | None = None
 
     def __enter__(self) -> NatsServer:
         return self.start()
@@ -57,7 +68,14 @@ class NatsServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def log_path(self) -> Path:
+        return self.store_dir / "nats-server.log"
+
     def start(self, *, timeout_s: float = 15.0) -> NatsServer:
+        """Start (on the ports of the last start, if any) and wait until JetStream answers."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats.conf"
         sync = "always" if self.sync_always else '"2m"'
@@ -65,10 +83,11 @@ class NatsServer:
             "jetstream {\n"
             f"  store_dir: {json.dumps(str(self.store_dir / 'js'))}\n"
             f"  sync_interval: {sync}\n"
-            "}\n"
+            "}\n" + self.config + "\n"
         )
         for old in self.store_dir.glob("nats-server_*.ports"):
             old.unlink()
+        client, monitor = self.ports or (-1, -1)
         cmd = [
             str(find_binary("nats-server")),
             "-c",
@@ -76,13 +95,13 @@ class NatsServer:
             "-a",
             "127.0.0.1",
             "-p",
-            "-1",
+            str(client),
             "-m",
-            "-1",
+            str(monitor),
             "--ports_file_dir",
             str(self.store_dir),
             "-l",
-            str(self.store_dir / "nats-server.log"),
+            str(self.log_path),
         ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
@@ -90,8 +109,7 @@ class NatsServer:
         while True:
             if self.proc.poll() is not None:
                 raise TierpipeError(
-                    f"nats-server exited with {self.proc.returncode}; "
-                    f"see {self.store_dir / 'nats-server.log'}"
+                    f"nats-server exited with {self.proc.returncode}; see {self.log_path}"
                 )
             if ports.exists():
                 try:
@@ -106,12 +124,47 @@ class NatsServer:
                 self.stop()
                 raise TierpipeError(f"nats-server did not become ready within {timeout_s} s")
             time.sleep(0.01)
+        self.ports = (_port_of(self.url), _port_of(self.monitor_url))
         return self
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL after `timeout_s`."""
         proc, self.proc = self.proc, None
         if proc is not None:
             _terminate(proc, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown at all. `restart()` brings it back."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, *, timeout_s: float = 15.0) -> NatsServer:
+        """Stop (if running) and start again on the same ports and store."""
+        self.stop()
+        return self.start(timeout_s=timeout_s)
+
+
+def _port_of(url: str) -> int:
+    port = urllib.parse.urlsplit(url).port
+    if port is None:
+        raise TierpipeError(f"no port in {url!r}")
+    return port
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1 outside the ephemeral range (for listeners whose
+    ports must be known before they start, e.g. a cluster's routes)."""
+    lo, hi = _ephemeral_range()
+    candidates = [p for p in range(10000, 65536) if not lo <= p <= hi]
+    chosen: list[int] = []
+    for p in random.SystemRandom().sample(candidates, min(len(candidates), 2000)):
+        if _port_free(p):
+            chosen.append(p)
+            if len(chosen) == n:
+                return chosen
+    raise ConfigError(f"no {n} free ports outside the ephemeral range {lo}-{hi}")
 
 
 def _terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
@@ -119,6 +172,7 @@ def _terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)  # a paused (SIGSTOPped) server handles SIGTERM only now
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -234,6 +288,16 @@ class S3Server:
             proc.kill()
             proc.wait()
         self._remove_sockets()
+
+    def pause(self) -> None:
+        """SIGSTOP: the store hangs (connections are accepted, nothing answers)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause()`."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def _launch_and_wait(self, deadline: float, timeout_s: float) -> bool:
         """Start weed and wait until the bucket answers; False when a port was taken."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentLockedError",
+    "BusAuthError",
     "BusError",
     "BusUnavailableError",
     "ConfigError",
@@ -208,3 +209,13 @@ class BusError(TierpipeError):
 
 class BusUnavailableError(UnavailableError):
     """NATS could not be reached or did not answer in time."""
+
+
+class BusAuthError(BusError, PermanentError):
+    """A NATS server refused this client: credentials, permissions, or the TLS handshake.
+    Retrying with the same settings cannot help."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"NATS at {url} refused this client: {reason}")

@@ -1,17 +1,89 @@
-"""structlog configuration: JSON lines when stderr is not a terminal, else a console renderer."""
+"""structlog configuration: JSON lines when stderr is not a terminal, else a console renderer.
+
+Secrets never reach a log line: tracebacks are rendered without frame locals (a local holding a
+password or a key would otherwise be printed), and a last-resort scrubber replaces every known
+secret value in every rendered line with `***`. Known secrets are those passed to
+`configure_logging` and those registered by `register_secrets` (every `Bus` registers its
+settings' secrets, so every process that talks to NATS scrubs them).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import structlog
 
-__all__ = ["configure_logging"]
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
+
+__all__ = ["configure_logging", "register_secrets", "scrub", "settings_secrets"]
+
+_MASK = "***"
+_lock = threading.Lock()
+#: Every form of every known secret, longest first (so a secret containing another is masked
+#: whole).
+_secrets: tuple[str, ...] = ()
+
+
+def settings_secrets(settings: Settings) -> list[str]:
+    """The secret values of `settings` (passwords, tokens, keys, URL credentials), plus the S3
+    access key id (the other half of the key pair)."""
+    found = list(settings.secrets())
+    if settings.s3_access_key_id and len(settings.s3_access_key_id) >= 4:
+        found.append(settings.s3_access_key_id)
+    return found
+
+
+def register_secrets(values: Iterable[str | None]) -> None:
+    """Add secret values to be masked in every log line of this process (idempotent)."""
+    global _secrets
+    with _lock:
+        _secrets = tuple(sorted(set(_secrets) | _forms(values), key=len, reverse=True))
+
+
+def scrub(text: str, secrets: Iterable[str | None] | None = None) -> str:
+    """`text` with every registered secret (or every one of `secrets`) replaced by `***`."""
+    known = _secrets if secrets is None else sorted(_forms(secrets), key=len, reverse=True)
+    for secret in known:
+        if secret in text:
+            text = text.replace(secret, _MASK)
+    return text
+
+
+def _forms(values: Iterable[str | None]) -> set[str]:
+    """Each value as written, as JSON escapes it, and percent-decoded (as in a URL)."""
+    forms: set[str] = set()
+    for value in values:
+        if value and len(value) >= 4:  # shorter: too easily ordinary text
+            forms.update({value, json.dumps(value)[1:-1], unquote(value)})
+    return {f for f in forms if len(f) >= 4}
+
+
+class _Scrubbed:
+    """The renderer, then the scrubber: the last processor, so it sees the finished line."""
+
+    def __init__(self, renderer: Any) -> None:
+        self.renderer = renderer
+
+    def __call__(self, logger: Any, name: str, event_dict: Any) -> Any:
+        rendered = self.renderer(logger, name, event_dict)
+        if isinstance(rendered, bytes):
+            return scrub(rendered.decode("utf-8", "replace")).encode()
+        return scrub(rendered) if isinstance(rendered, str) else rendered
 
 
 def configure_logging(
-    level: str = "info", fmt: str = "auto", *, only_if_unconfigured: bool = False
+    level: str = "info",
+    fmt: str = "auto",
+    *,
+    only_if_unconfigured: bool = False,
+    secrets: Iterable[str | None] = (),
 ) -> None:
     """Configure structlog once for this process.
 
@@ -20,22 +92,42 @@ def configure_logging(
         fmt: `json`, `console`, or `auto` (console on a terminal, else JSON).
         only_if_unconfigured: leave an application's own structlog configuration alone
             (what a library such as `Checkpointer` passes).
+        secrets: values never to print (e.g. `settings_secrets(settings)`); masked as `***`.
     """
+    register_secrets(secrets)
     if only_if_unconfigured and structlog.is_configured():
         return
     numeric = logging.getLevelNamesMapping().get(level.upper())
     if numeric is None:
         raise ValueError(f"unknown log level {level!r}")
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    if console:
+        tracebacks: Any = structlog.dev.set_exc_info
+        renderer: Any = structlog.dev.ConsoleRenderer(exception_formatter=_console_tracebacks())
+    else:
+        # Frame locals off: a traceback must not print the password a frame was holding.
+        tracebacks = structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        )
+        renderer = structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks if not console else structlog.dev.set_exc_info,
-            structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer(),
+            tracebacks,
+            _Scrubbed(renderer),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def _console_tracebacks() -> Any:
+    """rich's traceback (when installed) without locals, else the plain one."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)

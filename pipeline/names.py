@@ -106,7 +106,7 @@ def msg_id(event: Event) -> str:
 
     `<job>/<step>/<rank>/<kind>/<node>/<epoch>[/...]`: the node is part of it, since two nodes'
     copies of one shard (a write-back after a restore) are two facts, not one; a failure names
-    its stage and attempt, so every attempt is recorded once.
+    its stage, attempt and input message, so every attempt is recorded once.
     """
     # Restore coordination: every attempt is new, even with the same restart id.
     if isinstance(event, RecoveryPlanned):
@@ -120,10 +120,13 @@ def msg_id(event: Event) -> str:
     if isinstance(event, StageFailed):
         if event.step is None:
             return f"{event.job}/poison/{event.stage}/{event.node}/{event.stream_seq}"
-        return (
+        base = (
             f"{event.job}/{event.step}/{event.rank}/failed/{event.node}/{event.stage}/"
             f"{event.attempt}"
         )
+        # Two messages about one shard (a `verified` and a `failed`) failing in one stage are
+        # two reports; a redelivery of the same message at the same attempt is one.
+        return base if event.stream_seq is None else f"{base}/{event.stream_seq}"
     assert isinstance(event, ShardEvent)
     base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}/{event.node}/{event.epoch}"
     if isinstance(event, ShardEvicted):

@@ -2,17 +2,21 @@
 
 The shard goes up as a checksummed multipart upload streamed from the NVMe file
 (`S3Store.upload`); the runner keeps the message alive with heartbeats during long uploads. A store
-outage is retryable (nak with growing delay; the NVMe copy stays, since only `flushed` lets
-retention remove it); refused credentials are permanent. On start, multipart uploads this node
-left behind (a killed worker's) are aborted.
+outage (down or hung) is retried in place for as long as it lasts (the NVMe copy stays, since
+only `flushed` lets retention remove it); refused credentials are permanent. On start, multipart
+uploads this node left behind (a killed worker's) are aborted, and every verified shard of this
+node that was never flushed (an older agent gave up on it) is uploaded again.
 
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
-so a restarted worker keeps the rate the job asked for.
+so a restarted worker keeps the rate the job asked for. A command of an unknown schema version is
+refused, never guessed at.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path, PurePosixPath
 
 import anyio
@@ -21,14 +25,20 @@ import structlog
 from anyio.abc import TaskStatus
 
 from pipeline.bus import Bus
-from pipeline.errors import RetryableError, ShardFormatError, TierpipeError
-from pipeline.names import CONTROL_FLUSH, node_name, shard_relpath
+from pipeline.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
+from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_relpath
 from pipeline.runner import serve
 from pipeline.settings import Settings
 from pipeline.storage.nvme import NvmeStore
 from pipeline.storage.s3 import S3Store
 from pipeline.throttle import Throttle
-from schemas import FlushControl, ShardFlushed, ShardVerified
+from schemas import (
+    SCHEMA_VERSION,
+    FlushControl,
+    ShardEvicted,
+    ShardFlushed,
+    ShardVerified,
+)
 
 __all__ = ["STAGE", "apply_control", "run"]
 
@@ -72,35 +82,41 @@ async def run(
             for subject in subjects:
                 await bus.subscribe(subject, on_control)
 
-            async def handle(event: ShardVerified, attempt: int) -> None:
+            locks = _KeyLocks()
+
+            async def flush(event: ShardVerified) -> None:
+                """Upload one verified shard and publish `flushed` (idempotent)."""
                 relpath = shard_relpath(event.job, event.step, event.rank, event.world_size)
                 path = nvme.path_for(relpath)
                 if Path(event.path) != path:
                     raise ShardFormatError(event.path, f"not this node's shard path {path}")
                 if not await anyio.Path(path).exists():
                     raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
-                done = await s3.upload(
-                    path,
-                    s3.key_for(relpath),
-                    header_digest=event.header_digest,
-                    node=node,
-                    epoch=event.epoch,
-                    step=event.step,
-                    rewind_to=event.rewind_to,
-                )
-                await bus.publish(
-                    event.follow(
-                        ShardFlushed,
-                        node=node,
-                        bucket=done.bucket,
-                        key=done.key,
-                        etag=done.etag,
-                        checksum=done.checksum,
+                # One upload per key at a time: the start-up re-drive and a redelivered message
+                # may meet here, and an upload aborts earlier uploads at its key.
+                async with locks.hold(str(relpath)):
+                    done = await s3.upload(
+                        path,
+                        s3.key_for(relpath),
                         header_digest=event.header_digest,
-                        nbytes=done.nbytes,
-                        seconds=round(done.seconds, 6),
+                        node=node,
+                        epoch=event.epoch,
+                        step=event.step,
+                        rewind_to=event.rewind_to,
                     )
-                )
+                    await bus.publish(
+                        event.follow(
+                            ShardFlushed,
+                            node=node,
+                            bucket=done.bucket,
+                            key=done.key,
+                            etag=done.etag,
+                            checksum=done.checksum,
+                            header_digest=event.header_digest,
+                            nbytes=done.nbytes,
+                            seconds=round(done.seconds, 6),
+                        )
+                    )
                 log.info(
                     "shard_flushed",
                     key=done.key,
@@ -110,6 +126,10 @@ async def run(
                     mib_s=round(done.nbytes / 2**20 / max(done.seconds, 1e-9), 1),
                 )
 
+            async def handle(event: ShardVerified, attempt: int) -> None:
+                await flush(event)
+
+            tg.start_soon(_redrive, bus, nvme, node, settings, flush)
             await serve(
                 bus,
                 settings,
@@ -140,9 +160,110 @@ async def _abort_orphans(s3: S3Store, nvme: NvmeStore, settings: Settings) -> No
         delay = min(delay * 2, settings.retry_max_s)
 
 
+async def _redrive(
+    bus: Bus,
+    nvme: NvmeStore,
+    node: str,
+    settings: Settings,
+    flush: Callable[[ShardVerified], Awaitable[None]],
+) -> None:
+    """Flush every verified shard of this node that has no `flushed` event and is still on
+    NVMe: an agent that gave up on it (older versions did, after `max_deliver` attempts during
+    a long outage) left it unflushed, and retention never removes an unflushed copy."""
+    delay = settings.retry_base_s
+    while True:
+        try:
+            pending = await _unflushed(bus, nvme, node)
+            break
+        except UnavailableError as e:
+            log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
+        except Exception as e:  # the stage goes on; the next start tries again
+            log.error("flush_redrive_failed", error=str(e) or type(e).__name__)
+            return
+        await anyio.sleep(delay)
+        delay = min(delay * 2, settings.retry_max_s)
+    if pending:
+        log.info("flush_redrive_started", shards=len(pending))
+    for event in pending:
+        delay = settings.retry_base_s
+        while True:
+            try:
+                await flush(event)
+                log.info("flush_redriven", job=event.job, step=event.step, rank=event.rank)
+                break
+            except UnavailableError as e:  # an outage: wait it out, like the runner does
+                log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, settings.retry_max_s)
+            except Exception as e:  # one shard's problem must not stop the rest
+                log.warning(
+                    "flush_redrive_skipped",
+                    job=event.job,
+                    step=event.step,
+                    rank=event.rank,
+                    error=str(e) or type(e).__name__,
+                )
+                break
+
+
+async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified]:
+    """This node's newest `verified` per shard with no `flushed` of the same content, not
+    evicted since, whose file is still there. Only this node's subjects are read."""
+    verified: dict[tuple[str, int, int], ShardVerified] = {}
+    for e in await bus.history(f"{SUBJECT_ROOT}.*.verified.{node}.*"):
+        if isinstance(e, ShardVerified):
+            verified[(e.job, e.step, e.rank)] = e
+    flushed = {
+        (e.job, e.step, e.rank, e.header_digest)
+        for e in await bus.history(f"{SUBJECT_ROOT}.*.flushed.{node}.*")
+        if isinstance(e, ShardFlushed)
+    }
+    evicted: dict[tuple[str, int, int], float] = {}
+    for e in await bus.history(f"{SUBJECT_ROOT}.*.evicted.{node}.*"):
+        if isinstance(e, ShardEvicted) and e.tier == "nvme":
+            evicted[(e.job, e.step, e.rank)] = e.ts
+    pending = []
+    for key, e in verified.items():
+        if (*key, e.header_digest) in flushed or evicted.get(key, 0.0) >= e.ts:
+            continue
+        try:
+            path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+        except ValueError:
+            continue
+        if Path(e.path) == path and await anyio.Path(path).exists():
+            pending.append(e)
+    return pending
+
+
+class _KeyLocks:
+    """One lock per key, alive while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (anyio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
 def _apply(throttle: Throttle, data: bytes) -> None:
     try:
-        apply_control(throttle, _control_decoder.decode(data))
+        control = _control_decoder.decode(data)
+        if control.v != SCHEMA_VERSION:
+            raise msgspec.ValidationError(
+                f"schema version {control.v} is not supported (this build reads {SCHEMA_VERSION})"
+            )
+        apply_control(throttle, control)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         log.warning("flush_control_rejected", error=str(e), body=data[:200])
 

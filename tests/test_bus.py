@@ -108,3 +108,43 @@ async def test_unreachable_server_is_a_clear_retryable_error() -> None:
 def test_redact_url_hides_credentials() -> None:
     """Credentials in server URLs never reach logs."""
     assert redact_url("nats://u:p@h:4222,nats://h2:4223") == "nats://***@h:4222,nats://h2:4223"
+
+
+async def test_a_deleted_consumer_or_stream_is_told_apart_from_an_outage(
+    own_server: NatsServer,
+) -> None:
+    """nats-py 2.16 answers a pull from a deleted consumer with "no responders" (503) at once;
+    `missing()` then says whether the consumer or the whole stream is gone."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.ensure_stream()
+        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        sub = await bus.pull("verify_n1")
+        assert await bus.fetch(sub, timeout=0.2) == [] and await bus.missing("verify_n1") is None
+        await bus.js.delete_consumer(s.stream, "verify_n1")
+        with pytest.raises(BusUnavailableError):
+            await bus.fetch(sub, timeout=0.5)
+        assert await bus.missing("verify_n1") == "consumer"
+        await bus.js.delete_stream(s.stream)
+        assert await bus.missing("verify_n1") == "stream"
+
+
+@pytest.mark.parametrize("listener", [False, True])
+async def test_a_publish_recreates_a_deleted_stream(
+    own_server: NatsServer, job: str, listener: bool
+) -> None:
+    """A publish finding the stream gone creates it again and lands, whether the server says
+    "no stream" at once or (with a core subscriber on the subject) the publish just times out."""
+    s = load_settings(env={}, nats_url=own_server.url, request_timeout_s=4.0)
+    async with Bus(s) as bus:
+        await bus.ensure_stream()
+        if listener:  # e.g. a trainer's own progress subscription
+
+            async def ignore(msg: object) -> None:
+                return None
+
+            await bus.subscribe(f"tp.{job}.>", ignore)
+        await bus.js.delete_stream(s.stream)
+        published = await bus.publish(staged(job, "n1", step=2))
+        assert published.seq == 1 and not published.duplicate
+        assert [e.step for e in await bus.history(f"tp.{job}.>")] == [2]

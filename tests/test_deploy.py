@@ -199,6 +199,30 @@ def test_nats_cluster_block_is_valid_when_uncommented(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def uncommented_block(conf_text: str, opening: str) -> str:
+    """`conf_text` with the commented block that starts at `# <opening>` uncommented."""
+    lines = conf_text.splitlines()
+    start = lines.index(f"# {opening}")
+    end = lines.index("# }", start)
+    block = [line.removeprefix("# ") for line in lines[start : end + 1]]
+    return "\n".join([*lines[:start], *block, *lines[end + 1 :]]) + "\n"
+
+
+def test_nats_permissions_example_is_valid_when_uncommented(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commented per-role authorization block of deploy/nats-server.conf (trainers publish
+    only their job's `staged`, agents only their node's kinds) is a valid config once
+    uncommented."""
+    text = uncommented_block(NATS_CONF.read_text(), "authorization {")
+    assert re.search(r"^authorization \{", text, re.M)
+    assert '"tp.llama.staged.>"' in text and '"tp.*.verified.node-a.*"' in text
+    monkeypatch.setenv("TIERPIPE_TRAINER_PASSWORD", "trainer-secret")
+    monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-secret")
+    r = _nats_check(text, tmp_path, "permissions")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # --- agent launchers
 
 

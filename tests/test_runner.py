@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -15,8 +16,13 @@ import anyio
 import pytest
 
 from pipeline.bus import Bus
-from pipeline.errors import PermanentError, RetryableError
-from pipeline.runner import serve
+from pipeline.errors import (
+    BusUnavailableError,
+    PermanentError,
+    RetryableError,
+    StorageUnavailableError,
+)
+from pipeline.runner import _Drain, _drain, serve
 from pipeline.settings import Settings
 from schemas import ShardStaged, StageFailed
 from tests.conftest import Events, make_staged
@@ -86,12 +92,13 @@ async def test_permanent_error_terminates_with_one_failed_event(
 async def test_attempts_are_bounded_by_max_deliver(
     settings: Settings, job: str, events: Events
 ) -> None:
-    """An error that never clears is given up after max_deliver attempts, with a final report."""
+    """A retryable error that never clears is given up after max_deliver attempts, with a
+    final report."""
     calls: list[int] = []
 
     async def handler(event: ShardStaged, attempt: int) -> None:
         calls.append(attempt)
-        raise ValueError("bug")  # unexpected errors are retried like retryable ones
+        raise RetryableError("disk still full")
 
     s = settings.replace(max_deliver=3, retry_base_s=0.05)
     await run_stage(s, handler, 3.0, staged(s, job, 3))
@@ -99,6 +106,127 @@ async def test_attempts_are_bounded_by_max_deliver(
     failed = await anyio.to_thread.run_sync(events.all, "failed")
     assert [f.retryable for f in failed] == [True, True, False]
     assert "gave up after 3 attempts" in failed[-1].message
+
+
+async def test_unexpected_error_is_terminated_and_the_worker_goes_on(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """An exception no stage raises on purpose terms its message with one permanent `failed`
+    event, and the next message is still handled."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(event.step)
+        if event.step == 1:
+            raise KeyError("a bug")
+
+    await run_stage(settings, handler, 3.0, staged(settings, job, 1), staged(settings, job, 2))
+    assert calls == [1, 2]
+    (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
+    assert (failed.step, failed.error, failed.retryable) == (1, "KeyError", False)
+
+
+async def test_a_failing_non_shard_event_is_reported_not_fatal(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """A handler failing on a `failed` event (no shard identity to follow) gets that message
+    termed with a `failed` event naming the input's identity; serve() keeps running."""
+    seen: list[str] = []
+
+    async def handler(event: StageFailed, attempt: int) -> None:
+        seen.append(event.stage)
+        raise PermanentError("cannot handle this failure")
+
+    forged = StageFailed(
+        job=job, node=settings.node or "", ts=time.time(), stage="nvme-write", error="X",
+        message="forged", retryable=False, attempt=1, step=5, rank=0, world_size=1,
+    )  # fmt: skip
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        await bus.publish(forged)
+        with anyio.move_on_after(2.5):
+            await serve(
+                bus,
+                settings,
+                stage="test",
+                node=settings.node or "",
+                kinds=("failed",),
+                handler=handler,
+            )
+    mine = [
+        f
+        for f in await anyio.to_thread.run_sync(events.all, "failed")
+        if isinstance(f, StageFailed) and f.stage == "test"
+    ]
+    assert seen.count("nvme-write") == 1  # termed, not redelivered
+    (report,) = mine
+    assert (report.step, report.rank, report.retryable) == (5, 0, False)
+    assert report.message == "cannot handle this failure"
+
+
+async def test_outage_is_retried_in_place_beyond_max_deliver(
+    settings: Settings, job: str, events: Events
+) -> None:
+    """An outage is retried in place for as long as it lasts (far beyond max_deliver), reported
+    once, never given up; the message is acked when the handler finally succeeds."""
+    calls: list[int] = []
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        if len(calls) < 12:
+            raise StorageUnavailableError("the store is down")
+
+    s = settings.replace(max_deliver=2, retry_base_s=0.01, retry_max_s=0.05)
+    await run_stage(s, handler, 2.5, staged(s, job, 6))
+    assert len(calls) == 12 and calls == list(range(1, 13))
+    (failed,) = await anyio.to_thread.run_sync(events.all, "failed")
+    assert failed.retryable and failed.error == "StorageUnavailableError"
+
+    async def pending() -> tuple[int, int]:
+        async with Bus(s) as bus:
+            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            return info.num_ack_pending + info.num_pending, info.num_redelivered
+
+    assert await pending() == (0, 0)  # acked, and never handed back for redelivery
+
+
+async def test_an_outage_is_handed_back_at_once_when_the_worker_stops(
+    settings: Settings, job: str
+) -> None:
+    """A worker waiting out an outage (between tries) hands the message back as soon as it is
+    told to stop, without waiting for its backoff or the drain timeout."""
+    calls: list[int] = []
+    tried = anyio.Event()
+    drain = _Drain(timeout_s=30.0)
+    token = _drain.set(drain)
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        calls.append(attempt)
+        tried.set()
+        raise BusUnavailableError("down")
+
+    s = settings.replace(retry_base_s=30.0, retry_max_s=30.0)  # a long wait between tries
+    try:
+        async with Bus(s) as bus:
+            await bus.ensure_stream()
+            await bus.publish(staged(s, job, 8))
+            async with anyio.create_task_group() as tg:
+                await tg.start(
+                    functools.partial(
+                        serve, bus, s, stage="test", node=s.node or "", kinds=("staged",),
+                        handler=handler,
+                    )
+                )  # fmt: skip
+                with anyio.fail_after(10):
+                    await tried.wait()
+                t0 = time.monotonic()
+                drain.begin()
+            assert time.monotonic() - t0 < 3.0
+            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            assert info.delivered.stream_seq >= 1 and info.ack_floor.stream_seq == 0  # not acked
+    finally:
+        _drain.reset(token)
+    assert calls == [1]
 
 
 async def test_long_work_is_not_redelivered(settings: Settings, job: str) -> None:
@@ -143,7 +271,8 @@ def test_sigterm_drains_in_flight_work(
 
     proc = subprocess.Popen(
         [sys.executable, str(script)],
-        env={**os.environ, **settings.as_env()},
+        # The script's folder comes first on sys.path: name this checkout's.
+        env={**os.environ, **settings.as_env(), "PYTHONPATH": str(Path(__file__).parent.parent)},
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parent.parent,
