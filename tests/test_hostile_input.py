@@ -312,7 +312,22 @@ def _publish(settings: Settings, events: list[Event]) -> None:
     anyio.run(go)
 
 
-def _forged_flushed(settings: Settings, job: str, step: int, key: str) -> ShardFlushed:
+def _forged_flushed(settings: Settings, job: str, step: int, key: str) -> list[Event]:
+    """A `flushed` event naming `key`, with the `written`/`verified` pair the catalog needs as
+    evidence (a forger who can publish can forge those too)."""
+    ident: dict[str, Any] = dict(
+        job=job, node=node_name(settings.node), ts=time.time(), step=step, rank=0, world_size=1
+    )
+    path = f"{settings.nvme_root}/{shard_relpath(job, step, 0, 1)}"
+    where = dict(path=path, nbytes=4096, header_digest=FORGED_DIGEST)
+    return [
+        ShardWritten(**ident, **where, tensors=1, seconds=0.1),
+        ShardVerified(**ident, **where, seconds=0.1),
+        _forged_flushed_only(settings, job, step, key),
+    ]
+
+
+def _forged_flushed_only(settings: Settings, job: str, step: int, key: str) -> ShardFlushed:
     return ShardFlushed(
         job=job,
         node=node_name(settings.node),  # claims this very node uploaded it
@@ -354,9 +369,9 @@ def test_forged_flushed_events_never_delete_objects_this_node_did_not_upload(
     _publish(
         settings,
         [
-            _forged_flushed(settings, job, 1, "other-team/precious.bin"),
-            _forged_flushed(settings, job, 2, theirs),
-            _forged_flushed(settings, job, 3, keys.key_for(shard_relpath(job, 3, 0, 1))),
+            *_forged_flushed(settings, job, 1, "other-team/precious.bin"),
+            *_forged_flushed(settings, job, 2, theirs),
+            *_forged_flushed(settings, job, 3, keys.key_for(shard_relpath(job, 3, 0, 1))),
         ],
     )
     a = agent("evict", settings=settings.replace(s3_keep_latest_k=1)).wait_ready()
