@@ -90,13 +90,22 @@ def test_a_failed_event_evict_cannot_handle_does_not_stop_the_agent(
     first = agent(settings=s).wait_ready()
     node = s.node or ""
     forged: list[Any] = [
-        ShardVerified(
-            job=job, node=node, ts=time.time(), step=step, rank=0, world_size=1,
-            path=str(tmp_path / "elsewhere" / f"{step}.shard"), nbytes=4096,
-            header_digest=DIGEST, seconds=0.0,
+        kind(
+            job=job,
+            node=node,
+            ts=time.time(),
+            step=step,
+            rank=0,
+            world_size=1,
+            path=str(tmp_path / "elsewhere" / f"{step}.shard"),
+            nbytes=4096,
+            header_digest=DIGEST,
+            seconds=0.0,
+            **extra,
         )
         for step in (1, 2, 3)
-    ]  # fmt: skip
+        for kind, extra in ((ShardWritten, {"tensors": 1}), (ShardVerified, {}))
+    ]  # written/verified pairs: the evidence the catalog needs
     failure = StageFailed(
         job=job, node=node, ts=time.time(), stage="nvme-write", error="OSError",
         message="forged", retryable=False, attempt=1, step=3, rank=0, world_size=1,
