@@ -309,6 +309,36 @@ def test_rewound_save_replaces_an_abandoned_timelines_object(
     assert [r["key"] for r in logs if r["event"] == "superseded_object_replaced"] == [key]
 
 
+def test_abandoned_object_appearing_mid_upload_is_replaced_not_a_conflict(
+    settings: Settings,
+    job: str,
+    two_saves: tuple[tuple[Path, str], tuple[Path, str]],
+    s3,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The abandoned timeline's own agent may flush its object between this upload's look at
+    the key and its completion (the write-once condition then fails): the rewound save looks
+    again and replaces it, instead of failing for good."""
+    (old, d_old), (new, d_new) = two_saves
+    key = str(shard_relpath(job, 5, 0, 1))
+    real = S3Store._upload_parts
+    raced: list[bool] = []
+
+    async def parts_then_race(self: S3Store, *args: Any) -> Any:
+        result = await real(self, *args)
+        if not raced:  # the other agent completes its upload of the old save right now
+            raced.append(True)
+            await anyio.to_thread.run_sync(
+                lambda: _upload(settings, old, key, d_old, epoch=100, step=5)
+            )
+        return result
+
+    monkeypatch.setattr(S3Store, "_upload_parts", parts_then_race)
+    done = _upload(settings, new, key, d_new, epoch=200, step=5, rewind_to=3)
+    assert raced and not done.existed
+    assert s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read() == new.read_bytes()
+
+
 @pytest.mark.parametrize(
     "timeline",
     [

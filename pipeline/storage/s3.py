@@ -156,24 +156,58 @@ class S3Store:
         t0 = time.perf_counter()
         nbytes = (await anyio.Path(path).stat()).st_size
         save = _Save(header_digest, nbytes, epoch, step, rewind_to)
-        found = await self._existing(key, save)
-        if found is not None and not found.superseded:
+        metadata = {
+            "tp-header-digest": header_digest,
+            "tp-node": node or node_name(self.settings.node),
+            "tp-epoch": str(epoch),
+        }
+        # An abandoned timeline's object can appear at the key between the HEAD and the
+        # complete (its own agent still flushing it): then look again and replace that one.
+        for attempt in range(3):
+            found = await self._existing(key, save)
+            if found is not None and not found.superseded:
+                return Uploaded(
+                    self.bucket, key, found.etag, found.checksum, nbytes,
+                    time.perf_counter() - t0, True,
+                )  # fmt: skip
+            # Write-once, except over the abandoned object seen just now (and only that one).
+            condition = {"IfMatch": f'"{found.etag}"'} if found else {"IfNoneMatch": "*"}
+            try:
+                done, parts = await self._put(path, key, nbytes, metadata, condition)
+            except StorageConflictError:
+                if attempt == 2:
+                    raise
+                continue
+            if found is not None:
+                log.warning(
+                    "superseded_object_replaced",
+                    key=key,
+                    bucket=self.bucket,
+                    old_epoch=found.epoch,
+                    old_header_digest=found.header_digest,
+                    epoch=epoch,
+                    rewind_to=rewind_to,
+                )
+            expected = _composite([base64.b64decode(crc) for _, _, crc in parts])
+            checksum = await self._confirm(key, nbytes, expected)
+            etag = done.get("ETag", "").strip('"')
             return Uploaded(
-                self.bucket, key, found.etag, found.checksum, nbytes, time.perf_counter() - t0, True
+                self.bucket, key, etag, checksum, nbytes, time.perf_counter() - t0, False
             )
-        # Write-once, except over the abandoned object seen just now (and only that one).
-        condition = {"IfMatch": f'"{found.etag}"'} if found else {"IfNoneMatch": "*"}
+        raise AssertionError("unreachable")
+
+    async def _put(
+        self, path: Path, key: str, nbytes: int, metadata: dict[str, str], condition: dict[str, str]
+    ) -> tuple[dict[str, Any], list[tuple[int, str, str]]]:
+        """One conditional multipart upload of `path` to `key` (aborted on any failure).
+
+        Raises:
+            StorageConflictError: the condition failed (the key changed since it was looked at).
+        """
         await self._abort_uploads(key)
         async with _errors(key):
             created = await self.client.create_multipart_upload(
-                Bucket=self.bucket,
-                Key=key,
-                ChecksumAlgorithm="CRC32C",
-                Metadata={
-                    "tp-header-digest": header_digest,
-                    "tp-node": node or node_name(self.settings.node),
-                    "tp-epoch": str(epoch),
-                },
+                Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C", Metadata=metadata
             )
         upload_id = created["UploadId"]
         try:
@@ -191,32 +225,11 @@ class S3Store:
                     },
                     **condition,
                 )
-        except StorageConflictError:
-            await self._abort(key, upload_id)
-            again = await self._existing(key, save)
-            if again is None or again.superseded:
-                raise
-            return Uploaded(
-                self.bucket, key, again.etag, again.checksum, nbytes, time.perf_counter() - t0, True
-            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._abort(key, upload_id)
             raise
-        if found is not None:
-            log.warning(
-                "superseded_object_replaced",
-                key=key,
-                bucket=self.bucket,
-                old_epoch=found.epoch,
-                old_header_digest=found.header_digest,
-                epoch=epoch,
-                rewind_to=rewind_to,
-            )
-        expected = _composite([base64.b64decode(crc) for _, _, crc in parts])
-        checksum = await self._confirm(key, nbytes, expected)
-        etag = done.get("ETag", "").strip('"')
-        return Uploaded(self.bucket, key, etag, checksum, nbytes, time.perf_counter() - t0, False)
+        return done, parts
 
     async def _upload_parts(
         self, path: Path, key: str, upload_id: str, nbytes: int
