@@ -4,8 +4,10 @@ VENV   := .venv
 # CI pins the CPU wheel; on a GPU machine pass your own, e.g. `make test TORCH=torch`.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
+# Test processes in parallel (pytest-xdist): most tests wait on servers and agent processes.
+TEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu lint format bench-stall bench-nvme clean
+.PHONY: demo test test-soak test-gpu lint format bench-stall bench-nvme clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -17,7 +19,11 @@ demo: $(STAMP)
 	$(VENV)/bin/tierpipe demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS)
+
+# 200 checkpoints with random agent kills; reports the agent's memory (deselected by `make test`).
+test-soak: $(STAMP)
+	$(VENV)/bin/python -m pytest -m soak -s -p no:cacheprovider
 
 # The CUDA paths on a real GPU (skipped without one): `make test-gpu TORCH=torch`.
 test-gpu: $(STAMP)
