@@ -10,6 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import (
+    AgentLockedError,
+    BusAuthError,
     BusUnavailableError,
     ConfigError,
     IntegrityError,
@@ -19,8 +21,14 @@ from pipeline.errors import (
     RetryableError,
     ShardFailedError,
     ShardFormatError,
+    ShardMissingError,
     SlotTimeoutError,
+    StaleStepError,
+    StorageAuthError,
+    StorageConflictError,
+    StorageUnavailableError,
     TierpipeError,
+    UnavailableError,
     UnsupportedStateError,
 )
 from pipeline.settings import Settings, load_settings
@@ -39,6 +47,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "AgentLockedError",
+    "BusAuthError",
     "BusUnavailableError",
     "Checkpointer",
     "ConfigError",
@@ -52,8 +62,14 @@ __all__ = [
     "Settings",
     "ShardFailedError",
     "ShardFormatError",
+    "ShardMissingError",
     "SlotTimeoutError",
+    "StaleStepError",
+    "StorageAuthError",
+    "StorageConflictError",
+    "StorageUnavailableError",
     "TierpipeError",
+    "UnavailableError",
     "UnsupportedStateError",
     "load_settings",
     "load_shard",
