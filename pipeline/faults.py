@@ -7,6 +7,11 @@ string comparison. The points of the nvme-write stage, in the order a write pass
 - `nvme-write:after-fsync`: the temp file is complete and fsynced, not yet linked into place;
 - `nvme-write:after-link`: the final file is linked, the directory not yet fsynced;
 - `nvme-write:before-ack`: `written` is published, the message not yet acked.
+
+And one point where a stage raises an unexpected exception instead (`maybe_fail`):
+
+- `evict:on-failed`: evict's handler, given a `failed` event (a message no stage but evict
+  consumes, which once crashed the whole agent).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import signal
 
 import structlog
 
-__all__ = ["POINTS", "maybe_die"]
+__all__ = ["POINTS", "maybe_die", "maybe_fail"]
 
 log = structlog.get_logger(__name__)
 
@@ -25,6 +30,7 @@ POINTS = (
     "nvme-write:after-fsync",
     "nvme-write:after-link",
     "nvme-write:before-ack",
+    "evict:on-failed",
 )
 
 
@@ -37,3 +43,10 @@ def maybe_die(point: str, configured: str) -> None:
     if configured and configured == point:
         log.warning("fault_point_reached", point=point, pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_fail(point: str, configured: str) -> None:
+    """Raise an unexpected (non-tierpipe) error if `configured` names `point`."""
+    if configured and configured == point:
+        log.warning("fault_point_reached", point=point, pid=os.getpid())
+        raise RuntimeError(f"injected fault at {point}")

@@ -31,7 +31,8 @@ from anyio.abc import TaskStatus
 
 from pipeline.bus import Bus
 from pipeline.catalog import Catalog
-from pipeline.errors import ShardFormatError
+from pipeline.errors import StorageAuthError, UnavailableError
+from pipeline.faults import maybe_fail
 from pipeline.names import SUBJECT_ROOT, node_name, plan_subject, shard_relpath
 from pipeline.retention import Eviction, Policy, plan_evictions
 from pipeline.runner import serve
@@ -76,18 +77,46 @@ async def run(
                 s3 = await stack.enter_async_context(S3Store(settings))
             return s3
 
+        store_down_until = [0.0]
+
         async def remove(e: Eviction) -> bool:
             """Remove one copy; False if it was left in place: an NVMe file now holds another
-            save, or the object is not this node's copy of that shard (logged)."""
+            save, the copy is not this node's (a forged or stale event: logged once), or the
+            object store is down or refuses (retried with a later event). Never raises for one
+            copy: retention of every other copy, and slot releases, go on regardless."""
             if e.tier == "nvme":
                 path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
                 if Path(e.location) != path:
-                    raise ShardFormatError(e.location, f"not this node's shard path {path}")
+                    if (e.location, e.header_digest) not in refused:
+                        refused.add((e.location, e.header_digest))
+                        log.warning(
+                            "nvme_eviction_refused",
+                            location=e.location,
+                            expected=str(path),
+                            reason="not this node's shard path",
+                        )
+                    return False
                 removed = await anyio.to_thread.run_sync(
                     functools.partial(nvme.remove, path, header_digest=e.header_digest)
                 )
                 return removed or not await anyio.Path(path).exists()
-            return await _remove_object(await object_store(), e, catalog, node, refused)
+            if anyio.current_time() < store_down_until[0]:
+                return False  # the store was down moments ago: don't wait on it per copy
+            try:
+                return await _remove_object(await object_store(), e, catalog, node, refused)
+            except UnavailableError as err:
+                # Back off before the next try, so a down or hung store does not make every
+                # event (and the slot releases behind it) wait out a timeout per copy.
+                store_down_until[0] = anyio.current_time() + settings.retry_max_s
+                log.warning(
+                    "object_eviction_deferred",
+                    location=e.location,
+                    error=str(err),
+                    retry_s=settings.retry_max_s,
+                )
+            except StorageAuthError as err:
+                log.error("object_eviction_refused_by_store", location=e.location, error=str(err))
+            return False
 
         async def publish(evicted: ShardEvicted) -> None:
             await bus.publish(evicted)
@@ -110,6 +139,8 @@ async def run(
                 log.info("staging_released", slot=str(slot), reason=evicted.reason)
 
         async def handle(event: Event, attempt: int) -> None:
+            if isinstance(event, StageFailed):
+                maybe_fail("evict:on-failed", settings.fault_point)
             catalog.apply(event)
             if isinstance(event, ShardVerified) and event.node == node:
                 await release_slot(

@@ -25,6 +25,7 @@ from pipeline.errors import BusUnavailableError
 from pipeline.names import shard_relpath
 from pipeline.settings import Settings
 from schemas import (
+    ShardEvicted,
     ShardFlushed,
     ShardVerified,
     ShardWritten,
@@ -80,14 +81,42 @@ def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
 # --- item 5: no message content may crash a worker
 
 
-def test_a_failed_event_evict_cannot_handle_does_not_stop_the_agent(
+def test_an_unexpected_error_on_a_failed_event_does_not_stop_the_agent(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """Evict raising an unexpected error on a `failed` event (once an assert took down all four
+    stages, and the unacked message crashed every restart) terms that message with a `failed`
+    report; the agent stays up, saves complete, and a restarted agent does not crash again."""
+    s = settings.replace(fault_point="evict:on-failed")
+    first = agent(settings=s).wait_ready()
+    failure = StageFailed(
+        job=job, node=s.node or "", ts=time.time(), stage="nvme-write", error="OSError",
+        message="forged", retryable=False, attempt=1, step=3, rank=0, world_size=1,
+    )  # fmt: skip
+    (seq,) = publish(s, failure)
+    report = events.wait_for(
+        lambda e: isinstance(e, StageFailed) and e.stage == "evict" and e.stream_seq == seq,
+        kind="failed",
+    )
+    assert isinstance(report, StageFailed) and not report.retryable
+    assert report.error == "RuntimeError" and "injected fault" in report.message
+    assert first.proc is not None and first.proc.poll() is None, first.log()
+    with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
+        ckpt.save(10, state(1)).wait("verified", timeout=30)
+        assert first.stop() == 0
+        second = agent(settings=s).wait_ready()  # same fault point: the message is not back
+        ckpt.save(11, state(2)).wait("verified", timeout=30)
+    assert second.proc is not None and second.proc.poll() is None, second.log()
+    assert not [x for x in log_lines(second) if x["level"] in ("critical", "exception")]
+
+
+def test_copies_outside_the_node_root_never_stop_retention(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
-    """Evict failing on a `failed` event (its planned removal lies outside the node's root)
-    terms that message with a `failed` event; the agent stays up, saves still complete, and a
-    restarted agent (replaying the same events) does not crash."""
+    """Forged copies whose paths lie outside this node's NVMe root are refused (logged once),
+    never fail a message, and retention goes on removing the job's real copies."""
     s = settings.replace(nvme_keep_latest_k=2, evict_unflushed=True)
-    first = agent(settings=s).wait_ready()
+    a = agent("nvme-write", "verify", "evict", settings=s).wait_ready()
     node = s.node or ""
     forged: list[Any] = [
         kind(
@@ -106,26 +135,53 @@ def test_a_failed_event_evict_cannot_handle_does_not_stop_the_agent(
         for step in (1, 2, 3)
         for kind, extra in ((ShardWritten, {"tensors": 1}), (ShardVerified, {}))
     ]  # written/verified pairs: the evidence the catalog needs
-    failure = StageFailed(
-        job=job, node=node, ts=time.time(), stage="nvme-write", error="OSError",
-        message="forged", retryable=False, attempt=1, step=3, rank=0, world_size=1,
-    )  # fmt: skip
-    *_, seq = publish(s, *forged, failure)
-    report = events.wait_for(
-        lambda e: isinstance(e, StageFailed) and e.stage == "evict" and e.stream_seq == seq,
-        kind="failed",
-    )
-    assert isinstance(report, StageFailed) and not report.retryable
-    assert report.error == "ShardFormatError"
-    assert first.proc is not None and first.proc.poll() is None, first.log()
-    # Another job's saves (every event of the forged job keeps failing evict's retention).
-    with Checkpointer(f"{job}-next", rank=0, world_size=1, settings=s) as ckpt:
-        ckpt.save(1, state(1)).wait("verified", timeout=30)
-        assert first.stop() == 0
-        second = agent(settings=s).wait_ready()
-        ckpt.save(2, state(2)).wait("verified", timeout=30)
-    assert second.proc is not None and second.proc.poll() is None, second.log()
-    assert not [x for x in log_lines(second) if x["level"] in ("critical", "exception")]
+    publish(s, *forged)
+    with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
+        for step in (10, 11, 12, 13):
+            ckpt.save(step, state(step)).wait("verified", timeout=30)
+    for step in (10, 11):  # the real copies below the floor are removed all the same
+        events.wait_for(
+            lambda e, step=step: (
+                isinstance(e, ShardEvicted) and e.step == step and e.tier == "nvme"
+            ),
+            kind="evicted",
+        )
+    assert not [e for e in events.all("failed") if getattr(e, "stage", "") == "evict"]
+    assert a.log().count("nvme_eviction_refused") == 3  # once per forged copy
+    assert a.proc is not None and a.proc.poll() is None
+
+
+def test_slot_releases_go_on_while_the_object_store_is_down(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, s3_server: Any
+) -> None:
+    """A removal from object storage that meets an outage is put off (and retried later), never
+    waited out in place: evict goes on releasing staging slots, so saves do not stall."""
+    s = settings.replace(s3_keep_latest_k=1, staging_slots=2, slot_wait_timeout_s=10.0)
+    agent(settings=s).wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step)).wait("verified", timeout=30)
+        events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 2, kind="flushed")
+        s3_server.kill()
+        try:
+            # An old object of this node that retention now wants gone: its delete meets the
+            # outage (every copy below the floor goes through the same path).
+            node = s.node or ""
+            ident = dict(job=job, node=node, ts=time.time(), step=0, rank=0, world_size=1)
+            path = str(Path(s.nvme_root) / shard_relpath(job, 0, 0, 1))
+            key = shard_relpath(job, 0, 0, 1)
+            publish(
+                s,
+                ShardWritten(**ident, path=path, nbytes=4096, header_digest=DIGEST, tensors=1,
+                             seconds=0.0),
+                ShardVerified(**ident, path=path, nbytes=4096, header_digest=DIGEST, seconds=0.0),
+                ShardFlushed(**ident, bucket=s.s3_bucket, key=str(key), etag="e", checksum="c",
+                             header_digest=DIGEST, nbytes=4096, seconds=0.0),
+            )  # fmt: skip
+            for step in (3, 4, 5, 6):  # two slots: each save needs an earlier one released
+                ckpt.save(step, state(step)).wait("verified", timeout=30)
+        finally:
+            s3_server.start()
 
 
 # --- item 16: unknown schema versions are refused
