@@ -28,6 +28,7 @@ __all__ = [
     "StorageAuthError",
     "StorageConflictError",
     "StorageUnavailableError",
+    "StorageUnsupportedError",
     "TierpipeError",
     "UnavailableError",
     "UnsupportedStateError",
@@ -192,6 +193,18 @@ class StaleStepError(ConfigError):
 
 class StorageAuthError(PermanentError):
     """The object store refused the request: credentials, permissions or a missing bucket."""
+
+
+class StorageUnsupportedError(StorageAuthError):
+    """The object store does not implement a request tierpipe relies on (a conditional write)."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        super().__init__(
+            f"the object store does not support a request on {key} ({detail}); tierpipe needs "
+            "conditional writes (If-None-Match / If-Match) on complete and delete"
+        )
 
 
 class StorageConflictError(PermanentError):

@@ -430,3 +430,25 @@ def test_a_port_taken_at_start_is_replaced_but_not_on_restart(
                     server.restart()
             server.restart()
             assert server.endpoint == f"http://127.0.0.1:{calls[1][3]}"
+
+
+@pytest.mark.anyio
+async def test_a_request_the_store_does_not_implement_is_permanent_not_an_outage() -> None:
+    """A 501 NotImplemented (a store without conditional writes) is a clear permanent error,
+    never an outage that would be retried forever."""
+    from botocore.exceptions import ClientError
+
+    from pipeline.errors import StorageUnsupportedError, UnavailableError
+    from pipeline.storage.s3 import _errors
+
+    refused = ClientError(
+        {
+            "Error": {"Code": "NotImplemented", "Message": "If-Match is not supported"},
+            "ResponseMetadata": {"HTTPStatusCode": 501},
+        },
+        "DeleteObject",
+    )
+    with pytest.raises(StorageUnsupportedError, match="conditional writes") as err:
+        async with _errors("k"):
+            raise refused
+    assert not isinstance(err.value, UnavailableError)

@@ -42,6 +42,7 @@ from pipeline.errors import (
     StorageAuthError,
     StorageConflictError,
     StorageUnavailableError,
+    StorageUnsupportedError,
     TierpipeError,
 )
 from pipeline.names import node_name
@@ -491,10 +492,15 @@ class S3Store:
             return False
         try:
             with contextlib.suppress(_NotFound):
-                async with _errors(key):
-                    await self.client.delete_object(
-                        Bucket=self.bucket, Key=key, IfMatch=head.get("ETag", "")
-                    )
+                try:
+                    async with _errors(key):
+                        await self.client.delete_object(
+                            Bucket=self.bucket, Key=key, IfMatch=head.get("ETag", "")
+                        )
+                except StorageUnsupportedError:
+                    # A store without conditional deletes: the HEAD just now is the check.
+                    async with _errors(key):
+                        await self.client.delete_object(Bucket=self.bucket, Key=key)
         except StorageConflictError:
             log.warning("object_delete_refused", bucket=self.bucket, key=key, reason="replaced")
             return False
@@ -648,6 +654,7 @@ class _NotFound(Exception):
     pass
 
 
+
 @contextlib.asynccontextmanager
 async def _errors(key: str) -> AsyncIterator[None]:
     """Translate botocore's exceptions into the project's error tree."""
@@ -670,6 +677,8 @@ async def _errors(key: str) -> AsyncIterator[None]:
             raise StorageConflictError(key, "an object already exists at this key") from e
         if code in _CONFIG_CODES:
             raise StorageAuthError(f"{code}: {message} (check s3_bucket / s3_endpoint)") from e
+        if code == "NotImplemented" or status == 501:  # not an outage: it will never work
+            raise StorageUnsupportedError(key, f"{code or status}: {message}") from e
         if status >= 500 or code in ("SlowDown", "RequestTimeout", "BadDigest", "InternalError"):
             raise StorageUnavailableError(f"object store error on {key} ({code}): {message}") from e
         raise StorageAuthError(
