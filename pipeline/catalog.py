@@ -149,12 +149,7 @@ class Catalog:
     def _verified(self, event: ShardVerified) -> None:
         shard = self._shard(event.job, event.step, event.rank, event.world_size)
         nvme = shard.copy("nvme", event.node)
-        if (
-            nvme is None
-            or nvme.header_digest != event.header_digest
-            or nvme.nbytes != event.nbytes
-            or nvme.location != event.path
-        ):
+        if nvme is None or not _same_file(nvme, event):
             _doubt(shard, f"nvme@{event.node}: `verified` without a matching `written` (ignored)")
             return
         nvme.verified, nvme.evicted = True, False
@@ -281,12 +276,7 @@ def _nvme_copy(shard: Shard, event: ShardWritten) -> Copy:
     """The node's NVMe copy of this save (a new, unverified one if the node had none, or a
     copy of a different save)."""
     nvme = shard.copy("nvme", event.node)
-    if (
-        nvme is None
-        or nvme.header_digest != event.header_digest
-        or nvme.nbytes != event.nbytes
-        or nvme.location != event.path
-    ):
+    if nvme is None or not _same_file(nvme, event):
         nvme = shard.copies[("nvme", event.node)] = Copy(
             "nvme",
             event.node,
@@ -297,6 +287,15 @@ def _nvme_copy(shard: Shard, event: ShardWritten) -> Copy:
             epoch=event.epoch,
         )
     return nvme
+
+
+def _same_file(copy: Copy, event: ShardWritten | ShardVerified) -> bool:
+    """The event names this very NVMe copy (same path, size and header digest)."""
+    return (copy.location, copy.nbytes, copy.header_digest) == (
+        event.path,
+        event.nbytes,
+        event.header_digest,
+    )
 
 
 def _clear(copy: Copy) -> None:

@@ -610,8 +610,8 @@ def _open_direct(path: Path) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The error that sank a group of part uploads (a project error if there is one)."""
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions of a (nested) group, in order."""
     leaves: list[BaseException] = []
     stack: list[BaseException] = [group]
     while stack:
@@ -620,20 +620,19 @@ def _first(group: BaseExceptionGroup) -> BaseException:
             stack.extend(reversed(e.exceptions))
         else:
             leaves.append(e)
+    return leaves
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The error that sank a group of part uploads (a project error if there is one)."""
+    leaves = _leaves(group)
     return next((e for e in leaves if isinstance(e, TierpipeError)), leaves[0])
 
 
 def _download_error(group: BaseExceptionGroup, location: str) -> BaseException:
     """The one error a failed download raises: a missing object first, then the project's
     own errors, else the first cause as an outage; never a private class or a group."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(reversed(e.exceptions))
-        else:
-            leaves.append(e)
+    leaves = _leaves(group)
     for kind in (ShardMissingError, TierpipeError):
         found = next((e for e in leaves if isinstance(e, kind)), None)
         if found is not None:
@@ -652,7 +651,6 @@ def _composite(part_crcs: list[bytes]) -> str:
 
 class _NotFound(Exception):
     pass
-
 
 
 @contextlib.asynccontextmanager
