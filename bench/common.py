@@ -1,6 +1,6 @@
 """Shared helpers of the benchmarks: the synthetic training state, timing and statistics, page
 cache dropping, and a one-node tierpipe deployment (an embedded nats-server plus the node agent,
-`python -m pipeline.cli worker all`, as a subprocess) with guaranteed cleanup.
+`python -m tierpipe.cli worker all`, as a subprocess) with guaranteed cleanup.
 
 Nothing here is measured by itself; `bench.stall`, `bench.nvme` and `bench.flush` do the
 measuring.
@@ -303,9 +303,9 @@ class Deployment:
         return self.dir / "nvme"
 
     def start(self) -> None:
-        from pipeline.embedded import NatsServer
-        from pipeline.log import configure_logging
-        from pipeline.settings import load_settings
+        from tierpipe.embedded import NatsServer
+        from tierpipe.log import configure_logging
+        from tierpipe.settings import load_settings
 
         # structlog's defaults print to stdout, which must carry only the JSON line.
         configure_logging("warning", "json", only_if_unconfigured=True)
@@ -329,7 +329,7 @@ class Deployment:
         env.update(env_settings)
         with open(self.dir / "agent.log", "wb") as agent_log:
             self.agent = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "worker", *self.stages],
+                [sys.executable, "-m", "tierpipe.cli", "worker", *self.stages],
                 env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=agent_log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -373,7 +373,7 @@ class Deployment:
             raise RuntimeError(f"node agent died ({self.agent.returncode}):\n{tail}")
 
     def checkpointer(self, job: str = JOB) -> Any:
-        from pipeline.client import Checkpointer
+        from tierpipe.client import Checkpointer
 
         return Checkpointer(job, rank=0, world_size=1, node=NODE, settings=self.settings)
 

@@ -1,8 +1,8 @@
 """`python -m bench flush`: the flush stage, `verified -> flushed`, against plain S3 clients.
 
-One object store for everything: an embedded SeaweedFS (`pipeline.embedded.S3Server`, its data
+One object store for everything: an embedded SeaweedFS (`tierpipe.embedded.S3Server`, its data
 in a private directory under `.bench`) on the same 2 cores as everything else. A real deployment
-(embedded nats-server, `python -m pipeline.cli worker nvme-write verify flush` as a subprocess,
+(embedded nats-server, `python -m tierpipe.cli worker nvme-write verify flush` as a subprocess,
 configured for that store) takes shards that a `Checkpointer` stages from the synthetic state of
 `bench.common.make_state`. Nothing runs the evict stage: the benchmark releases each staging slot
 once its shard is verified, and deletes the uploaded object and the NVMe file once the shard is
@@ -102,7 +102,7 @@ class _Store:
     def __init__(self, stack: ExitStack) -> None:
         import boto3
 
-        from pipeline.embedded import S3Server
+        from tierpipe.embedded import S3Server
 
         data_dir = stack.enter_context(scratch_dir("flush-s3"))
         self.access_key = "bench"
@@ -178,7 +178,7 @@ class _Flushes:
     def __init__(self, dep: Deployment, store: _Store, stack: ExitStack) -> None:
         from anyio.from_thread import start_blocking_portal
 
-        from pipeline.bus import Bus
+        from tierpipe.bus import Bus
 
         self.dep = dep
         self.store = store
@@ -195,7 +195,7 @@ class _Flushes:
     def one(self, state: dict[str, Any], *, keep: Path | None = None) -> dict[str, float]:
         """Save `state`, wait for its `flushed` event, delete the object and the NVMe file (or
         move that file to `keep`). Returns the event's seconds and nbytes."""
-        from pipeline.staging import release
+        from tierpipe.staging import release
 
         self.step += 1
         step = self.step
@@ -222,7 +222,7 @@ class _Flushes:
         return {"seconds": flushed.seconds, "nbytes": float(flushed.nbytes)}
 
     def _wait_flushed(self, step: int) -> Any:
-        from schemas import ShardFlushed, StageFailed
+        from tierpipe.schemas import ShardFlushed, StageFailed
 
         deadline = time.monotonic() + SHARD_TIMEOUT_S
         warned: set[tuple[str, int]] = set()
@@ -257,7 +257,7 @@ def _direct(settings: Any, path: Path, key: str) -> float:
     """`S3Store.upload` of `path`; its own `seconds` (client creation untimed)."""
     import anyio
 
-    from pipeline.storage.s3 import S3Store
+    from tierpipe.storage.s3 import S3Store
 
     async def go() -> float:
         async with S3Store(settings) as s3:

@@ -1,6 +1,6 @@
 """`python -m bench nvme`: the node agent's NVMe tier, `staged -> written -> verified`.
 
-A real deployment (embedded nats-server, `python -m pipeline.cli worker all` as a subprocess:
+A real deployment (embedded nats-server, `python -m tierpipe.cli worker all` as a subprocess:
 nvme-write, verify and evict stages) takes shards that a `Checkpointer` stages from the
 synthetic transformer state of `bench.common.make_state`. Per shard:
 

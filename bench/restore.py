@@ -2,20 +2,20 @@
 against a plain cold read and the usual loaders; plus recovery planning and event replay at scale.
 
 The synthetic transformer state of `bench.common.make_state` is written once as a tierpipe shard
-(`pipeline.state.write_shard`, at its canonical path under a private NVMe root), and once in each
+(`tierpipe.state.write_shard`, at its canonical path under a private NVMe root), and once in each
 peer's own format. Target tensors (same shapes and dtypes, allocated and touched once) are reused
 by every candidate and every rep. Every candidate reads cold: the page cache is dropped right
 before each one. Candidates run once per rep in a shuffled order (interleaved against a noisy
 machine), after one untimed warm-up each that also checks bitwise that the targets equal the
 original state afterwards (targets zeroed first); medians are reported.
 
-- `nvme_restore_s`: `pipeline.restore.load_into(shard, into=targets)` with its defaults (buffered
+- `nvme_restore_s`: `tierpipe.restore.load_into(shard, into=targets)` with its defaults (buffered
   reads by 4 threads in 8 MiB chunks into a reusable arena, every blob's xxh3-128 checked before
   it is copied into its targets in place). `nvme_restore_direct_s`: the same with O_DIRECT.
 - `nvme_restore_e2e_s`: wall time of `Checkpointer.restore(into=targets)` for a 1-rank job: replay
   of the job's events from an embedded nats-server, catalog fold, the rank's `ready` report, rank 0
   planning, the load above, `loaded` report, final plan. The events (`written` + `verified` for the
-  NVMe file, `flushed` for the object) come from `tierpipe reindex` (`pipeline.reindex.reindex`,
+  NVMe file, `flushed` for the object) come from `tierpipe reindex` (`tierpipe.reindex.reindex`,
   which re-reads and verifies the file) run once beforehand. No node agent runs.
 - `cold_read_s`: `dd if=<shard> of=/dev/null bs=16M iflag=direct`; `restore_vs_read` =
   nvme_restore_s / cold_read_s (target <= 0.95).
@@ -176,9 +176,9 @@ class _Setup:
     def __init__(self, work: Path, stack: ExitStack) -> None:
         import secrets
 
-        from pipeline.embedded import NatsServer, S3Server
-        from pipeline.names import shard_relpath
-        from pipeline.settings import load_settings
+        from tierpipe.embedded import NatsServer, S3Server
+        from tierpipe.names import shard_relpath
+        from tierpipe.settings import load_settings
 
         self.nvme_root = work / "nvme"
         self.nvme_root.mkdir()
@@ -214,7 +214,7 @@ class _Setup:
         self.key = ""
 
     def write_shard(self, state: dict[str, Any]) -> str:
-        from pipeline.state import write_shard
+        from tierpipe.state import write_shard
 
         self.shard.parent.mkdir(parents=True)
         return write_shard(self.shard, state, job=JOB, step=STEP, node=NODE)
@@ -223,7 +223,7 @@ class _Setup:
         """Upload the shard with `S3Store.upload`; returns its seconds."""
         import anyio
 
-        from pipeline.storage.s3 import S3Store
+        from tierpipe.storage.s3 import S3Store
 
         async def go() -> float:
             async with S3Store(self.settings) as store:
@@ -238,7 +238,7 @@ class _Setup:
         verified), `flushed` for the object."""
         import anyio
 
-        from pipeline.reindex import reindex
+        from tierpipe.reindex import reindex
 
         return anyio.run(lambda: reindex(self.settings, JOB), backend_options={"use_uvloop": True})
 
@@ -277,7 +277,7 @@ class _Restores:
     """`Checkpointer.restore()` from NVMe or object storage, each call its own restart id."""
 
     def __init__(self, setup: _Setup, targets: _Targets, stack: ExitStack) -> None:
-        from pipeline.client import Checkpointer
+        from tierpipe.client import Checkpointer
 
         self.setup = setup
         self.targets = targets
@@ -286,7 +286,7 @@ class _Restores:
         self.count = 0
 
     def one(self, tier: str) -> float:
-        from pipeline.staging import release
+        from tierpipe.staging import release
 
         self.count += 1
         restart = f"bench-{tier}-{self.count}"
@@ -395,7 +395,7 @@ def _raw_get(setup: _Setup, nbytes: int, *, part: int = 0, concurrency: int = 1)
 
 def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> list[list[Any]]:
     """Per step, `written`, `verified`, `flushed` of every rank (in that order per rank)."""
-    from schemas import ShardFlushed, ShardVerified, ShardWritten
+    from tierpipe.schemas import ShardFlushed, ShardVerified, ShardWritten
 
     out = []
     ts = time.time()
@@ -418,8 +418,8 @@ def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> lis
 
 
 def _plan_at_scale() -> dict[str, float]:
-    from pipeline.catalog import Catalog
-    from pipeline.recovery import plan_recovery
+    from tierpipe.catalog import Catalog
+    from tierpipe.recovery import plan_recovery
 
     job, digest = "plan", "0" * 32
     batches = _events(job, PLAN_RANKS, PLAN_STEPS, PLAN_PER_NODE, digest)
@@ -468,12 +468,12 @@ def _plan_at_scale() -> dict[str, float]:
 def _replay_at_scale(work: Path) -> dict[str, float]:
     import anyio
 
-    from pipeline.bus import KIND_HEADER, SCHEMA_HEADER, Bus
-    from pipeline.catalog import Catalog
-    from pipeline.embedded import NatsServer
-    from pipeline.names import event_subject, msg_id
-    from pipeline.settings import load_settings
-    from schemas import SCHEMA_VERSION, encode_event
+    from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER, Bus
+    from tierpipe.catalog import Catalog
+    from tierpipe.embedded import NatsServer
+    from tierpipe.names import event_subject, msg_id
+    from tierpipe.schemas import SCHEMA_VERSION, encode_event
+    from tierpipe.settings import load_settings
 
     job = "replay"
     steps = -(-REPLAY_EVENTS // (PLAN_RANKS * 3))
@@ -533,7 +533,7 @@ def _replay_at_scale(work: Path) -> dict[str, float]:
 
 
 def run(size_gib: float, reps: int) -> dict[str, float]:
-    from pipeline.log import configure_logging
+    from tierpipe.log import configure_logging
 
     # structlog's defaults print to stdout, which must carry only the JSON line.
     configure_logging("warning", "json", only_if_unconfigured=True)
@@ -591,7 +591,7 @@ def run(size_gib: float, reps: int) -> dict[str, float]:
         if flat_targets.keys() != s.flat.keys():
             raise RuntimeError("flat target names differ from the state's")
 
-        from pipeline.restore import load_into
+        from tierpipe.restore import load_into
 
         restores = _Restores(setup, targets, stack)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import (
+from tierpipe.errors import (
     AgentLockedError,
     BusAuthError,
     BusUnavailableError,
@@ -31,19 +31,19 @@ from pipeline.errors import (
     UnavailableError,
     UnsupportedStateError,
 )
-from pipeline.settings import Settings, load_settings
+from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from pipeline.client import Checkpointer, SaveHandle, SaveStats
-    from pipeline.restore import load_shard
-    from pipeline.state import write_shard
+    from tierpipe.client import Checkpointer, SaveHandle, SaveStats
+    from tierpipe.restore import load_shard
+    from tierpipe.state import write_shard
 
 _LAZY = {
-    "Checkpointer": "pipeline.client",
-    "SaveHandle": "pipeline.client",
-    "SaveStats": "pipeline.client",
-    "load_shard": "pipeline.restore",
-    "write_shard": "pipeline.state",
+    "Checkpointer": "tierpipe.client",
+    "SaveHandle": "tierpipe.client",
+    "SaveStats": "tierpipe.client",
+    "load_shard": "tierpipe.restore",
+    "write_shard": "tierpipe.state",
 }
 
 __all__ = [

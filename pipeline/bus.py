@@ -26,11 +26,11 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import api
 
-from pipeline.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
-from pipeline.log import register_secrets, scrub, settings_secrets
-from pipeline.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
-from pipeline.settings import Settings
-from schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
+from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
+from tierpipe.log import register_secrets, scrub, settings_secrets
+from tierpipe.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
+from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
+from tierpipe.settings import Settings
 
 __all__ = ["Bus", "Missing", "Published", "redact_url"]
 
@@ -86,7 +86,7 @@ class Bus:
         self._up = asyncio.Event()
         self.nc: nats.NATS | None = None
         self.js: Any = None
-        # Every process that talks to NATS masks these in its logs (see pipeline.log).
+        # Every process that talks to NATS masks these in its logs (see tierpipe.log).
         register_secrets(settings_secrets(settings))
 
     async def __aenter__(self) -> Bus:

@@ -13,7 +13,7 @@ make a step restorable:
 The residual: whoever can publish events can forge a matching pair, or a reindex `flushed`. That
 buys at most a wasted restore round, never wrong bytes: every load checks the shard header's
 identity (job, step, rank, world size) and header digest against the plan before any byte
-reaches a target, and falls back to the next copy (`pipeline.restore`).
+reaches a target, and falls back to the next copy (`tierpipe.restore`).
 
 "Unreachable" is not "corrupt": only evidence (a digest or identity mismatch, a garbled file)
 marks a copy corrupt, and a later good check of the same copy (`verified`, `flushed`, or a
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas import (
+from tierpipe.schemas import (
     Event,
     RecoveryPlanned,
     RestoreReport,

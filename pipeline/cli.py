@@ -16,13 +16,13 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from pipeline.bus import Bus
-from pipeline.catalog import Catalog, Shard
-from pipeline.errors import BusUnavailableError, ConfigError, TierpipeError
-from pipeline.log import configure_logging
-from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, consumer_name, node_name, validate_token
-from pipeline.settings import Settings, load_settings
-from schemas import FlushControl
+from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog, Shard
+from tierpipe.errors import BusUnavailableError, ConfigError, TierpipeError
+from tierpipe.log import configure_logging
+from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, consumer_name, node_name, validate_token
+from tierpipe.schemas import FlushControl
+from tierpipe.settings import Settings, load_settings
 
 __all__ = ["main", "parse_rate", "replay_catalog", "shard_table"]
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="settings TOML file (default $TIERPIPE_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from stages import AGENT_STAGES
+    from tierpipe.stages import AGENT_STAGES
 
     worker = sub.add_parser("worker", help="run node-agent stages until SIGTERM/SIGINT")
     worker.add_argument(
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stages import AGENT_STAGES
+    from tierpipe.stages import AGENT_STAGES
 
     settings = load_settings(args.config)
     configure_logging(settings.log_level, settings.log_format)
@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         case "reindex":
             return _reindex(settings, validate_token("job", args.job), args)
         case "demo":
-            from pipeline.demo import run_demo
+            from tierpipe.demo import run_demo
 
             return run_demo(
                 settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data
@@ -142,7 +142,7 @@ def _reader_gone() -> int:
 
 
 def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
-    from pipeline.reindex import reindex
+    from tierpipe.reindex import reindex
 
     done = anyio.run(lambda: reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3))
     if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):
@@ -158,8 +158,8 @@ def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
 
 
 def _run_worker(settings: Settings, names: list[str]) -> int:
-    from pipeline.runner import run_agent
-    from stages import AGENT_STAGES
+    from tierpipe.runner import run_agent
+    from tierpipe.stages import AGENT_STAGES
 
     node = node_name(settings.node)
     try:
@@ -327,7 +327,7 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
 def _plan(
     settings: Settings, job: str, alive: list[str] | None, step: int | None, as_json: bool
 ) -> int:
-    from pipeline.recovery import plan_recovery
+    from tierpipe.recovery import plan_recovery
 
     catalog = _replay_known(settings, job)
     steps = catalog.steps(job)

@@ -25,8 +25,8 @@ import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.bus import Bus
-from pipeline.errors import (
+from tierpipe.bus import Bus
+from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
     ShardFailedError,
@@ -34,14 +34,10 @@ from pipeline.errors import (
     StaleStepError,
     TierpipeError,
 )
-from pipeline.log import configure_logging
-from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_subject, validate_token
-from pipeline.recovery import Restored, Source
-from pipeline.settings import Settings, load_settings
-from pipeline.shard import PREFIX_NBYTES, parse_head, parse_prefix
-from pipeline.staging import NodeSlots, Slot, SlotPool
-from pipeline.state import StatePlan, plan_state
-from schemas import (
+from tierpipe.log import configure_logging
+from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_subject, validate_token
+from tierpipe.recovery import Restored, Source
+from tierpipe.schemas import (
     Event,
     FlushControl,
     ShardEvent,
@@ -50,7 +46,11 @@ from schemas import (
     StageFailed,
     decode_event,
 )
-from stages.snapshot import Snapshot, StagedCopy
+from tierpipe.settings import Settings, load_settings
+from tierpipe.shard import PREFIX_NBYTES, parse_head, parse_prefix
+from tierpipe.stages.snapshot import Snapshot, StagedCopy
+from tierpipe.staging import NodeSlots, Slot, SlotPool
+from tierpipe.state import StatePlan, plan_state
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveStats"]
 
@@ -615,8 +615,8 @@ class Checkpointer:
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
-        from pipeline.collective import Collective
-        from pipeline.recovery import Restorer
+        from tierpipe.collective import Collective
+        from tierpipe.recovery import Restorer
 
         self._await_inflight()
         restorer = Restorer(
@@ -665,7 +665,7 @@ class Checkpointer:
             IntegrityError, ShardFormatError: the copy is not the shard planned, or is corrupt.
             StorageUnavailableError, StorageAuthError: object storage is down or refused.
         """
-        from pipeline.restore import Expected, load_image, load_into
+        from tierpipe.restore import Expected, load_image, load_into
 
         s = self.settings
         expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
@@ -709,7 +709,7 @@ class Checkpointer:
 
     async def _object_store(self) -> Any:
         if self._s3 is None:
-            from pipeline.storage.s3 import S3Store
+            from tierpipe.storage.s3 import S3Store
 
             self._s3 = await S3Store(self.settings).__aenter__()
         return self._s3
@@ -763,7 +763,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps complete on NVMe or object storage, ascending."""
-        from pipeline.catalog import Catalog
+        from tierpipe.catalog import Catalog
 
         async def fold() -> list[int]:
             catalog = Catalog()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.state import tensor_buffer
+from tierpipe.state import tensor_buffer
 
 __all__ = ["Collective"]
 

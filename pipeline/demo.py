@@ -26,9 +26,9 @@ from typing import Any
 
 import anyio
 
-from pipeline.catalog import Catalog
-from pipeline.embedded import NatsServer, S3Server
-from pipeline.settings import Settings
+from tierpipe.catalog import Catalog
+from tierpipe.embedded import NatsServer, S3Server
+from tierpipe.settings import Settings
 
 __all__ = ["run_demo"]
 
@@ -37,7 +37,7 @@ _NODE = "demo-node"
 
 
 def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: str) -> int:
-    from pipeline.cli import shard_table
+    from tierpipe.cli import shard_table
 
     root = Path(data).absolute()
     shutil.rmtree(root, ignore_errors=True)
@@ -64,11 +64,11 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
             f"\n  staging   {staging}"
         )
         t0 = time.monotonic()
-        agent = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "all"], env=env)
+        agent = subprocess.Popen([sys.executable, "-m", "tierpipe.cli", "worker", "all"], env=env)
         stack.callback(_stop, agent)
         trainers = [
             subprocess.Popen(
-                [sys.executable, "-m", "pipeline.demo", str(r), str(ranks), str(steps), str(every)],
+                [sys.executable, "-m", "tierpipe.demo", str(r), str(ranks), str(steps), str(every)],
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -130,7 +130,7 @@ def _services(stack: ExitStack, root: Path) -> dict[str, str]:
 
 async def _settled(settings: Settings, last: int, ranks: int, timeout_s: float = 60.0) -> Catalog:
     """The job's catalog once the newest step reached S3 on every rank and retention caught up."""
-    from pipeline.cli import replay_catalog
+    from tierpipe.cli import replay_catalog
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -168,7 +168,7 @@ def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, obje
     model the way a restarted job would, and compare with the live state."""
     import torch
 
-    from pipeline.client import Checkpointer
+    from tierpipe.client import Checkpointer
 
     random.seed(rank)
     model, optim = _model(1234 + rank)

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, TierpipeError
+from tierpipe.errors import ConfigError, TierpipeError
 
 __all__ = ["NatsServer", "S3Server", "find_binary", "free_ports"]
 

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 import structlog
 
 if TYPE_CHECKING:
-    from pipeline.settings import Settings
+    from tierpipe.settings import Settings
 
 __all__ = ["configure_logging", "register_secrets", "scrub", "settings_secrets"]
 

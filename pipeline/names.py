@@ -11,8 +11,8 @@ import socket
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline.errors import InvalidNameError
-from schemas import (
+from tierpipe.errors import InvalidNameError
+from tierpipe.schemas import (
     TOKEN_PATTERN,
     Event,
     RecoveryPlanned,

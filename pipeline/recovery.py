@@ -22,18 +22,17 @@ import anyio
 import msgspec
 import structlog
 
-from pipeline.bus import Bus
-from pipeline.catalog import EVIDENCE_ERRORS, Catalog, Copy, Shard
-from pipeline.collective import Collective
-from pipeline.errors import (
+from tierpipe.bus import Bus
+from tierpipe.catalog import EVIDENCE_ERRORS, Catalog, Copy, Shard
+from tierpipe.collective import Collective
+from tierpipe.errors import (
     ConfigError,
     StorageAuthError,
     TierpipeError,
     UnavailableError,
 )
-from pipeline.names import SUBJECT_ROOT, plan_subject
-from pipeline.settings import Settings
-from schemas import (
+from tierpipe.names import SUBJECT_ROOT, plan_subject
+from tierpipe.schemas import (
     RecoveryPlanned,
     RestoreReport,
     SourceRef,
@@ -41,6 +40,7 @@ from schemas import (
     decode_event,
     encode_event,
 )
+from tierpipe.settings import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -18,13 +18,13 @@ from pathlib import Path, PurePosixPath
 import anyio
 import structlog
 
-from pipeline.bus import Bus
-from pipeline.errors import TierpipeError
-from pipeline.names import node_name, shard_relpath, validate_token
-from pipeline.settings import Settings
-from pipeline.storage.nvme import NvmeStore, read_head
-from pipeline.storage.s3 import S3Store
-from schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.bus import Bus
+from tierpipe.errors import TierpipeError
+from tierpipe.names import node_name, shard_relpath, validate_token
+from tierpipe.schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.settings import Settings
+from tierpipe.storage.nvme import NvmeStore, read_head
+from tierpipe.storage.s3 import S3Store
 
 __all__ = ["Reindexed", "reindex"]
 

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import xxhash
 
-from pipeline.errors import IntegrityError, ShardFormatError, ShardMissingError
-from pipeline.pinned import page_lock, page_unlock
-from pipeline.shard import Head
-from pipeline.state import KeyPath, blob_view, flatten_targets, rebuild_state
-from pipeline.storage.nvme import open_for_read, read_head_fd
-from schemas import ShardHeader
+from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
+from tierpipe.pinned import page_lock, page_unlock
+from tierpipe.schemas import ShardHeader
+from tierpipe.shard import Head
+from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
+from tierpipe.storage.nvme import open_for_read, read_head_fd
 
 __all__ = ["Expected", "Loaded", "check_head", "load_image", "load_into", "load_shard"]
 

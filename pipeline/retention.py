@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from pipeline.catalog import Catalog, Copy, Shard
-from pipeline.settings import Settings
-from schemas import Tier
+from tierpipe.catalog import Catalog, Copy, Shard
+from tierpipe.schemas import Tier
+from tierpipe.settings import Settings
 
 __all__ = ["Eviction", "Policy", "plan_evictions"]
 

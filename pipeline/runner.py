@@ -37,17 +37,17 @@ import structlog
 from anyio.abc import TaskStatus
 from structlog.contextvars import bound_contextvars
 
-from pipeline.bus import Bus
-from pipeline.errors import (
+from tierpipe.bus import Bus
+from tierpipe.errors import (
     PermanentError,
     RetryableError,
     TierpipeError,
     UnavailableError,
 )
-from pipeline.log import register_secrets, settings_secrets
-from pipeline.names import SUBJECT_ROOT, consumer_name, filter_subject, validate_token
-from pipeline.settings import Settings
-from schemas import Event, ShardEvent, StageFailed, decode_event
+from tierpipe.log import register_secrets, settings_secrets
+from tierpipe.names import SUBJECT_ROOT, consumer_name, filter_subject, validate_token
+from tierpipe.schemas import Event, ShardEvent, StageFailed, decode_event
+from tierpipe.settings import Settings
 
 __all__ = ["Handler", "StageFn", "run_agent", "serve"]
 

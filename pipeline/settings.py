@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pipeline.errors import ConfigError
+from tierpipe.errors import ConfigError
 
 __all__ = ["SECRET_FIELDS", "Settings", "load_settings"]
 
@@ -233,7 +233,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 def _redact_url(url: str) -> str:
-    from pipeline.names import redact_url  # names imports errors only; no circle at run time
+    from tierpipe.names import redact_url  # names imports errors only; no circle at run time
 
     return redact_url(url)
 

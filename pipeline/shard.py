@@ -2,7 +2,7 @@
 
 A shard image is the same bytes on every tier. In a staging slot it is *unsealed* (all digests
 zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests and the header
-digest. Nothing here imports torch: the node agent works on bytes only (see `pipeline.state` for
+digest. Nothing here imports torch: the node agent works on bytes only (see `tierpipe.state` for
 tensors).
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from pipeline.errors import IntegrityError, ShardFormatError
-from schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
+from tierpipe.errors import IntegrityError, ShardFormatError
+from tierpipe.schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
 
 __all__ = [
     "DTYPE_SIZES",
@@ -209,7 +209,7 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
     """Reject any layout that would read outside a blob or the file, before torch sees it.
 
     Blobs lie in order inside the file without overlapping. A tensor alone in its blob is what
-    the writer makes of it (`pipeline.state.plan_state`): contiguous from the blob's start and
+    the writer makes of it (`tierpipe.state.plan_state`): contiguous from the blob's start and
     filling it exactly. Only a blob that several tensors declare they share may be viewed with
     overlaps, gaps or zero strides (tied weights, expanded views); even then every element
     lies inside the blob. Sizes that do not fit torch's int64 are refused here rather than

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.errors import (
+from tierpipe.errors import (
     ConfigError,
     NoSpaceError,
     ShardFormatError,
@@ -42,8 +42,9 @@ from pipeline.errors import (
     StagingGoneError,
     TierpipeError,
 )
-from pipeline.names import validate_token
-from pipeline.shard import (
+from tierpipe.names import validate_token
+from tierpipe.schemas import ShardStaged
+from tierpipe.shard import (
     GENERATION_OFFSET,
     PREFIX_NBYTES,
     Head,
@@ -52,7 +53,6 @@ from pipeline.shard import (
     set_slot_generation,
     slot_generation,
 )
-from schemas import ShardStaged
 
 __all__ = [
     "NodeSlots",

@@ -24,13 +24,13 @@ from typing import Any
 import msgspec
 import torch
 
-from pipeline.errors import ShardFormatError, UnsupportedStateError
-from pipeline.shard import (
+from tierpipe.errors import ShardFormatError, UnsupportedStateError
+from tierpipe.schemas import BlobEntry, ShardHeader, TensorEntry
+from tierpipe.shard import (
     DTYPE_SIZES,
     align_up,
     encode_head,
 )
-from schemas import BlobEntry, ShardHeader, TensorEntry
 
 __all__ = [
     "StatePlan",
@@ -225,7 +225,7 @@ def rebuild_state(
 
 def blob_view(blob: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """Entry `e`'s tensor as a view of its blob's uint8 tensor (no copy). The layout was
-    checked against the blob when the header was parsed (`pipeline.shard`)."""
+    checked against the blob when the header was parsed (`tierpipe.shard`)."""
     t = torch.empty(0, dtype=getattr(torch, e.dtype))  # e.dtype was checked against DTYPE_SIZES
     base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
     return t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)
@@ -289,7 +289,7 @@ def write_shard(
     Returns:
         The header digest as hex.
     """
-    from pipeline.storage.nvme import seal_image
+    from tierpipe.storage.nvme import seal_image
 
     plan = plan_state(
         state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch

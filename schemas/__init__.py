@@ -3,7 +3,7 @@
 Only msgspec types and their codecs live here; no I/O, no settings.
 """
 
-from schemas.events import (
+from tierpipe.schemas.events import (
     SCHEMA_VERSION,
     Event,
     FlushControl,
@@ -21,8 +21,8 @@ from schemas.events import (
     decode_event,
     encode_event,
 )
-from schemas.names import TOKEN_PATTERN, Token
-from schemas.shard import (
+from tierpipe.schemas.names import TOKEN_PATTERN, Token
+from tierpipe.schemas.shard import (
     ALIGN,
     FORMAT_VERSION,
     MAGIC,

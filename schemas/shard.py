@@ -61,5 +61,5 @@ class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):
     tree: bytes
     tensors: tuple[TensorEntry, ...]
     blobs: tuple[BlobEntry, ...]
-    #: The save's timeline (see `schemas.events.ShardEvent.epoch`); 0 in older files.
+    #: The save's timeline (see `tierpipe.schemas.events.ShardEvent.epoch`); 0 in older files.
     epoch: int = 0

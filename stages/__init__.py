@@ -4,7 +4,7 @@ nvme_write, verify, flush and evict workers.
 Agent stages expose `run(settings, bus, *, task_status)`.
 """
 
-from stages import evict, flush, nvme_write, verify
+from tierpipe.stages import evict, flush, nvme_write, verify
 
 #: Agent stages in pipeline order, by the name `tierpipe worker <name>` uses.
 AGENT_STAGES = {

@@ -29,18 +29,25 @@ import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
-from pipeline.bus import Bus
-from pipeline.catalog import Catalog
-from pipeline.errors import StorageAuthError, UnavailableError
-from pipeline.faults import maybe_fail
-from pipeline.names import SUBJECT_ROOT, node_name, plan_subject, shard_relpath
-from pipeline.retention import Eviction, Policy, plan_evictions
-from pipeline.runner import serve
-from pipeline.settings import Settings
-from pipeline.staging import release
-from pipeline.storage.nvme import NvmeStore
-from pipeline.storage.s3 import S3Store
-from schemas import Event, RecoveryPlanned, ShardEvicted, ShardVerified, StageFailed, decode_event
+from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog
+from tierpipe.errors import StorageAuthError, UnavailableError
+from tierpipe.faults import maybe_fail
+from tierpipe.names import SUBJECT_ROOT, node_name, plan_subject, shard_relpath
+from tierpipe.retention import Eviction, Policy, plan_evictions
+from tierpipe.runner import serve
+from tierpipe.schemas import (
+    Event,
+    RecoveryPlanned,
+    ShardEvicted,
+    ShardVerified,
+    StageFailed,
+    decode_event,
+)
+from tierpipe.settings import Settings
+from tierpipe.staging import release
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.s3 import S3Store
 
 __all__ = ["STAGE", "RestorePins", "run"]
 

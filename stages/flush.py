@@ -24,21 +24,21 @@ import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
-from pipeline.bus import Bus
-from pipeline.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
-from pipeline.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_relpath
-from pipeline.runner import serve
-from pipeline.settings import Settings
-from pipeline.storage.nvme import NvmeStore
-from pipeline.storage.s3 import S3Store
-from pipeline.throttle import Throttle
-from schemas import (
+from tierpipe.bus import Bus
+from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
+from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_relpath
+from tierpipe.runner import serve
+from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
     ShardEvicted,
     ShardFlushed,
     ShardVerified,
 )
+from tierpipe.settings import Settings
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.s3 import S3Store
+from tierpipe.throttle import Throttle
 
 __all__ = ["STAGE", "apply_control", "run"]
 

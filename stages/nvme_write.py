@@ -18,15 +18,15 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from pipeline.bus import Bus
-from pipeline.errors import StagingGoneError, TierpipeError
-from pipeline.faults import maybe_die
-from pipeline.names import node_name, shard_relpath
-from pipeline.runner import serve
-from pipeline.settings import Settings
-from pipeline.staging import StagedImage, open_image
-from pipeline.storage.nvme import NvmeStore, WriteResult, read_head
-from schemas import ShardStaged, ShardWritten
+from tierpipe.bus import Bus
+from tierpipe.errors import StagingGoneError, TierpipeError
+from tierpipe.faults import maybe_die
+from tierpipe.names import node_name, shard_relpath
+from tierpipe.runner import serve
+from tierpipe.schemas import ShardStaged, ShardWritten
+from tierpipe.settings import Settings
+from tierpipe.staging import StagedImage, open_image
+from tierpipe.storage.nvme import NvmeStore, WriteResult, read_head
 
 __all__ = ["STAGE", "run"]
 

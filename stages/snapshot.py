@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.pinned import page_lock, page_unlock
-from pipeline.staging import Slot, SlotPool
-from pipeline.state import StatePlan
+from tierpipe.pinned import page_lock, page_unlock
+from tierpipe.staging import Slot, SlotPool
+from tierpipe.state import StatePlan
 
 __all__ = ["Snapshot", "StagedCopy"]
 

@@ -16,14 +16,14 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from pipeline.bus import Bus
-from pipeline.errors import IntegrityError, ShardFormatError, TierpipeError
-from pipeline.names import node_name, shard_relpath
-from pipeline.runner import serve
-from pipeline.settings import Settings
-from pipeline.staging import open_staged
-from pipeline.storage.nvme import NvmeStore, VerifyResult
-from schemas import ShardVerified, ShardWritten, StageFailed
+from tierpipe.bus import Bus
+from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
+from tierpipe.names import node_name, shard_relpath
+from tierpipe.runner import serve
+from tierpipe.schemas import ShardVerified, ShardWritten, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.staging import open_staged
+from tierpipe.storage.nvme import NvmeStore, VerifyResult
 
 __all__ = ["STAGE", "run"]
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.embedded import NatsServer, S3Server
-from pipeline.names import SUBJECT_ROOT
-from pipeline.settings import Settings, load_settings
-from schemas import Event, ShardStaged
+from tierpipe.bus import Bus
+from tierpipe.embedded import NatsServer, S3Server
+from tierpipe.names import SUBJECT_ROOT
+from tierpipe.schemas import Event, ShardStaged
+from tierpipe.settings import Settings, load_settings
 
 
 def make_staged(job: str, node: str, step: int = 1) -> ShardStaged:
@@ -136,7 +136,7 @@ class Agent:
         env = {**os.environ, **self.settings.as_env()}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "worker", *self.stages],
+                [sys.executable, "-m", "tierpipe.cli", "worker", *self.stages],
                 env=env,
                 stdout=log,
                 stderr=log,

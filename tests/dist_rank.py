@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from pipeline.client import Checkpointer
-from pipeline.errors import TierpipeError
 from tests.test_recovery import model
+from tierpipe.client import Checkpointer
+from tierpipe.errors import TierpipeError
 
 
 def main() -> None:

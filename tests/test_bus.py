@@ -11,12 +11,12 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from pipeline.bus import Bus, redact_url
-from pipeline.embedded import NatsServer
-from pipeline.errors import BusUnavailableError
-from pipeline.settings import Settings, load_settings
-from schemas import decode_event
 from tests.conftest import make_staged as staged
+from tierpipe.bus import Bus, redact_url
+from tierpipe.embedded import NatsServer
+from tierpipe.errors import BusUnavailableError
+from tierpipe.schemas import decode_event
+from tierpipe.settings import Settings, load_settings
 
 pytestmark = pytest.mark.anyio
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.catalog import Catalog
-from schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten, StageFailed
+from tierpipe.catalog import Catalog
+from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten, StageFailed
 
 ID = dict(job="j", node="n", ts=0.0, rank=0, world_size=1)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.settings import Settings
-from schemas import ShardFlushed, StageFailed
 from tests.conftest import Agent, Events
+from tierpipe.schemas import ShardFlushed, StageFailed
+from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -27,13 +27,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from pipeline.client import Checkpointer
-from pipeline.embedded import S3Server
-from pipeline.recovery import NoCheckpointError
-from pipeline.reindex import reindex
-from pipeline.settings import Settings
-from schemas import ShardEvicted, ShardFlushed
 from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.embedded import S3Server
+from tierpipe.recovery import NoCheckpointError
+from tierpipe.reindex import reindex
+from tierpipe.schemas import ShardEvicted, ShardFlushed
+from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -19,18 +19,18 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from pipeline.client import Checkpointer
-from pipeline.embedded import S3Server
-from pipeline.errors import StorageConflictError
-from pipeline.names import shard_relpath
-from pipeline.restore import load_shard
-from pipeline.settings import Settings
-from pipeline.state import write_shard
-from pipeline.storage.s3 import S3Store, Uploaded
-from pipeline.throttle import Throttle
-from schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
-from stages.flush import _apply
 from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.embedded import S3Server
+from tierpipe.errors import StorageConflictError
+from tierpipe.names import shard_relpath
+from tierpipe.restore import load_shard
+from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.stages.flush import _apply
+from tierpipe.state import write_shard
+from tierpipe.storage.s3 import S3Store, Uploaded
+from tierpipe.throttle import Throttle
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +235,7 @@ def test_flush_rate_can_be_changed_and_paused_at_run_time(
 
     def cli(*args: str) -> None:  # this node only: other tests' workers share the server
         subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "flush", *args, "--node", settings.node or ""],
+            [sys.executable, "-m", "tierpipe.cli", "flush", *args, "--node", settings.node or ""],
             check=True,
             env={**os.environ, **settings.as_env()},
             capture_output=True,
@@ -261,7 +261,7 @@ def test_flush_rate_can_be_changed_and_paused_at_run_time(
 def _last_control(settings: Settings, subject: str) -> bytes:
     import anyio
 
-    from pipeline.bus import Bus
+    from tierpipe.bus import Bus
 
     async def get() -> bytes:
         async with Bus(settings) as bus:

@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from nats.js import api
 
-from pipeline.bus import Bus
-from pipeline.catalog import Catalog
-from pipeline.embedded import NatsServer
-from pipeline.names import SUBJECT_ROOT
-from pipeline.settings import Settings
-from schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog
+from tierpipe.embedded import NatsServer
+from tierpipe.names import SUBJECT_ROOT
+from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.settings import Settings
 
 NODE = "n1"
 

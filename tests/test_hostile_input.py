@@ -27,17 +27,13 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from pipeline.bus import Bus
-from pipeline.embedded import S3Server
-from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
-from pipeline.names import CONTROL_FLUSH, node_name, shard_relpath
-from pipeline.restore import load_shard
-from pipeline.settings import Settings
-from pipeline.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
-from pipeline.state import write_shard
-from pipeline.storage.nvme import read_head
-from pipeline.storage.s3 import S3Store
-from schemas import (
+from tests.conftest import Agent, Events
+from tierpipe.bus import Bus
+from tierpipe.embedded import S3Server
+from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from tierpipe.names import CONTROL_FLUSH, node_name, shard_relpath
+from tierpipe.restore import load_shard
+from tierpipe.schemas import (
     BlobEntry,
     Event,
     ShardFlushed,
@@ -45,7 +41,11 @@ from schemas import (
     ShardVerified,
     ShardWritten,
 )
-from tests.conftest import Agent, Events
+from tierpipe.settings import Settings
+from tierpipe.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
+from tierpipe.state import write_shard
+from tierpipe.storage.nvme import read_head
+from tierpipe.storage.s3 import S3Store
 
 # --- item 14: crafted shard files ------------------------------------------------------------
 
@@ -402,7 +402,7 @@ def _wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str 
 
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "tierpipe.cli", *args],
         env={**os.environ, **settings.as_env()},
         capture_output=True,
         text=True,
@@ -447,7 +447,7 @@ def test_plan_into_a_closed_pipe_exits_quietly(settings: Settings, job: str) -> 
     or any other word on stderr, exiting as a filter killed by SIGPIPE would (141)."""
     _publish(settings, _saved(settings, job))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "plan", "--job", job, "--json"],
+        [sys.executable, "-m", "tierpipe.cli", "plan", "--job", job, "--json"],
         env={**os.environ, **settings.as_env()},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -7,9 +7,9 @@ import time
 import msgspec
 import pytest
 
-from pipeline.errors import InvalidNameError
-from pipeline.names import event_subject, msg_id, shard_relpath, validate_token
-from schemas import ShardEvicted, ShardWritten, StageFailed, decode_event, encode_event
+from tierpipe.errors import InvalidNameError
+from tierpipe.names import event_subject, msg_id, shard_relpath, validate_token
+from tierpipe.schemas import ShardEvicted, ShardWritten, StageFailed, decode_event, encode_event
 
 
 def written(**kw: object) -> ShardWritten:

@@ -12,11 +12,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from pipeline.errors import NoSpaceError, ShardFormatError
-from pipeline.restore import load_shard
-from pipeline.shard import parse_head
-from pipeline.state import plan_state, tensor_buffer
-from pipeline.storage.nvme import INSTANCE, NvmeStore
+from tierpipe.errors import NoSpaceError, ShardFormatError
+from tierpipe.restore import load_shard
+from tierpipe.shard import parse_head
+from tierpipe.state import plan_state, tensor_buffer
+from tierpipe.storage.nvme import INSTANCE, NvmeStore
 
 
 def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:

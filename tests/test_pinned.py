@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import pinned
+from tierpipe import pinned
 
 _FAKE_RUNTIME = r"""
 static int last_error = 0;

@@ -15,15 +15,15 @@ import anyio
 import pytest
 import torch
 
-from pipeline.bus import Bus
-from pipeline.client import Checkpointer
-from pipeline.errors import InvalidNameError, SlotTimeoutError
-from pipeline.names import shard_relpath
-from pipeline.restore import load_shard
-from pipeline.settings import Settings
-from pipeline.storage.nvme import read_head
-from schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tests.conftest import Agent, Events
+from tierpipe.bus import Bus
+from tierpipe.client import Checkpointer
+from tierpipe.errors import InvalidNameError, SlotTimeoutError
+from tierpipe.names import shard_relpath
+from tierpipe.restore import load_shard
+from tierpipe.schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.storage.nvme import read_head
 
 pytestmark = pytest.mark.slow
 
@@ -278,8 +278,8 @@ def test_trainer_crash_after_save_loses_nothing(
     script = tmp_path / "crash.py"
     script.write_text(
         "import os, sys, torch\n"
-        "from pipeline.client import Checkpointer\n"
-        "from pipeline.settings import load_settings\n"
+        "from tierpipe.client import Checkpointer\n"
+        "from tierpipe.settings import load_settings\n"
         f"c = Checkpointer({job!r}, rank=0, world_size=1, settings=load_settings())\n"
         "c.save(42, {'w': torch.arange(1000.0)})\n"
         "os._exit(9)  # no close(), no cleanup\n"

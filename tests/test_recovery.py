@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.client import Checkpointer
-from pipeline.names import shard_relpath
-from pipeline.recovery import NoCheckpointError, WorldSizeMismatchError
-from pipeline.settings import Settings
-from pipeline.storage.nvme import read_head
-from schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.names import shard_relpath
+from tierpipe.recovery import NoCheckpointError, WorldSizeMismatchError
+from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.storage.nvme import read_head
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
 
     import anyio
 
-    from pipeline.bus import Bus
+    from tierpipe.bus import Bus
 
     agent()
     save_steps(settings, job, 1, [1, 2], events)
@@ -178,7 +178,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
 
     def plan() -> dict:
         out = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "plan", "--job", job, "--json"],
+            [sys.executable, "-m", "tierpipe.cli", "plan", "--job", job, "--json"],
             env=env,
             capture_output=True,
             text=True,
@@ -197,7 +197,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
     anyio.run(purge)
     assert events.all() == []
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "reindex", "--job", job],
+        [sys.executable, "-m", "tierpipe.cli", "reindex", "--job", job],
         env=env,
         capture_output=True,
         text=True,
@@ -210,7 +210,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
     # object) and the save's epoch, read from the object's metadata.
     elsewhere = {**env, "TIERPIPE_NODE": "reindexer", "TIERPIPE_NVME_ROOT": str(tmp_path / "x")}
     subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "reindex", "--job", job],
+        [sys.executable, "-m", "tierpipe.cli", "reindex", "--job", job],
         env=elsewhere,
         capture_output=True,
         check=True,
@@ -306,7 +306,7 @@ def test_explicit_step_with_no_good_copy_is_refused_never_swapped(
     path.unlink()  # gone from NVMe after it was verified, and ...
 
     async def drop_object() -> None:  # ... from object storage after it was flushed
-        from pipeline.storage.s3 import S3Store
+        from tierpipe.storage.s3 import S3Store
 
         async with S3Store(settings) as store:
             await store.delete(store.key_for(shard_relpath(job, 1, 0, 1)))

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.catalog import Catalog
-from pipeline.recovery import NoCheckpointError, WorldSizeMismatchError, plan_recovery
-from schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten, StageFailed
+from tierpipe.catalog import Catalog
+from tierpipe.recovery import NoCheckpointError, WorldSizeMismatchError, plan_recovery
+from tierpipe.schemas import (
+    Event,
+    ShardEvicted,
+    ShardFlushed,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+)
 
 NODES = ("n0", "n0", "n1", "n1")  # 2 nodes x 2 ranks
 RANK_NODES = dict(enumerate(NODES))

@@ -18,13 +18,13 @@ import boto3
 import pytest
 import torch
 
-from pipeline.bus import Bus
-from pipeline.client import Checkpointer
-from pipeline.embedded import NatsServer, S3Server, free_ports
-from pipeline.errors import BusUnavailableError
-from pipeline.names import shard_relpath
-from pipeline.settings import Settings
-from schemas import (
+from tests.conftest import Agent, Events, make_staged
+from tierpipe.bus import Bus
+from tierpipe.client import Checkpointer
+from tierpipe.embedded import NatsServer, S3Server, free_ports
+from tierpipe.errors import BusUnavailableError
+from tierpipe.names import shard_relpath
+from tierpipe.schemas import (
     ShardEvicted,
     ShardFlushed,
     ShardVerified,
@@ -32,7 +32,7 @@ from schemas import (
     StageFailed,
     encode_event,
 )
-from tests.conftest import Agent, Events, make_staged
+from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow
 

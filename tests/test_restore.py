@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from pipeline import restore
-from pipeline.errors import IntegrityError, ShardFormatError
-from pipeline.restore import load_into
-from pipeline.state import write_shard
-from pipeline.storage.nvme import read_head
+from tierpipe import restore
+from tierpipe.errors import IntegrityError, ShardFormatError
+from tierpipe.restore import load_into
+from tierpipe.state import write_shard
+from tierpipe.storage.nvme import read_head
 
 
 def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

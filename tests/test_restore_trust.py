@@ -20,20 +20,17 @@ import anyio
 import pytest
 import torch
 
-from pipeline.bus import Bus
-from pipeline.catalog import Catalog
-from pipeline.client import Checkpointer
-from pipeline.embedded import S3Server
-from pipeline.errors import IntegrityError, ShardMissingError
-from pipeline.names import shard_relpath
-from pipeline.recovery import NoCheckpointError, plan_recovery
-from pipeline.restore import Expected, load_into
-from pipeline.retention import Policy, plan_evictions
-from pipeline.settings import Settings
-from pipeline.staging import NodeSlots
-from pipeline.state import write_shard
-from pipeline.storage.s3 import S3Store
-from schemas import (
+from tests.conftest import Agent, Events
+from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog
+from tierpipe.client import Checkpointer
+from tierpipe.embedded import S3Server
+from tierpipe.errors import IntegrityError, ShardMissingError
+from tierpipe.names import shard_relpath
+from tierpipe.recovery import NoCheckpointError, plan_recovery
+from tierpipe.restore import Expected, load_into
+from tierpipe.retention import Policy, plan_evictions
+from tierpipe.schemas import (
     Event,
     RecoveryPlanned,
     RestoreReport,
@@ -43,8 +40,11 @@ from schemas import (
     ShardWritten,
     StageFailed,
 )
-from stages.evict import RestorePins
-from tests.conftest import Agent, Events
+from tierpipe.settings import Settings
+from tierpipe.stages.evict import RestorePins
+from tierpipe.staging import NodeSlots
+from tierpipe.state import write_shard
+from tierpipe.storage.s3 import S3Store
 
 # --- events for pure-logic tests
 
@@ -490,7 +490,7 @@ def test_forged_events_move_neither_latest_step_nor_plan_nor_restore(
     anyio.run(publish)
     env = {**os.environ, **settings.as_env()}
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "plan", "--job", job],
+        [sys.executable, "-m", "tierpipe.cli", "plan", "--job", job],
         env=env,
         capture_output=True,
         text=True,
@@ -693,7 +693,7 @@ def test_demo_passes_under_a_cpu_hog(tmp_path: Path, cpu_hog: None) -> None:
     """`tierpipe demo` (what `make demo` runs) succeeds with every core busy elsewhere."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERPIPE_")}
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "demo", "--steps", "6", "--every", "2",
+        [sys.executable, "-m", "tierpipe.cli", "demo", "--steps", "6", "--every", "2",
          "--data", str(tmp_path / "demo")],
         env=env,
         cwd=Path(__file__).parent.parent,

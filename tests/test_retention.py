@@ -5,9 +5,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.catalog import Catalog
-from pipeline.retention import Policy, plan_evictions
-from schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten, StageFailed
+from tierpipe.catalog import Catalog
+from tierpipe.retention import Policy, plan_evictions
+from tierpipe.schemas import (
+    Event,
+    ShardEvicted,
+    ShardFlushed,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+)
 
 NODES = ("a", "b")  # rank r lives on node NODES[r]
 

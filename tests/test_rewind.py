@@ -14,13 +14,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pipeline.client import Checkpointer
-from pipeline.errors import StaleStepError
-from pipeline.recovery import NoCheckpointError
-from pipeline.restore import load_shard
-from pipeline.settings import Settings
-from schemas import ShardFlushed, StageFailed
 from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.errors import StaleStepError
+from tierpipe.recovery import NoCheckpointError
+from tierpipe.restore import load_shard
+from tierpipe.schemas import ShardFlushed, StageFailed
+from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -15,17 +15,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from pipeline.bus import Bus
-from pipeline.errors import (
+from tests.conftest import Events, make_staged
+from tierpipe.bus import Bus
+from tierpipe.errors import (
     BusUnavailableError,
     PermanentError,
     RetryableError,
     StorageUnavailableError,
 )
-from pipeline.runner import _Drain, _drain, serve
-from pipeline.settings import Settings
-from schemas import ShardStaged, StageFailed
-from tests.conftest import Events, make_staged
+from tierpipe.runner import _Drain, _drain, serve
+from tierpipe.schemas import ShardStaged, StageFailed
+from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -250,9 +250,9 @@ def test_sigterm_drains_in_flight_work(
     script.write_text(
         textwrap.dedent(f"""
         import anyio, sys
-        from pipeline.log import configure_logging
-        from pipeline.runner import run_agent, serve
-        from pipeline.settings import load_settings
+        from tierpipe.log import configure_logging
+        from tierpipe.runner import run_agent, serve
+        from tierpipe.settings import load_settings
 
         async def stage(settings, bus, *, task_status):
             async def handle(event, attempt):

@@ -20,8 +20,8 @@ import pytest
 from awscrt import checksums
 from botocore.config import Config
 
-from pipeline.embedded import S3Server
-from pipeline.errors import TierpipeError
+from tierpipe.embedded import S3Server
+from tierpipe.errors import TierpipeError
 
 #: Fail at once on loopback: one attempt (max_attempts counts retries; total_max_attempts counts
 #: attempts), a short connect timeout.
@@ -401,7 +401,7 @@ def test_a_port_taken_at_start_is_replaced_but_not_on_restart(
 ) -> None:
     """A port taken between the bind test and weed's start: new ports. On restart the endpoint
     must not move, so a taken port is an error."""
-    import pipeline.embedded as embedded
+    import tierpipe.embedded as embedded
 
     real = embedded._free_port_pairs
     with socket.socket() as squatter:
@@ -438,8 +438,8 @@ async def test_a_request_the_store_does_not_implement_is_permanent_not_an_outage
     never an outage that would be retried forever."""
     from botocore.exceptions import ClientError
 
-    from pipeline.errors import StorageUnsupportedError, UnavailableError
-    from pipeline.storage.s3 import _errors
+    from tierpipe.errors import StorageUnsupportedError, UnavailableError
+    from tierpipe.storage.s3 import _errors
 
     refused = ClientError(
         {

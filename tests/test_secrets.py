@@ -18,15 +18,15 @@ import pytest
 import structlog
 import torch
 
-from pipeline.bus import Bus
-from pipeline.client import Checkpointer
-from pipeline.embedded import NatsServer
-from pipeline.errors import BusAuthError
-from pipeline.log import configure_logging
-from pipeline.settings import Settings
-from schemas import ShardFlushed, ShardVerified, StageFailed
 from tests.conftest import Agent, Events, make_staged
 from tests.test_deploy import NATS_CONF, uncommented_block
+from tierpipe.bus import Bus
+from tierpipe.client import Checkpointer
+from tierpipe.embedded import NatsServer
+from tierpipe.errors import BusAuthError
+from tierpipe.log import configure_logging
+from tierpipe.schemas import ShardFlushed, ShardVerified, StageFailed
+from tierpipe.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,10 +96,10 @@ def _crash_agent_script(tmp_path: Path) -> Path:
         import sys
         from urllib.parse import urlsplit
 
-        from pipeline import cli
-        from pipeline.names import node_name
-        from pipeline.runner import serve
-        from stages import AGENT_STAGES
+        from tierpipe import cli
+        from tierpipe.names import node_name
+        from tierpipe.runner import serve
+        from tierpipe.stages import AGENT_STAGES
 
         async def crash(settings, bus, *, task_status):
             async def handle(event, attempt):

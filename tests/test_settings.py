@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.settings import Settings, load_settings
+from tierpipe.errors import ConfigError
+from tierpipe.settings import Settings, load_settings
 
 
 def test_precedence_file_then_env_then_arguments(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import IntegrityError, ShardFormatError, UnsupportedStateError
-from pipeline.restore import load_shard
-from pipeline.shard import PREFIX_NBYTES
-from pipeline.state import write_shard
-from pipeline.storage.nvme import read_head
-from schemas import ALIGN
+from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
+from tierpipe.restore import load_shard
+from tierpipe.schemas import ALIGN
+from tierpipe.shard import PREFIX_NBYTES
+from tierpipe.state import write_shard
+from tierpipe.storage.nvme import read_head
 
 DTYPES = [
     torch.bfloat16,

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.client import Checkpointer
-from pipeline.settings import Settings
-from schemas import ShardFlushed
 from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.schemas import ShardFlushed
+from tierpipe.settings import Settings
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.timeout(600)]
 

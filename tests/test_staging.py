@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import ConfigError, ShardFormatError, StagingGoneError
-from pipeline.shard import slot_generation
-from pipeline.staging import SlotPool, open_image, release, stale_markers
-from pipeline.state import plan_state
-from schemas import ShardStaged
+from tierpipe.errors import ConfigError, ShardFormatError, StagingGoneError
+from tierpipe.schemas import ShardStaged
+from tierpipe.shard import slot_generation
+from tierpipe.staging import SlotPool, open_image, release, stale_markers
+from tierpipe.state import plan_state
 
 
 @pytest.fixture

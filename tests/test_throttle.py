@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from pipeline.throttle import Throttle
+from tierpipe.throttle import Throttle
 
 pytestmark = pytest.mark.anyio
 MiB = 1 << 20

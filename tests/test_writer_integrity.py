@@ -19,24 +19,24 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from pipeline.client import Checkpointer
-from pipeline.errors import (
+from tests.conftest import Agent, Events
+from tierpipe.client import Checkpointer
+from tierpipe.errors import (
     AgentLockedError,
     NoSpaceError,
     ShardFailedError,
     StagingGoneError,
     StorageConflictError,
 )
-from pipeline.faults import POINTS
-from pipeline.names import shard_relpath
-from pipeline.restore import load_shard
-from pipeline.settings import Settings
-from pipeline.staging import SlotPool, StagedImage, open_image, release
-from pipeline.state import plan_state
-from pipeline.storage.nvme import NvmeStore, read_head
-from schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten
-from stages.snapshot import Snapshot
-from tests.conftest import Agent, Events
+from tierpipe.faults import POINTS
+from tierpipe.names import shard_relpath
+from tierpipe.restore import load_shard
+from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten
+from tierpipe.settings import Settings
+from tierpipe.stages.snapshot import Snapshot
+from tierpipe.staging import SlotPool, StagedImage, open_image, release
+from tierpipe.state import plan_state
+from tierpipe.storage.nvme import NvmeStore, read_head
 
 JOB = "j"
 

@@ -37,7 +37,7 @@ import anyio
 import structlog
 import xxhash
 
-from pipeline.errors import (
+from tierpipe.errors import (
     AgentLockedError,
     IntegrityError,
     NoSpaceError,
@@ -45,9 +45,10 @@ from pipeline.errors import (
     ShardFormatError,
     StorageConflictError,
 )
-from pipeline.faults import maybe_die
-from pipeline.settings import Settings
-from pipeline.shard import (
+from tierpipe.faults import maybe_die
+from tierpipe.schemas import ALIGN, ShardHeader
+from tierpipe.settings import Settings
+from tierpipe.shard import (
     PREFIX_NBYTES,
     Head,
     encode_head,
@@ -55,7 +56,6 @@ from pipeline.shard import (
     parse_prefix,
     seal_header,
 )
-from schemas import ALIGN, ShardHeader
 
 __all__ = [
     "NvmeStore",

@@ -35,7 +35,7 @@ from aiobotocore.config import AioConfig
 from awscrt import checksums
 from botocore.exceptions import BotoCoreError, ClientError
 
-from pipeline.errors import (
+from tierpipe.errors import (
     IntegrityError,
     RetryableError,
     ShardMissingError,
@@ -45,9 +45,9 @@ from pipeline.errors import (
     StorageUnsupportedError,
     TierpipeError,
 )
-from pipeline.names import node_name
-from pipeline.settings import Settings
-from pipeline.throttle import Throttle
+from tierpipe.names import node_name
+from tierpipe.settings import Settings
+from tierpipe.throttle import Throttle
 
 __all__ = ["S3Store", "Uploaded"]
 

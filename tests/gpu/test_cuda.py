@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from pipeline import pinned
-from pipeline.client import Checkpointer
-from pipeline.restore import load_into, load_shard
-from pipeline.settings import Settings
 from tests.conftest import Agent
+from tierpipe import pinned
+from tierpipe.client import Checkpointer
+from tierpipe.restore import load_into, load_shard
+from tierpipe.settings import Settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -146,8 +146,8 @@ def test_restore_registers_its_arena_on_the_target_device(
 ) -> None:
     """The restore arena is page-locked from a helper thread with the target's device current,
     never device 0 by default (that would create a context on GPU 0 for every rank)."""
-    from pipeline import restore
-    from pipeline.state import write_shard
+    from tierpipe import restore
+    from tierpipe.state import write_shard
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     seen: list[int] = []
