@@ -303,7 +303,7 @@ class Deployment:
         return self.dir / "nvme"
 
     def start(self) -> None:
-        from tierpipe.embedded import NatsServer
+        from tierpipe.dev import NatsServer
         from tierpipe.log import configure_logging
         from tierpipe.settings import load_settings
 

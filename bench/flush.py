@@ -1,6 +1,6 @@
 """`python -m bench flush`: the flush stage, `verified -> flushed`, against plain S3 clients.
 
-One object store for everything: an embedded SeaweedFS (`tierpipe.embedded.S3Server`, its data
+One object store for everything: an embedded SeaweedFS (`tierpipe.dev.S3Server`, its data
 in a private directory under `.bench`) on the same 2 cores as everything else. A real deployment
 (embedded nats-server, `python -m tierpipe.cli worker nvme-write verify flush` as a subprocess,
 configured for that store) takes shards that a `Checkpointer` stages from the synthetic state of
@@ -102,7 +102,7 @@ class _Store:
     def __init__(self, stack: ExitStack) -> None:
         import boto3
 
-        from tierpipe.embedded import S3Server
+        from tierpipe.dev import S3Server
 
         data_dir = stack.enter_context(scratch_dir("flush-s3"))
         self.access_key = "bench"

@@ -176,7 +176,7 @@ class _Setup:
     def __init__(self, work: Path, stack: ExitStack) -> None:
         import secrets
 
-        from tierpipe.embedded import NatsServer, S3Server
+        from tierpipe.dev import NatsServer, S3Server
         from tierpipe.names import shard_relpath
         from tierpipe.settings import load_settings
 
@@ -470,7 +470,7 @@ def _replay_at_scale(work: Path) -> dict[str, float]:
 
     from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER, Bus
     from tierpipe.catalog import Catalog
-    from tierpipe.embedded import NatsServer
+    from tierpipe.dev import NatsServer
     from tierpipe.names import event_subject, msg_id
     from tierpipe.schemas import SCHEMA_VERSION, encode_event
     from tierpipe.settings import load_settings

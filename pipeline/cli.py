@@ -9,7 +9,6 @@ import re
 import signal
 import sys
 import time
-from typing import Any
 
 import anyio
 import msgspec
@@ -17,14 +16,15 @@ import nats.errors
 import nats.js.errors
 
 from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog, Shard
+from tierpipe.catalog import Catalog
 from tierpipe.errors import BusUnavailableError, ConfigError, TierpipeError
 from tierpipe.log import configure_logging
 from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, consumer_name, node_name, validate_token
 from tierpipe.schemas import FlushControl
 from tierpipe.settings import Settings, load_settings
+from tierpipe.status import plan_json, plan_now, shard_json, shard_table
 
-__all__ = ["main", "parse_rate", "replay_catalog", "shard_table"]
+__all__ = ("main", "parse_rate", "replay_catalog")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,10 +123,15 @@ def _run(args: argparse.Namespace) -> int:
         case "reindex":
             return _reindex(settings, validate_token("job", args.job), args)
         case "demo":
-            from tierpipe.demo import run_demo
+            from tierpipe.dev.demo import run_demo
 
             return run_demo(
-                settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data
+                settings,
+                ranks=args.ranks,
+                steps=args.steps,
+                every=args.every,
+                data=args.data,
+                replay=replay_catalog,
             )
     return 0
 
@@ -191,58 +196,6 @@ async def replay_catalog(settings: Settings, job: str) -> Catalog:
         for event in await bus.history(f"{SUBJECT_ROOT}.{job}.>"):
             catalog.apply(event)
     return catalog
-
-
-def shard_table(shards: list[Shard]) -> str:
-    """A human-readable table of shards and where their copies are."""
-    rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "S3", "NVME PATH")]
-    for s in shards:
-        ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
-        nvme = next((c for (t, _), c in s.copies.items() if t == "nvme"), None)
-        obj = s.copy("s3")
-        rows.append(
-            (
-                str(s.step),
-                f"{s.rank}/{s.world_size}",
-                "-" if ram is None else "released" if ram.evicted else "staged",
-                "-" if nvme is None else "evicted" if nvme.evicted else nvme.node,
-                "-"
-                if nvme is None
-                else "CORRUPT"
-                if nvme.corrupt
-                else "yes"
-                if nvme.verified
-                else "no",
-                "-" if obj is None else "evicted" if obj.evicted else "flushed",
-                "" if nvme is None or nvme.evicted else nvme.location,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
-def _shard_json(s: Shard) -> dict[str, Any]:
-    return {
-        "job": s.job,
-        "step": s.step,
-        "rank": s.rank,
-        "world_size": s.world_size,
-        "copies": [
-            {
-                "tier": c.tier,
-                "node": c.node,
-                "location": c.location,
-                "nbytes": c.nbytes,
-                "verified": c.verified,
-                "corrupt": c.corrupt,
-                "evicted": c.evicted,
-            }
-            for c in s.copies.values()
-        ],
-        "failures": [f.message for f in s.failures],
-    }
 
 
 def parse_rate(text: str) -> int:
@@ -327,42 +280,8 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
 def _plan(
     settings: Settings, job: str, alive: list[str] | None, step: int | None, as_json: bool
 ) -> int:
-    from tierpipe.recovery import plan_recovery
-
-    catalog = _replay_known(settings, job)
-    steps = catalog.steps(job)
-    # The world size of the newest complete step (a stray event of another size cannot set it).
-    done = catalog.complete_steps(job, ("nvme", "s3"))
-    world = steps[done[-1] if done else max(steps)][0].world_size
-    rank_nodes: dict[int, str] = {}
-    for shards in steps.values():  # each rank's node, from its newest NVMe copy
-        for s in shards:
-            for (tier, node), _ in s.copies.items():
-                if tier in ("nvme", "ram") and node:
-                    rank_nodes[s.rank] = node
-    rank_nodes = {r: rank_nodes.get(r, "?") for r in range(world)}
-    nodes = set(rank_nodes.values()) if alive is None else set(alive)
-    plan = plan_recovery(
-        catalog, job, world_size=world, alive=nodes, rank_nodes=rank_nodes, step=step
-    )
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "job": job,
-                    "step": plan.step,
-                    "world_size": plan.world_size,
-                    "sources": {
-                        str(r): [msgspec.to_builtins(s) for s in srcs]
-                        for r, srcs in plan.sources.items()
-                    },
-                    "rejected": {str(s): why for s, why in plan.rejected.items()},
-                    "notes": plan.notes,
-                }
-            )
-        )
-    else:
-        print(plan.describe())
+    plan = plan_now(_replay_known(settings, job), job, alive=alive, step=step)
+    print(json.dumps(plan_json(job, plan)) if as_json else plan.describe())
     return 0
 
 
@@ -370,7 +289,7 @@ def _status(settings: Settings, job: str, *, as_json: bool) -> int:
     shards = _replay_known(settings, job).shards(job)
     if as_json:
         for s in shards:
-            print(json.dumps(_shard_json(s)))
+            print(json.dumps(shard_json(s)))
     else:
         print(shard_table(shards))
     return 0

@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from tierpipe.bus import Bus
-from tierpipe.embedded import NatsServer, S3Server
+from tierpipe.dev import NatsServer, S3Server
 from tierpipe.names import SUBJECT_ROOT
 from tierpipe.schemas import Event, ShardStaged
 from tierpipe.settings import Settings, load_settings

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import make_staged as staged
 from tierpipe.bus import Bus, redact_url
-from tierpipe.embedded import NatsServer
+from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
 from tierpipe.schemas import decode_event
 from tierpipe.settings import Settings, load_settings

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tierpipe.embedded import find_binary
+from tierpipe.dev import find_binary
 from tierpipe.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_pat
     assert agent["environment"]["TIERPIPE_NODE"] == "node-a"
     assert services["agent-node-b"]["environment"]["TIERPIPE_NODE"] == "node-b"
     assert trainer["entrypoint"] + trainer["command"] == [
-        "python", "-m", "tierpipe.demo", "0", "1", "6", "2",
+        "python", "-m", "tierpipe.dev.demo", "0", "1", "6", "2",
     ]  # fmt: skip
     for key in ("TIERPIPE_NODE", "TIERPIPE_NATS_URL", "TIERPIPE_STAGING_ROOT", "TIERPIPE_NVME_ROOT",
                 "TIERPIPE_STREAM_REPLICAS"):  # fmt: skip

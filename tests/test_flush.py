@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
-from tierpipe.embedded import S3Server
+from tierpipe.dev import S3Server
 from tierpipe.errors import StorageConflictError
 from tierpipe.names import shard_relpath
 from tierpipe.restore import load_shard

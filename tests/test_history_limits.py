@@ -19,7 +19,7 @@ from nats.js import api
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
-from tierpipe.embedded import NatsServer
+from tierpipe.dev import NatsServer
 from tierpipe.names import SUBJECT_ROOT
 from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.settings import Settings

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
-from tierpipe.embedded import S3Server
+from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
 from tierpipe.names import CONTROL_FLUSH, node_name, shard_relpath
 from tierpipe.restore import load_shard

