@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
 # Test processes in parallel (pytest-xdist): most tests wait on servers and agent processes.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-soak test-gpu lint format bench-stall bench-nvme clean
+.PHONY: demo test test-soak test-gpu lint format bench-stall bench-nvme bench-plan clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -42,6 +42,10 @@ bench-stall: $(STAMP)
 
 bench-nvme: $(STAMP)
 	$(VENV)/bin/python -m bench nvme --size-gib 2
+
+# Recovery planning and event replay at scale, on synthetic events (no shard data).
+bench-plan: $(STAMP)
+	$(VENV)/bin/python -m bench plan
 
 clean:
 	rm -rf $(VENV) tierpipe-data .pytest_cache .ruff_cache .hypothesis

@@ -19,7 +19,8 @@ BENCHMARKS = {
     "flush": "verified->flushed to S3 (SeaweedFS) through the agent vs boto3, raw aioboto3;"
     " throttle accuracy",
     "restore": "NVMe and S3 restore into preallocated tensors vs dd, torch.load, safetensors, DCP,"
-    " raw GET; plan at 1024 ranks, 100k-event replay",
+    " raw GET",
+    "plan": "recovery plan at 1024 ranks x 20 steps, 100k-event replay (synthetic events)",
 }
 
 
