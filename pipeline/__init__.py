@@ -46,7 +46,7 @@ _LAZY = {
     "write_shard": "tierpipe.state",
 }
 
-__all__ = [
+__all__ = (
     "AgentLockedError",
     "BusAuthError",
     "BusUnavailableError",
@@ -74,11 +74,11 @@ __all__ = [
     "load_settings",
     "load_shard",
     "write_shard",
-]
+)
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+        raise AttributeError(f"module 'tierpipe' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

@@ -32,7 +32,7 @@ from tierpipe.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.settings import Settings
 
-__all__ = ["Bus", "Missing", "Published", "redact_url"]
+__all__ = ("Bus", "Missing", "Published", "redact_url")
 
 log = structlog.get_logger(__name__)
 

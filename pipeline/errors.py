@@ -8,7 +8,7 @@ boundary (bus, storage) and kept as `__cause__`.
 
 from __future__ import annotations
 
-__all__ = [
+__all__ = (
     "AgentLockedError",
     "BusAuthError",
     "BusError",
@@ -32,7 +32,7 @@ __all__ = [
     "TierpipeError",
     "UnavailableError",
     "UnsupportedStateError",
-]
+)
 
 
 class TierpipeError(Exception):

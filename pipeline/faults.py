@@ -21,7 +21,7 @@ import signal
 
 import structlog
 
-__all__ = ["FAIL_POINTS", "POINTS", "maybe_die", "maybe_fail"]
+__all__ = ("FAIL_POINTS", "POINTS", "maybe_die", "maybe_fail")
 
 log = structlog.get_logger(__name__)
 

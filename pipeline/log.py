@@ -22,7 +22,7 @@ import structlog
 if TYPE_CHECKING:
     from tierpipe.settings import Settings
 
-__all__ = ["configure_logging", "register_secrets", "scrub", "settings_secrets"]
+__all__ = ("configure_logging", "register_secrets", "scrub", "settings_secrets")
 
 _MASK = "***"
 _lock = threading.Lock()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import structlog
 import torch
 
-__all__ = ["page_lock", "page_unlock"]
+__all__ = ("page_lock", "page_unlock")
 
 log = structlog.get_logger(__name__)
 

@@ -26,7 +26,7 @@ from tierpipe.catalog import Catalog, Copy, Shard
 from tierpipe.schemas import Tier
 from tierpipe.settings import Settings
 
-__all__ = ["Eviction", "Policy", "plan_evictions"]
+__all__ = ("Eviction", "Policy", "plan_evictions")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import msgspec
 
 from tierpipe.errors import ConfigError
 
-__all__ = ["SECRET_FIELDS", "Settings", "load_settings"]
+__all__ = ("SECRET_FIELDS", "Settings", "load_settings")
 
 SlotPolicy = Literal["wait", "skip"]
 

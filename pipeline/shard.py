@@ -19,7 +19,7 @@ import xxhash
 from tierpipe.errors import IntegrityError, ShardFormatError
 from tierpipe.schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
 
-__all__ = [
+__all__ = (
     "DTYPE_SIZES",
     "GENERATION_OFFSET",
     "PREFIX_NBYTES",
@@ -33,7 +33,7 @@ __all__ = [
     "seal_header",
     "set_slot_generation",
     "slot_generation",
-]
+)
 
 # magic, format version, flags, header length, file length, header digest, slot generation;
 # padded to 64 bytes. The generation is only meaningful in a staging slot (0 in a sealed file).

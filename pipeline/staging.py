@@ -54,7 +54,7 @@ from tierpipe.shard import (
     slot_generation,
 )
 
-__all__ = [
+__all__ = (
     "NodeSlots",
     "Slot",
     "SlotPool",
@@ -64,7 +64,7 @@ __all__ = [
     "rank_dir",
     "release",
     "stale_markers",
-]
+)
 
 log = structlog.get_logger(__name__)
 

@@ -32,7 +32,7 @@ from tierpipe.shard import (
     encode_head,
 )
 
-__all__ = [
+__all__ = (
     "StatePlan",
     "blob_view",
     "flatten_targets",
@@ -40,7 +40,7 @@ __all__ = [
     "rebuild_state",
     "tensor_buffer",
     "write_shard",
-]
+)
 
 KeyPath = tuple[str | int, ...]
 

@@ -15,7 +15,7 @@ import math
 
 import anyio
 
-__all__ = ["Throttle"]
+__all__ = ("Throttle",)
 
 
 class Throttle:

@@ -31,7 +31,7 @@ from tierpipe.schemas.shard import (
     TensorEntry,
 )
 
-__all__ = [
+__all__ = (
     "ALIGN",
     "FORMAT_VERSION",
     "MAGIC",
@@ -56,4 +56,4 @@ __all__ = [
     "Token",
     "decode_event",
     "encode_event",
-]
+)

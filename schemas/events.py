@@ -14,7 +14,7 @@ import msgspec
 
 from tierpipe.schemas.names import Token
 
-__all__ = [
+__all__ = (
     "SCHEMA_VERSION",
     "Event",
     "FlushControl",
@@ -31,7 +31,7 @@ __all__ = [
     "Tier",
     "decode_event",
     "encode_event",
-]
+)
 
 #: Bumped when a field changes meaning or a required field is added.
 SCHEMA_VERSION = 1

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-__all__ = ["TOKEN_PATTERN", "Token"]
+__all__ = ("TOKEN_PATTERN", "Token")
 
 #: Job and node names: safe as a NATS subject token, a file name and a consumer-name part.
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # noqa: S105 (not a secret)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["ALIGN", "FORMAT_VERSION", "MAGIC", "BlobEntry", "ShardHeader", "TensorEntry"]
+__all__ = ("ALIGN", "FORMAT_VERSION", "MAGIC", "BlobEntry", "ShardHeader", "TensorEntry")
 
 MAGIC = b"TPSHARD\x00"
 FORMAT_VERSION = 1
