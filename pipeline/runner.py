@@ -20,8 +20,9 @@ consumer and, for every message:
   traceback, terminates the message with a `failed` event, and goes on: no message content can
   stop a worker;
 - terminates and reports a message it cannot decode (or of an unknown schema version);
-- writes one canonical log line, `message_handled` (stage, job, step, rank, outcome, attempt,
-  seconds, plus whatever the handler bound with `structlog.contextvars.bind_contextvars`);
+- writes one canonical log line per message, `message_handled` (stage, job, step, rank,
+  outcome, attempt, seconds, the kinds published, plus whatever the handler bound with
+  `structlog.contextvars.bind_contextvars`), at debug when the message led to nothing;
 - when its stream or consumer disappears (deleted, or lost by the server), creates them again,
   says so once, and goes on (`tierpipe.consumer`);
 - on SIGTERM/SIGINT stops fetching and lets in-flight work finish for up to `drain_timeout_s`

@@ -174,9 +174,7 @@ class Evict:
         if anyio.current_time() < self._store_down_until:
             return False  # the store was down moments ago: don't wait on it per copy
         try:
-            return await _remove_object(
-                await self._object_store(), e, self.catalog, self.node, self._refused
-            )
+            return await self._remove_object(e)
         except UnavailableError as err:
             # Back off before the next try, so a down or hung store does not make every
             # event (and the slot releases behind it) wait out a timeout per copy.
@@ -201,6 +199,36 @@ class Evict:
         )
         return removed or not await anyio.Path(path).exists()
 
+    async def _remove_object(self, e: Eviction) -> bool:
+        """Delete the object an eviction names, only if it is this node's copy of that shard:
+        at the shard's own key in the configured bucket, uploaded by this node with the header
+        digest the catalog holds. Anything else (a forged or stale `flushed` event naming some
+        other object) stays where it is; it is logged once and the eviction is skipped.
+
+        Returns:
+            True if the object is gone; False if it was left in place.
+        """
+        store = await self._object_store()
+        shard = self.catalog.shard(e.job, e.step, e.rank)
+        copy = shard.copy("s3") if shard is not None else None
+        digest = copy.header_digest if copy is not None else None
+        if (e.location, digest) in self._refused:
+            return False
+        key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+        if e.location != f"s3://{store.bucket}/{key}" or digest is None:
+            log.warning(
+                "object_eviction_refused",
+                location=e.location,
+                expected=f"s3://{store.bucket}/{key}",
+                reason="not this shard's key in the configured bucket",
+            )
+            self._refused.add((e.location, digest))
+            return False
+        if not await store.delete_owned(key, node=self.node, header_digest=digest):
+            self._refused.add((e.location, digest))
+            return False
+        return True
+
     async def _object_store(self) -> S3Store:
         # Connected on first use: a node without object storage never needs it.
         if self._s3 is None:
@@ -209,38 +237,6 @@ class Evict:
 
 
 handle = Evict.handle
-
-
-async def _remove_object(
-    store: S3Store, e: Eviction, catalog: Catalog, node: str, refused: set[tuple[str, str | None]]
-) -> bool:
-    """Delete the object an eviction names, only if it is this node's copy of that shard: at
-    the shard's own key in the configured bucket, uploaded by this node with the header digest
-    the catalog holds. Anything else (a forged or stale `flushed` event naming some other
-    object) stays where it is; it is logged once and the eviction is skipped.
-
-    Returns:
-        True if the object is gone; False if it was left in place.
-    """
-    shard = catalog.shard(e.job, e.step, e.rank)
-    copy = shard.copy("s3") if shard is not None else None
-    digest = copy.header_digest if copy is not None else None
-    if (e.location, digest) in refused:
-        return False
-    key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-    if e.location != f"s3://{store.bucket}/{key}" or digest is None:
-        log.warning(
-            "object_eviction_refused",
-            location=e.location,
-            expected=f"s3://{store.bucket}/{key}",
-            reason="not this shard's key in the configured bucket",
-        )
-        refused.add((e.location, digest))
-        return False
-    if not await store.delete_owned(key, node=node, header_digest=digest):
-        refused.add((e.location, digest))
-        return False
-    return True
 
 
 def _failed_save(event: Event, node: str) -> ShardEvicted | None:
