@@ -39,7 +39,7 @@ class NvmeWrite:
     settings: Settings
     node: str
     store: NvmeStore
-    #: Unmaps staging images once their shard is written (off the `written` event's path).
+    #: Unmaps staging images once their shard is written, off the `written` event's path.
     unmapper: TaskGroup
 
 
@@ -62,7 +62,7 @@ async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritt
         _write, ctx.store, ctx.settings.staging_root, event
     )
     if image is not None:
-        # Unmapping a large slot takes tens of ms: not before the event is out.
+        # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
         ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
     bind_contextvars(
         path=result.path,
