@@ -28,7 +28,7 @@ from nats.js import api
 
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
 from tierpipe.log import register_secrets, scrub, settings_secrets
-from tierpipe.names import SUBJECT_ROOT, event_subject, msg_id, redact_url
+from tierpipe.names import ALL_SUBJECTS, event_subject, msg_id, redact_url
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.settings import Settings
 
@@ -222,7 +222,7 @@ class Bus:
         return api.StreamConfig(
             name=s.stream,
             description="tierpipe checkpoint events (an index: recovery replays it)",
-            subjects=[f"{SUBJECT_ROOT}.>"],
+            subjects=[ALL_SUBJECTS],
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,
             discard=api.DiscardPolicy.OLD,

@@ -13,16 +13,24 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import structlog
+from structlog.contextvars import bind_contextvars, clear_contextvars, get_contextvars
 
 if TYPE_CHECKING:
     from tierpipe.settings import Settings
 
-__all__ = ("configure_logging", "register_secrets", "scrub", "settings_secrets")
+__all__ = (
+    "configure_logging",
+    "register_secrets",
+    "scrub",
+    "settings_secrets",
+    "unit_of_work",
+)
 
 _MASK = "***"
 _lock = threading.Lock()
@@ -122,6 +130,20 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+@contextmanager
+def unit_of_work(**fields: Any) -> Iterator[None]:
+    """Bind `fields` (stage, job, step, rank) to the log lines of one unit of work. What the
+    work binds besides with `bind_contextvars` (bytes, paths) goes into its canonical line
+    and no further: the context is as before once the block ends."""
+    outer = get_contextvars()
+    bind_contextvars(**fields)
+    try:
+        yield
+    finally:
+        clear_contextvars()
+        bind_contextvars(**outer)
 
 
 def _console_tracebacks() -> Any:

@@ -27,11 +27,14 @@ from tierpipe.schemas import (
 )
 
 __all__ = [
+    "ALL_SUBJECTS",
     "CONTROL_FLUSH",
     "SUBJECT_ROOT",
     "consumer_name",
     "event_subject",
     "filter_subject",
+    "flush_control_subject",
+    "job_subjects",
     "msg_id",
     "node_name",
     "plan_subject",
@@ -42,6 +45,8 @@ __all__ = [
 ]
 
 SUBJECT_ROOT = "tp"
+#: Every subject of the stream.
+ALL_SUBJECTS = f"{SUBJECT_ROOT}.>"
 #: Run-time commands for the flush stage (`FlushControl`); `.<node>` addresses one node.
 CONTROL_FLUSH = f"{SUBJECT_ROOT}.ctl.flush"
 #: Job names that would collide with control subjects.
@@ -97,8 +102,19 @@ def shard_subject(job: str, kind: str, node: str, rank: int | str) -> str:
 
 
 def filter_subject(kind: str, *, node: str, job: str = "*") -> str:
-    """Subject filter for one event kind on one node (all jobs and ranks by default)."""
+    """Subject filter for one event kind on one node (all jobs and ranks by default); `*` for
+    `kind` or `node` matches every kind or node."""
     return f"{SUBJECT_ROOT}.{job}.{kind}.{node}.*"
+
+
+def job_subjects(job: str) -> str:
+    """Every subject of one job (`tp.<job>.>`): its events, plans and restore reports."""
+    return f"{SUBJECT_ROOT}.{job}.>"
+
+
+def flush_control_subject(node: str | None = None) -> str:
+    """Where `FlushControl` commands go: `tp.ctl.flush` for every node, or `.<node>` for one."""
+    return CONTROL_FLUSH if node is None else f"{CONTROL_FLUSH}.{node}"
 
 
 def msg_id(event: Event) -> str:

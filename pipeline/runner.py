@@ -1,9 +1,14 @@
 """The stage runner: the one place that owns delivery semantics for every stage.
 
-A stage supplies a handler `async (event, attempt) -> None` that commits its side effects and
-publishes its output event. The runner pulls from the stage's durable consumer and:
+A stage is a module of `tierpipe.stages` (or any object) with `STAGE`, its name; `KINDS`, the
+event kinds it consumes on this node (on every node with `EVERY_NODE = True`); optionally
+`open(settings, bus)`, an async context manager that opens the stage's resources and yields its
+context (None without it); and `handle(ctx, event, attempt)`, which commits the side effects of
+one event and returns the event(s) to publish, or None. The runner binds the stage's durable
+consumer and, for every message:
 
-- acks after the handler returns (side effects are committed before the ack);
+- publishes what the handler returned, in order, then acks: side effects, then events, then
+  the ack, so a redelivery only republishes (deduplicated by `Nats-Msg-Id`);
 - sends `in_progress()` heartbeats while the handler runs, so long work is not redelivered;
 - on `UnavailableError` (an outage of NATS or the object store) keeps the message and retries
   the handler in place with capped, jittered backoff for as long as the outage lasts, reporting
@@ -15,8 +20,11 @@ publishes its output event. The runner pulls from the stage's durable consumer a
   traceback, terminates the message with a `failed` event, and goes on: no message content can
   stop a worker;
 - terminates and reports a message it cannot decode (or of an unknown schema version);
+- writes one canonical log line per message, `message_handled` (stage, job, step, rank,
+  outcome, attempt, seconds, the kinds published, plus whatever the handler bound with
+  `structlog.contextvars.bind_contextvars`), at debug when the message led to nothing;
 - when its stream or consumer disappears (deleted, or lost by the server), creates them again,
-  says so once, and goes on;
+  says so once, and goes on (`tierpipe.consumer`);
 - on SIGTERM/SIGINT stops fetching and lets in-flight work finish for up to `drain_timeout_s`
   (an outage being waited out is handed back at once).
 """
@@ -24,81 +32,86 @@ publishes its output event. The runner pulls from the stage's durable consumer a
 from __future__ import annotations
 
 import contextvars
-import random
+import functools
+import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
 
 import anyio
 import msgspec
 import structlog
 from anyio.abc import TaskStatus
-from structlog.contextvars import bound_contextvars
+from nats.aio.msg import Msg
 
 from tierpipe.bus import Bus
-from tierpipe.errors import (
-    PermanentError,
-    RetryableError,
-    TierpipeError,
-    UnavailableError,
-)
-from tierpipe.log import register_secrets, settings_secrets
-from tierpipe.names import SUBJECT_ROOT, consumer_name, filter_subject, validate_token
+from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
+from tierpipe.errors import PermanentError, RetryableError, TierpipeError, UnavailableError
+from tierpipe.faults import maybe_die
+from tierpipe.log import register_secrets, settings_secrets, unit_of_work
+from tierpipe.names import consumer_name, event_subject, filter_subject, node_name, validate_token
 from tierpipe.schemas import Event, ShardEvent, StageFailed, decode_event
 from tierpipe.settings import Settings
 
-__all__ = ["Handler", "StageFn", "run_agent", "serve"]
+__all__ = ["Handler", "Output", "Stage", "run_agent", "run_stage", "serve"]
 
 log = structlog.get_logger(__name__)
+_IGNORED = anyio.TASK_STATUS_IGNORED
 
-Handler = Callable[[Any, int], Awaitable[None]]
-StageFn = Callable[..., Awaitable[None]]
+#: What a handler returns: the events to publish before the ack, in order.
+Output: TypeAlias = Event | Sequence[Event] | None
+Handler = Callable[[Any, int], Awaitable[Output]]
+
+
+class Stage(Protocol):
+    """A stage as the runner sees it (the modules of `tierpipe.stages`); `open` and
+    `EVERY_NODE` are optional."""
+
+    STAGE: str
+    KINDS: tuple[str, ...]
+
+    # ctx and event are whatever the stage's own `open` yields and `KINDS` name.
+    def handle(self, ctx: Any, event: Any, attempt: int, /) -> Awaitable[Output]: ...
+
 
 #: During an outage, a retryable `failed` event is published at most this often per message.
 OUTAGE_REPORT_EVERY_S = 60.0
+#: How one message ended, with the fields of its canonical log line.
+_Outcome: TypeAlias = tuple[str, dict[str, Any]]
+#: The level of the canonical line, by outcome.
+_LEVELS = {
+    "done": logging.INFO,
+    "retrying": logging.WARNING,
+    "handed_back": logging.WARNING,
+    "abandoned_on_stop": logging.WARNING,
+    "terminated": logging.ERROR,
+}
 
 
-class _Drain:
-    """In-flight work of this process; on stop, each gets `timeout_s` more to finish."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.stopping = False
-        self.stopped = anyio.Event()
-        self._inflight: set[anyio.CancelScope] = set()
-
-    def begin(self) -> None:
-        self.stopping = True
-        self.stopped.set()
-        deadline = anyio.current_time() + self.timeout_s
-        for scope in self._inflight:
-            scope.deadline = min(scope.deadline, deadline)
-
-    async def sleep(self, seconds: float) -> None:
-        """Sleep, but wake up when the drain begins."""
-        with anyio.move_on_after(seconds):
-            await self.stopped.wait()
-
-    @contextmanager
-    def work(self) -> Iterator[anyio.CancelScope]:
-        # Shielded: cancelling the worker does not interrupt a half-done write; the deadline
-        # set by begin() bounds how long it may still take.
-        scope = anyio.CancelScope(shield=True)
-        if self.stopping:
-            scope.deadline = anyio.current_time() + self.timeout_s
-        self._inflight.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._inflight.discard(scope)
-
-
-_drain: contextvars.ContextVar[_Drain | None] = contextvars.ContextVar(
+_drain: contextvars.ContextVar[Drain | None] = contextvars.ContextVar(
     "tierpipe_drain", default=None
 )
+
+
+async def run_stage(
+    stage: Stage, settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = _IGNORED
+) -> None:
+    """Open `stage`'s resources and serve its events on this node, forever."""
+    opener = getattr(stage, "open", None)
+    async with opener(settings, bus) if opener is not None else nullcontext() as ctx:
+        await serve(
+            bus,
+            settings,
+            stage=stage.STAGE,
+            node=node_name(settings.node),
+            kinds=stage.KINDS,
+            handler=functools.partial(stage.handle, ctx),
+            every_node=getattr(stage, "EVERY_NODE", False),
+            task_status=task_status,
+        )
 
 
 async def serve(
@@ -110,15 +123,15 @@ async def serve(
     kinds: tuple[str, ...],
     handler: Handler,
     every_node: bool = False,
-    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[None] = _IGNORED,
 ) -> None:
-    """Run `handler` for every event of `kinds` published on `node` (or on any node with
-    `every_node`), forever, on the stage's durable consumer for this node."""
+    """Run `handler(event, attempt)` for every event of `kinds` published on `node` (or on
+    any node with `every_node`), forever, on the stage's durable consumer for this node, and
+    publish what it returns."""
     durable = consumer_name(stage, node)
     filters = [filter_subject(k, node="*" if every_node else node) for k in kinds]
-    await bus.ensure_consumer(durable, filters)
-    consumer = _Consumer(bus, settings, stage, durable, filters, await bus.pull(durable))
-    drain = _drain.get() or _Drain(settings.drain_timeout_s)
+    consumer = await StageConsumer.bind(bus, settings, stage, durable, filters)
+    drain = _drain.get() or Drain(settings.drain_timeout_s)
     log.info("stage_started", stage=stage, node=node, consumer=durable)
     task_status.started()
     worker = _Worker(bus, settings, stage, node, kinds, handler, drain)
@@ -127,198 +140,144 @@ async def serve(
             await worker.process(msg)
 
 
-class _Consumer:
-    """The stage's pull subscription, rebuilt when its consumer or the whole stream is gone."""
-
-    def __init__(
-        self, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str], sub: Any
-    ) -> None:
-        self.bus, self.settings, self.stage = bus, settings, stage
-        self.durable, self.filters, self.sub = durable, filters, sub
-        self.failures = 0
-
-    async def fetch(self, drain: _Drain) -> list[Any]:
-        """The next message, or none (after a failure has been dealt with)."""
-        try:
-            msgs = await self.bus.fetch(self.sub, batch=1, timeout=1.0)
-        except Exception as e:  # whatever it is, the stage must go on fetching
-            await self._recover(e, drain)
-            return []
-        if self.failures:
-            log.info("fetch_recovered", stage=self.stage, failures=self.failures)
-            self.failures = 0
-        return msgs
-
-    async def _recover(self, error: Exception, drain: _Drain) -> None:
-        self.failures += 1
-        if self.failures == 1:  # once per run of failures: an outage must not flood the log
-            log.warning("fetch_failed", stage=self.stage, error=_text(error))
-        try:
-            # A pull from a consumer that no longer exists fails at once, every time: find out
-            # whether that is why, rather than waiting for an outage that is not there.
-            gone = await self.bus.missing(self.durable)
-            if gone is not None:
-                await self._recreate(gone)
-                return
-        except Exception as e:  # an outage, most likely: wait and fetch again
-            log.debug("consumer_check_failed", stage=self.stage, error=_text(e))
-        # Fetching is cheap: retry soon after an outage ends, whatever retry_max_s says.
-        await drain.sleep(_backoff(self.settings, self.failures, cap_s=5.0))
-
-    async def _recreate(self, gone: str) -> None:
-        if gone == "stream":
-            await self.bus.ensure_stream()
-        await self.bus.ensure_consumer(self.durable, self.filters)
-        old, self.sub = self.sub, await self.bus.pull(self.durable)
-        await _quietly(old.unsubscribe())
-        # One line per recreation (at warning: events published meanwhile may be lost).
-        if gone == "stream":
-            log.warning("stream_recreated", stage=self.stage, stream=self.settings.stream)
-        else:
-            log.warning("consumer_recreated", stage=self.stage, consumer=self.durable)
-        self.failures = 0
-
-
+@dataclass(frozen=True, slots=True)
 class _Worker:
-    def __init__(
-        self,
-        bus: Bus,
-        settings: Settings,
-        stage: str,
-        node: str,
-        kinds: tuple[str, ...],
-        handler: Handler,
-        drain: _Drain,
-    ) -> None:
-        self.bus, self.settings, self.stage, self.node = bus, settings, stage, node
-        self.kinds, self.handler, self.drain = kinds, handler, drain
+    bus: Bus
+    settings: Settings
+    stage: str
+    node: str
+    kinds: tuple[str, ...]
+    handler: Handler
+    drain: Drain
 
-    async def process(self, msg: Any) -> None:
+    async def process(self, msg: Msg) -> None:
         """Handle one message to its end (ack, nak or term); never raises, whatever the
         message holds or the handler does."""
         try:
             await self._process(msg)
         except Exception as e:  # the runner's own last line of defence
             log.error("message_processing_crashed", subject=msg.subject, exc_info=e)
-            await _quietly(msg.term())
+            await quietly(msg.term())
 
-    async def _process(self, msg: Any) -> None:
+    async def _process(self, msg: Msg) -> None:
         meta = msg.metadata
         attempt, seq = meta.num_delivered, meta.sequence.stream
         try:
             event = decode_event(msg.data)
             self._check_subject(event, msg.subject)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            await self._poison(msg, seq, attempt, e)
+            message = f"undecodable message on {msg.subject} (stream seq {seq}): {e}"
+            log.error("message_poisoned", subject=msg.subject, stream_seq=seq, error=str(e))
+            await self._report(self._failure(msg, None, attempt, e, message, retryable=False))
+            await quietly(msg.term())
             return
-        ctx: dict[str, Any] = {"stage": self.stage, "job": event.job}
+        unit: dict[str, Any] = {"stage": self.stage, "job": event.job}
         if isinstance(event, ShardEvent):
-            ctx.update(step=event.step, rank=event.rank)
-        with bound_contextvars(**ctx):
+            unit.update(step=event.step, rank=event.rank)
+        t0 = time.perf_counter()
+        with unit_of_work(**unit):
+            outcome: _Outcome = ("abandoned_on_stop", {"attempt": attempt})
             with self.drain.work() as scope:
-                await self._handle(msg, event, seq, attempt)
+                outcome = await self._handle(msg, event, attempt)
             if scope.cancelled_caught:
                 # The drain deadline passed mid-work: hand the message back for prompt redelivery.
-                log.warning("work_abandoned_on_stop", attempt=attempt)
+                outcome = ("abandoned_on_stop", {"attempt": attempt})
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await _quietly(msg.nak())
+                    await quietly(msg.nak())
+            name, fields = outcome
+            level = _LEVELS[name]
+            if name == "done" and not fields["published"]:
+                level = logging.DEBUG  # it led to nothing (evict folding another node's event)
+            seconds = round(time.perf_counter() - t0, 4)
+            log.log(level, "message_handled", outcome=name, seconds=seconds, **fields)
 
-    async def _handle(self, msg: Any, event: Event, seq: int, attempt: int) -> None:
-        t0 = time.perf_counter()
+    async def _handle(self, msg: Msg, event: Event, attempt: int) -> _Outcome:
+        """Handle `event` to its end; returns the outcome and its fields for the log line."""
         tries = attempt
-        error = await self._run(msg, event, tries)
+        published: list[str] = []
+        error = await self._run(msg, event, tries, published)
         outage = 0
         reported = -OUTAGE_REPORT_EVERY_S
         while isinstance(error, UnavailableError):
             # An outage: keep the message and try again in place, for as long as it lasts.
             if self.drain.stopping:
-                log.warning("outage_handed_back", attempt=tries, error=_text(error))
-                await _quietly(msg.nak())
-                return
+                await quietly(msg.nak())
+                return "handed_back", {"attempt": tries, "error": text(error)}
             outage += 1
             if time.monotonic() - reported >= OUTAGE_REPORT_EVERY_S:
                 reported = time.monotonic()
                 log.warning("outage_retrying", error=type(error).__name__,
-                            message=_text(error), attempt=tries)  # fmt: skip
+                            message=text(error), attempt=tries)  # fmt: skip
                 if not self._own_report(event):
                     await self._report(
-                        self._failure(msg, event, seq, tries, error, _text(error), retryable=True)
+                        self._failure(msg, event, tries, error, text(error), retryable=True)
                     )
-            await self._idle(msg, _backoff(self.settings, outage))
+            await self._idle(msg, backoff(self.settings, outage))
             if self.drain.stopping:
                 continue  # handed back above
             tries += 1
-            error = await self._run(msg, event, tries)
+            error = await self._run(msg, event, tries, published)
         if error is None:
-            await _quietly(msg.ack())
-            log.debug("message_acked", attempt=tries, seconds=round(time.perf_counter() - t0, 4))
-        elif isinstance(error, PermanentError):
-            await self._fail(msg, event, seq, attempt, tries, error, retryable=False)
-        elif isinstance(error, RetryableError):
-            await self._fail(msg, event, seq, attempt, tries, error, retryable=True)
-        else:
+            await quietly(msg.ack())
+            return "done", {"attempt": tries, "published": published}
+        if not isinstance(error, PermanentError | RetryableError):
             # Not an error any stage raises on purpose: a bug, or input nobody foresaw.
             # Retrying cannot help; report it and keep serving the other messages.
             log.error("handler_crashed", attempt=tries, exc_info=error)
-            await self._fail(msg, event, seq, attempt, tries, error, retryable=False)
+        retryable = isinstance(error, RetryableError) and not isinstance(error, PermanentError)
+        return await self._fail(msg, event, attempt, tries, error, retryable=retryable)
 
-    async def _run(self, msg: Any, event: Event, tries: int) -> BaseException | None:
+    async def _run(
+        self, msg: Msg, event: Event, tries: int, published: list[str]
+    ) -> BaseException | None:
+        """One try: the handler, then the events it returned (their kinds go to `published`),
+        under heartbeats."""
+        published.clear()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, msg)
             try:
-                await self.handler(event, tries)
+                for output in _outputs(await self.handler(event, tries)):
+                    await self.bus.publish(output)
+                    published.append(type(output).__struct_config__.tag)
             except Exception as e:
                 return _unwrap(e)
             finally:
                 tg.cancel_scope.cancel()
+        # For the fault suite: the stage's output is out, the message not yet acked.
+        maybe_die(f"{self.stage}:before-ack", self.settings.fault_point)
         return None
 
-    async def _idle(self, msg: Any, seconds: float) -> None:
+    async def _idle(self, msg: Msg, seconds: float) -> None:
         """Wait between tries, keeping the message ours; wake up when the drain begins."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, msg)
             await self.drain.sleep(seconds)
             tg.cancel_scope.cancel()
 
-    async def _heartbeat(self, msg: Any) -> None:
+    async def _heartbeat(self, msg: Msg) -> None:
         while True:
             await anyio.sleep(self.settings.ack_wait_s / 3)
-            await _quietly(msg.in_progress())
+            await quietly(msg.in_progress())
 
     async def _fail(
-        self,
-        msg: Any,
-        event: Event,
-        seq: int,
-        attempt: int,
-        tries: int,
-        e: BaseException,
-        *,
-        retryable: bool,
-    ) -> None:
+        self, msg: Msg, event: Event, attempt: int, tries: int, e: BaseException, *, retryable: bool
+    ) -> _Outcome:
         final = not retryable or attempt >= self.settings.max_deliver
-        text = _text(e)
+        message = text(e)
         if retryable and final:
-            text = f"gave up after {attempt} attempts: {text}"
+            message = f"gave up after {attempt} attempts: {message}"
+        fields = {"attempt": tries, "error": type(e).__name__, "message": message}
         if self._own_report(event):
             # Failing on this stage's own failure report: reporting that would feed itself.
-            log.error("own_failure_unprocessed", error=type(e).__name__, message=text)
-            await _quietly(msg.term())
-            return
-        await self._report(self._failure(msg, event, seq, tries, e, text, retryable=not final))
+            await quietly(msg.term())
+            return "terminated", {**fields, "reported": False}
+        await self._report(self._failure(msg, event, tries, e, message, retryable=not final))
         if final:
-            log.error("message_terminated", error=type(e).__name__, message=text, attempt=tries)
-            await _quietly(msg.term())
-        else:
-            delay = _backoff(self.settings, attempt, jitter=False)
-            log.warning(
-                "message_retried",
-                error=type(e).__name__,
-                message=text,
-                attempt=tries,
-                delay_s=delay,
-            )
-            await _quietly(msg.nak(delay=delay))
+            await quietly(msg.term())
+            return "terminated", fields
+        delay = backoff(self.settings, attempt, jitter=False)
+        await quietly(msg.nak(delay=delay))
+        return "retrying", {**fields, "delay_s": delay}
 
     def _own_report(self, event: Event) -> bool:
         """Whether `event` is a failure this stage of this node reported (evict reads them)."""
@@ -327,30 +286,24 @@ class _Worker:
         )
 
     def _failure(
-        self,
-        msg: Any,
-        event: Event,
-        seq: int,
-        tries: int,
-        e: BaseException,
-        text: str,
-        *,
+        self, msg: Msg, event: Event | None, tries: int, e: BaseException, message: str, *,
         retryable: bool,
-    ) -> StageFailed:
-        """The `failed` event for any input, with the identity fields the input has."""
+    ) -> StageFailed:  # fmt: skip
+        """The `failed` event for any input (None: undecodable), with the identity fields the
+        input has."""
         fields: dict[str, Any] = {
             "stage": self.stage,
             "error": type(e).__name__,
-            "message": text,  # Bus.publish masks secrets in it
+            "message": message,  # Bus.publish masks secrets in it
             "retryable": retryable,
             "attempt": max(1, tries),
             "subject": msg.subject,
-            "stream_seq": seq,
+            "stream_seq": msg.metadata.sequence.stream,
         }
         if isinstance(event, ShardEvent):
             return event.follow(StageFailed, node=self.node, **fields)
         return StageFailed(
-            job=event.job,
+            job=_job_of(msg.subject) if event is None else event.job,
             node=self.node,
             ts=time.time(),
             step=getattr(event, "step", None),
@@ -360,56 +313,34 @@ class _Worker:
             **fields,
         )
 
-    async def _poison(self, msg: Any, seq: int, attempt: int, e: Exception) -> None:
-        tokens = msg.subject.split(".")
-        try:
-            job = validate_token("job", tokens[1])
-        except (IndexError, TierpipeError):
-            job = "_unknown"
-        text = f"undecodable message on {msg.subject} (stream seq {seq}): {e}"
-        log.error("message_poisoned", subject=msg.subject, stream_seq=seq, error=str(e))
-        await self._report(
-            StageFailed(
-                job=job,
-                node=self.node,
-                ts=time.time(),
-                stage=self.stage,
-                error=type(e).__name__,
-                message=text,
-                retryable=False,
-                attempt=max(1, attempt),
-                subject=msg.subject,
-                stream_seq=seq,
-            )
-        )
-        await _quietly(msg.term())
-
     async def _report(self, failure: StageFailed) -> None:
         """Publish a failure; a report that cannot be published is logged, never raised."""
         try:
             await self.bus.publish(failure)
         except Exception as e:
-            log.error("failure_not_published", error=_text(e), failure=failure.message)
+            log.error("failure_not_published", error=text(e), failure=failure.message)
 
     def _check_subject(self, event: Event, subject: str) -> None:
         kind = type(event).__struct_config__.tag
         if kind not in self.kinds:
             raise ValueError(f"a {kind!r} event where {'/'.join(self.kinds)} was expected")
-        rank = getattr(event, "rank", None)
-        expected = f"{SUBJECT_ROOT}.{event.job}.{kind}.{event.node}.{'_' if rank is None else rank}"
+        expected = event_subject(event)
         if subject != expected:
             raise ValueError(f"event body names {expected}")
 
 
-def _backoff(
-    settings: Settings, n: int, *, cap_s: float | None = None, jitter: bool = True
-) -> float:
-    """The delay before try `n + 1`: `retry_base_s` doubling per try up to `retry_max_s`
-    (and `cap_s`); with jitter, a random 50-100 % of it, so workers that failed together do not
-    retry in lockstep."""
-    cap = settings.retry_max_s if cap_s is None else min(cap_s, settings.retry_max_s)
-    delay = min(cap, settings.retry_base_s * 2 ** min(max(n - 1, 0), 32))
-    return delay * random.uniform(0.5, 1.0) if jitter else delay  # noqa: S311 (not crypto)
+def _job_of(subject: str) -> str:
+    """The job a subject names, if it is a valid one (for reporting undecodable messages)."""
+    try:
+        return validate_token("job", subject.split(".")[1])
+    except (IndexError, TierpipeError):
+        return "_unknown"
+
+
+def _outputs(output: Output) -> Sequence[Event]:
+    if output is None:
+        return ()
+    return output if isinstance(output, Sequence) else (output,)
 
 
 def _unwrap(e: Exception) -> BaseException:
@@ -422,30 +353,17 @@ def _unwrap(e: Exception) -> BaseException:
     return e
 
 
-def _text(e: BaseException) -> str:
-    return str(e) or type(e).__name__
-
-
-async def _quietly(op: Awaitable[Any]) -> None:
-    """Acks, naks and heartbeats are best effort: a lost one means a redelivery, which the
-    stages' idempotence absorbs."""
-    try:
-        await op
-    except Exception as e:
-        log.warning("ack_failed", error=str(e) or type(e).__name__)
-
-
-async def run_agent(settings: Settings, stages: list[StageFn], *, node: str) -> None:
+async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -> None:
     """Run stages in this process until SIGTERM/SIGINT, then drain and return."""
     register_secrets(settings_secrets(settings))
-    drain = _Drain(settings.drain_timeout_s)
+    drain = Drain(settings.drain_timeout_s)
     _drain.set(drain)
     async with Bus(settings, name=f"tierpipe-agent-{node}", connect_wait_s=60.0) as bus:
         await bus.ensure_stream()
         async with anyio.create_task_group() as tg:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 for stage in stages:
-                    await tg.start(stage, settings, bus)
+                    await tg.start(run_stage, stage, settings, bus)
                 log.info("agent_ready", node=node, stages=len(stages))
                 async for signum in signals:
                     log.info("agent_stopping", signal=signal.Signals(signum).name)

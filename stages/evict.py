@@ -20,22 +20,21 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 import structlog
-from anyio.abc import TaskStatus
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.errors import StorageAuthError, UnavailableError
 from tierpipe.faults import maybe_fail
-from tierpipe.names import SUBJECT_ROOT, node_name, plan_subject, shard_relpath
+from tierpipe.names import filter_subject, node_name, plan_subject, shard_relpath
 from tierpipe.retention import Eviction, Policy, plan_evictions
-from tierpipe.runner import serve
 from tierpipe.schemas import (
     Event,
     RecoveryPlanned,
@@ -49,193 +48,195 @@ from tierpipe.staging import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ["STAGE", "RestorePins", "run"]
+__all__ = ["EVERY_NODE", "KINDS", "STAGE", "Evict", "RestorePins", "handle", "open"]
 
 STAGE = "evict"
 KINDS = ("written", "verified", "flushed", "evicted", "failed")
+#: Every node's events: completeness of a step on a tier is a fact about the whole job.
+EVERY_NODE = True
 #: Stages whose permanent failure ends a save on this node: its staging slot is released.
 _SAVE_STAGES = ("nvme-write", "verify")
 log = structlog.get_logger(__name__)
 
 
-async def run(
-    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    node = node_name(settings.node)
-    policy = Policy.from_settings(settings)
+@asynccontextmanager
+async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
+    """Hold the node's evict lock, fold the stream into the catalog, follow restore plans."""
     async with AsyncExitStack() as stack:
         nvme = stack.enter_context(NvmeStore.from_settings(settings))
         await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
-        catalog = Catalog()
-        for event in await bus.history(f"{SUBJECT_ROOT}.*.*.*.*"):
-            catalog.apply(event)
-        log.info("catalog_rebuilt", jobs=len(catalog.jobs()))
-        pins = RestorePins(settings.restore_timeout_s)
+        evict = Evict(settings, bus, nvme, stack)
+        for event in await bus.history(filter_subject("*", node="*")):
+            evict.catalog.apply(event)
+        log.info("catalog_rebuilt", jobs=len(evict.catalog.jobs()))
         # Subscribed before the read: no plan falls between the two.
-        await bus.subscribe(plan_subject("*"), pins.on_msg)
+        await bus.subscribe(plan_subject("*"), evict.pins.on_msg)
         for _, plan in await bus.latest(plan_subject("*")):
-            pins.note(plan)
-        s3: S3Store | None = None
-        refused: set[tuple[str, str | None]] = set()  # objects left alone, logged once each
+            evict.pins.note(plan)
+        yield evict
 
-        async def object_store() -> S3Store:
-            nonlocal s3  # connected on first use: a node without object storage never needs it
-            if s3 is None:
-                s3 = await stack.enter_async_context(S3Store(settings))
-            return s3
 
-        store_down_until = [0.0]
+class Evict:
+    """The evict worker's state: the catalog of every node's copies, the restore pins, and
+    the object store (connected on first use, backed off from while it is down)."""
 
-        async def remove(e: Eviction) -> bool:
-            """Remove one copy; False if it was left in place: an NVMe file now holds another
-            save, the copy is not this node's (a forged or stale event: logged once), or the
-            object store is down or refuses (retried with a later event). Never raises for one
-            copy: retention of every other copy, and slot releases, go on regardless."""
-            if e.tier == "nvme":
-                path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-                if Path(e.location) != path:
-                    if (e.location, e.header_digest) not in refused:
-                        refused.add((e.location, e.header_digest))
-                        log.warning(
-                            "nvme_eviction_refused",
-                            location=e.location,
-                            expected=str(path),
-                            reason="not this node's shard path",
-                        )
-                    return False
-                removed = await anyio.to_thread.run_sync(
-                    functools.partial(nvme.remove, path, header_digest=e.header_digest)
-                )
-                return removed or not await anyio.Path(path).exists()
-            if anyio.current_time() < store_down_until[0]:
-                return False  # the store was down moments ago: don't wait on it per copy
-            try:
-                return await _remove_object(await object_store(), e, catalog, node, refused)
-            except UnavailableError as err:
-                # Back off before the next try, so a down or hung store does not make every
-                # event (and the slot releases behind it) wait out a timeout per copy.
-                store_down_until[0] = anyio.current_time() + settings.retry_max_s
-                log.warning(
-                    "object_eviction_deferred",
-                    location=e.location,
-                    error=str(err),
-                    retry_s=settings.retry_max_s,
-                )
-            except StorageAuthError as err:
-                log.error("object_eviction_refused_by_store", location=e.location, error=str(err))
-            return False
+    def __init__(
+        self, settings: Settings, bus: Bus, nvme: NvmeStore, stack: AsyncExitStack
+    ) -> None:
+        self.settings, self.bus, self.nvme = settings, bus, nvme
+        self.node = node_name(settings.node)
+        self.policy = Policy.from_settings(settings)
+        self.catalog = Catalog()
+        self.pins = RestorePins(settings.restore_timeout_s)
+        self._stack = stack
+        self._s3: S3Store | None = None
+        #: Until when the object store is left alone after it was found down.
+        self._store_down_until = 0.0
+        #: Objects and files left alone (not this node's copy), logged once each.
+        self._refused: set[tuple[str, str | None]] = set()
 
-        async def publish(evicted: ShardEvicted) -> None:
-            await bus.publish(evicted)
-            catalog.apply(evicted)
-
-        async def release_slot(evicted: ShardEvicted) -> None:
-            """Release the slot of `evicted`'s step and publish it (location: the slot)."""
-            slot = await anyio.to_thread.run_sync(
-                functools.partial(
-                    release,
-                    settings.staging_root,
-                    evicted.job,
-                    evicted.rank,
-                    evicted.step,
-                    epoch=evicted.epoch,
+    async def handle(self, event: Event, attempt: int) -> None:
+        """Fold `event` in, release the staging slot it frees, and remove what retention
+        allows. Each removal is published as soon as it is done (not returned for the runner
+        to publish), so the catalog folds it before the next removal is planned."""
+        if isinstance(event, StageFailed):
+            maybe_fail("evict:on-failed", self.settings.fault_point)
+        self.catalog.apply(event)
+        if isinstance(event, ShardVerified) and event.node == self.node:
+            await self._release_slot(
+                event.follow(
+                    ShardEvicted,
+                    node=self.node,
+                    tier="ram",
+                    location="",
+                    reason="nvme copy verified",
                 )
             )
-            if slot is not None:
-                await publish(msgspec.structs.replace(evicted, location=str(slot)))
-                log.info("staging_released", slot=str(slot), reason=evicted.reason)
-
-        async def handle(event: Event, attempt: int) -> None:
-            if isinstance(event, StageFailed):
-                maybe_fail("evict:on-failed", settings.fault_point)
-            catalog.apply(event)
-            if isinstance(event, ShardVerified) and event.node == node:
-                await release_slot(
-                    event.follow(
-                        ShardEvicted,
-                        node=node,
-                        tier="ram",
-                        location="",
-                        reason="nvme copy verified",
-                    )
-                )
-            elif (failed := _failed_save(event, node)) is not None:
-                await release_slot(failed)
-            free = None
-            if policy.nvme_min_free_bytes:
-                free = await anyio.to_thread.run_sync(nvme.free_bytes)
-            pinned = pins.steps(event.job)
-            for e in plan_evictions(
-                catalog, event.job, policy, node=node, nvme_free_bytes=free, pinned=pinned
-            ):
-                if not await remove(e):
-                    continue  # left in place (a newer save, or not this node's); publish nothing
-                await publish(
-                    ShardEvicted(
-                        job=e.job,
-                        node=node,
-                        ts=time.time(),
-                        step=e.step,
-                        rank=e.rank,
-                        world_size=e.world_size,
-                        epoch=e.epoch,
-                        tier=e.tier,
-                        location=e.location,
-                        reason=e.reason,
-                    )
-                )
-                log.info(
-                    "copy_evicted",
+        elif (failed := _failed_save(event, self.node)) is not None:
+            await self._release_slot(failed)
+        free = None
+        if self.policy.nvme_min_free_bytes:
+            free = await anyio.to_thread.run_sync(self.nvme.free_bytes)
+        for e in plan_evictions(
+            self.catalog,
+            event.job,
+            self.policy,
+            node=self.node,
+            nvme_free_bytes=free,
+            pinned=self.pins.steps(event.job),
+        ):
+            if not await self._remove(e):
+                continue  # left in place (a newer save, or not this node's); publish nothing
+            await self._publish(
+                ShardEvicted(
                     job=e.job,
+                    node=self.node,
+                    ts=time.time(),
                     step=e.step,
                     rank=e.rank,
+                    world_size=e.world_size,
+                    epoch=e.epoch,
                     tier=e.tier,
                     location=e.location,
                     reason=e.reason,
                 )
+            )
+            log.info("copy_evicted", job=e.job, step=e.step, rank=e.rank, tier=e.tier,
+                     location=e.location, reason=e.reason)  # fmt: skip
 
-        await serve(
-            bus,
-            settings,
-            stage=STAGE,
-            node=node,
-            kinds=KINDS,
-            handler=handle,
-            every_node=True,
-            task_status=task_status,
+    async def _publish(self, evicted: ShardEvicted) -> None:
+        await self.bus.publish(evicted)
+        self.catalog.apply(evicted)
+
+    async def _release_slot(self, evicted: ShardEvicted) -> None:
+        """Release the slot of `evicted`'s step and publish it (location: the slot)."""
+        slot = await anyio.to_thread.run_sync(
+            functools.partial(
+                release,
+                self.settings.staging_root,
+                evicted.job,
+                evicted.rank,
+                evicted.step,
+                epoch=evicted.epoch,
+            )
         )
+        if slot is not None:
+            await self._publish(msgspec.structs.replace(evicted, location=str(slot)))
+            log.info("staging_released", slot=str(slot), reason=evicted.reason)
 
-
-async def _remove_object(
-    store: S3Store, e: Eviction, catalog: Catalog, node: str, refused: set[tuple[str, str | None]]
-) -> bool:
-    """Delete the object an eviction names, only if it is this node's copy of that shard: at
-    the shard's own key in the configured bucket, uploaded by this node with the header digest
-    the catalog holds. Anything else (a forged or stale `flushed` event naming some other
-    object) stays where it is; it is logged once and the eviction is skipped.
-
-    Returns:
-        True if the object is gone; False if it was left in place.
-    """
-    shard = catalog.shard(e.job, e.step, e.rank)
-    copy = shard.copy("s3") if shard is not None else None
-    digest = copy.header_digest if copy is not None else None
-    if (e.location, digest) in refused:
+    async def _remove(self, e: Eviction) -> bool:
+        """Remove one copy; False if it was left in place: an NVMe file now holds another
+        save, the copy is not this node's (a forged or stale event: logged once), or the
+        object store is down or refuses (retried with a later event). Never raises for one
+        copy: retention of every other copy, and slot releases, go on regardless."""
+        if e.tier == "nvme":
+            return await self._remove_file(e)
+        if anyio.current_time() < self._store_down_until:
+            return False  # the store was down moments ago: don't wait on it per copy
+        try:
+            return await self._remove_object(e)
+        except UnavailableError as err:
+            # Back off before the next try, so a down or hung store does not make every
+            # event (and the slot releases behind it) wait out a timeout per copy.
+            retry_s = self.settings.retry_max_s
+            self._store_down_until = anyio.current_time() + retry_s
+            log.warning("object_eviction_deferred", location=e.location, error=str(err),
+                        retry_s=retry_s)  # fmt: skip
+        except StorageAuthError as err:
+            log.error("object_eviction_refused_by_store", location=e.location, error=str(err))
         return False
-    key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-    if e.location != f"s3://{store.bucket}/{key}" or digest is None:
-        log.warning(
-            "object_eviction_refused",
-            location=e.location,
-            expected=f"s3://{store.bucket}/{key}",
-            reason="not this shard's key in the configured bucket",
+
+    async def _remove_file(self, e: Eviction) -> bool:
+        path = self.nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+        if Path(e.location) != path:
+            if (e.location, e.header_digest) not in self._refused:
+                self._refused.add((e.location, e.header_digest))
+                log.warning("nvme_eviction_refused", location=e.location, expected=str(path),
+                            reason="not this node's shard path")  # fmt: skip
+            return False
+        removed = await anyio.to_thread.run_sync(
+            functools.partial(self.nvme.remove, path, header_digest=e.header_digest)
         )
-        refused.add((e.location, digest))
-        return False
-    if not await store.delete_owned(key, node=node, header_digest=digest):
-        refused.add((e.location, digest))
-        return False
-    return True
+        return removed or not await anyio.Path(path).exists()
+
+    async def _remove_object(self, e: Eviction) -> bool:
+        """Delete the object an eviction names, only if it is this node's copy of that shard:
+        at the shard's own key in the configured bucket, uploaded by this node with the header
+        digest the catalog holds. Anything else (a forged or stale `flushed` event naming some
+        other object) stays where it is; it is logged once and the eviction is skipped.
+
+        Returns:
+            True if the object is gone; False if it was left in place.
+        """
+        store = await self._object_store()
+        shard = self.catalog.shard(e.job, e.step, e.rank)
+        copy = shard.copy("s3") if shard is not None else None
+        digest = copy.header_digest if copy is not None else None
+        if (e.location, digest) in self._refused:
+            return False
+        key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+        if e.location != f"s3://{store.bucket}/{key}" or digest is None:
+            log.warning(
+                "object_eviction_refused",
+                location=e.location,
+                expected=f"s3://{store.bucket}/{key}",
+                reason="not this shard's key in the configured bucket",
+            )
+            self._refused.add((e.location, digest))
+            return False
+        if not await store.delete_owned(key, node=self.node, header_digest=digest):
+            self._refused.add((e.location, digest))
+            return False
+        return True
+
+    async def _object_store(self) -> S3Store:
+        # Connected on first use: a node without object storage never needs it.
+        if self._s3 is None:
+            self._s3 = await self._stack.enter_async_context(S3Store(self.settings))
+        return self._s3
+
+
+handle = Evict.handle
 
 
 def _failed_save(event: Event, node: str) -> ShardEvicted | None:

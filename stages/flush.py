@@ -15,19 +15,20 @@ refused, never guessed at.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import anyio
 import msgspec
 import structlog
-from anyio.abc import TaskStatus
+from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
-from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_relpath
-from tierpipe.runner import serve
+from tierpipe.log import unit_of_work
+from tierpipe.names import filter_subject, flush_control_subject, node_name, shard_relpath
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -40,11 +41,80 @@ from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 from tierpipe.throttle import Throttle
 
-__all__ = ["STAGE", "apply_control", "run"]
+__all__ = ["KINDS", "STAGE", "Flush", "apply_control", "handle", "open"]
 
 STAGE = "flush"
+KINDS = ("verified",)
 log = structlog.get_logger(__name__)
 _control_decoder = msgspec.json.Decoder(FlushControl)
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    settings: Settings
+    bus: Bus
+    node: str
+    nvme: NvmeStore
+    s3: S3Store
+    #: One upload per key at a time: the start-up re-drive and a redelivered message may meet,
+    #: and an upload aborts earlier uploads at its key.
+    uploads: _KeyLocks = field(default_factory=lambda: _KeyLocks())
+
+
+@asynccontextmanager
+async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
+    """Hold the node's flush lock, connect to the store, follow the rate commands; in the
+    background, abort this node's orphaned uploads and re-drive its unflushed shards."""
+    node = node_name(settings.node)
+    throttle = Throttle(settings.flush_max_bytes_per_s or None)
+    with NvmeStore.from_settings(settings) as nvme:
+        async with (
+            nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),  # one agent per node
+            S3Store(settings, throttle=throttle) as s3,
+            anyio.create_task_group() as tg,
+        ):
+            ctx = Flush(settings, bus, node, nvme, s3)
+            tg.start_soon(_abort_orphans, ctx)
+            await _follow_controls(bus, throttle, node)
+            tg.start_soon(_redrive, ctx)
+            yield ctx
+
+
+async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed:
+    """Upload one verified shard (or find it uploaded already) and say where it is."""
+    relpath = shard_relpath(event.job, event.step, event.rank, event.world_size)
+    path = ctx.nvme.path_for(relpath)
+    if Path(event.path) != path:
+        raise ShardFormatError(event.path, f"not this node's shard path {path}")
+    if not await anyio.Path(path).exists():
+        raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
+    async with ctx.uploads.hold(str(relpath)):
+        done = await ctx.s3.upload(
+            path,
+            ctx.s3.key_for(relpath),
+            header_digest=event.header_digest,
+            node=ctx.node,
+            epoch=event.epoch,
+            step=event.step,
+            rewind_to=event.rewind_to,
+        )
+    bind_contextvars(
+        key=done.key,
+        nbytes=done.nbytes,
+        existed=done.existed,
+        mib_s=round(done.nbytes / 2**20 / max(done.seconds, 1e-9), 1),
+    )
+    return event.follow(
+        ShardFlushed,
+        node=ctx.node,
+        bucket=done.bucket,
+        key=done.key,
+        etag=done.etag,
+        checksum=done.checksum,
+        header_digest=event.header_digest,
+        nbytes=done.nbytes,
+        seconds=round(done.seconds, 6),
+    )
 
 
 def apply_control(throttle: Throttle, control: FlushControl) -> None:
@@ -59,91 +129,24 @@ def apply_control(throttle: Throttle, control: FlushControl) -> None:
              paused=throttle.paused)  # fmt: skip
 
 
-async def run(
-    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    node = node_name(settings.node)
-    throttle = Throttle(settings.flush_max_bytes_per_s or None)
-    subjects = [CONTROL_FLUSH, f"{CONTROL_FLUSH}.{node}"]
-    with NvmeStore.from_settings(settings) as nvme:
-        async with (
-            nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),  # one agent per node
-            S3Store(settings, throttle=throttle) as s3,
-            anyio.create_task_group() as tg,
-        ):
-            tg.start_soon(_abort_orphans, s3, nvme, settings)
-            latest = [c for c in [await bus.last_raw(s) for s in subjects] if c is not None]
-            for _, data in sorted(latest):  # the newest command wins
-                _apply(throttle, data)
+async def _follow_controls(bus: Bus, throttle: Throttle, node: str) -> None:
+    """Apply the newest rate command for this node, then every new one as it comes."""
+    subjects = [flush_control_subject(), flush_control_subject(node)]
+    latest = [c for c in [await bus.last_raw(s) for s in subjects] if c is not None]
+    for _, data in sorted(latest):  # the newest command wins
+        _apply(throttle, data)
 
-            async def on_control(msg: object) -> None:
-                _apply(throttle, msg.data)  # type: ignore[attr-defined]
+    async def on_control(msg: object) -> None:
+        _apply(throttle, msg.data)  # type: ignore[attr-defined]
 
-            for subject in subjects:
-                await bus.subscribe(subject, on_control)
-
-            locks = _KeyLocks()
-
-            async def flush(event: ShardVerified) -> None:
-                """Upload one verified shard and publish `flushed` (idempotent)."""
-                relpath = shard_relpath(event.job, event.step, event.rank, event.world_size)
-                path = nvme.path_for(relpath)
-                if Path(event.path) != path:
-                    raise ShardFormatError(event.path, f"not this node's shard path {path}")
-                if not await anyio.Path(path).exists():
-                    raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
-                # One upload per key at a time: the start-up re-drive and a redelivered message
-                # may meet here, and an upload aborts earlier uploads at its key.
-                async with locks.hold(str(relpath)):
-                    done = await s3.upload(
-                        path,
-                        s3.key_for(relpath),
-                        header_digest=event.header_digest,
-                        node=node,
-                        epoch=event.epoch,
-                        step=event.step,
-                        rewind_to=event.rewind_to,
-                    )
-                    await bus.publish(
-                        event.follow(
-                            ShardFlushed,
-                            node=node,
-                            bucket=done.bucket,
-                            key=done.key,
-                            etag=done.etag,
-                            checksum=done.checksum,
-                            header_digest=event.header_digest,
-                            nbytes=done.nbytes,
-                            seconds=round(done.seconds, 6),
-                        )
-                    )
-                log.info(
-                    "shard_flushed",
-                    key=done.key,
-                    nbytes=done.nbytes,
-                    existed=done.existed,
-                    seconds=round(done.seconds, 4),
-                    mib_s=round(done.nbytes / 2**20 / max(done.seconds, 1e-9), 1),
-                )
-
-            async def handle(event: ShardVerified, attempt: int) -> None:
-                await flush(event)
-
-            tg.start_soon(_redrive, bus, nvme, node, settings, flush)
-            await serve(
-                bus,
-                settings,
-                stage=STAGE,
-                node=node,
-                kinds=("verified",),
-                handler=handle,
-                task_status=task_status,
-            )
+    for subject in subjects:
+        await bus.subscribe(subject, on_control)
 
 
-async def _abort_orphans(s3: S3Store, nvme: NvmeStore, settings: Settings) -> None:
+async def _abort_orphans(ctx: Flush) -> None:
     """Abort uploads a killed worker of this node left behind; keep trying through an outage
     (uploads go on meanwhile: each one aborts earlier attempts at its own key anyway)."""
+    nvme, s3, settings = ctx.nvme, ctx.s3, ctx.settings
     delay = settings.retry_base_s
     while True:
         try:
@@ -160,20 +163,15 @@ async def _abort_orphans(s3: S3Store, nvme: NvmeStore, settings: Settings) -> No
         delay = min(delay * 2, settings.retry_max_s)
 
 
-async def _redrive(
-    bus: Bus,
-    nvme: NvmeStore,
-    node: str,
-    settings: Settings,
-    flush: Callable[[ShardVerified], Awaitable[None]],
-) -> None:
+async def _redrive(ctx: Flush) -> None:
     """Flush every verified shard of this node that has no `flushed` event and is still on
     NVMe: an agent that gave up on it (older versions did, after `max_deliver` attempts during
     a long outage) left it unflushed, and retention never removes an unflushed copy."""
+    settings = ctx.settings
     delay = settings.retry_base_s
     while True:
         try:
-            pending = await _unflushed(bus, nvme, node)
+            pending = await _unflushed(ctx.bus, ctx.nvme, ctx.node)
             break
         except UnavailableError as e:
             log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
@@ -188,8 +186,10 @@ async def _redrive(
         delay = settings.retry_base_s
         while True:
             try:
-                await flush(event)
-                log.info("flush_redriven", job=event.job, step=event.step, rank=event.rank)
+                with unit_of_work(job=event.job, step=event.step, rank=event.rank):
+                    # Not a message: the runner is not there to publish `flushed`.
+                    await ctx.bus.publish(await handle(ctx, event, 0))
+                    log.info("flush_redriven")
                 break
             except UnavailableError as e:  # an outage: wait it out, like the runner does
                 log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
@@ -210,16 +210,16 @@ async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified
     """This node's newest `verified` per shard with no `flushed` of the same content, not
     evicted since, whose file is still there. Only this node's subjects are read."""
     verified: dict[tuple[str, int, int], ShardVerified] = {}
-    for e in await bus.history(f"{SUBJECT_ROOT}.*.verified.{node}.*"):
+    for e in await bus.history(filter_subject("verified", node=node)):
         if isinstance(e, ShardVerified):
             verified[(e.job, e.step, e.rank)] = e
     flushed = {
         (e.job, e.step, e.rank, e.header_digest)
-        for e in await bus.history(f"{SUBJECT_ROOT}.*.flushed.{node}.*")
+        for e in await bus.history(filter_subject("flushed", node=node))
         if isinstance(e, ShardFlushed)
     }
     evicted: dict[tuple[str, int, int], float] = {}
-    for e in await bus.history(f"{SUBJECT_ROOT}.*.evicted.{node}.*"):
+    for e in await bus.history(filter_subject("evicted", node=node)):
         if isinstance(e, ShardEvicted) and e.tier == "nvme":
             evicted[(e.job, e.step, e.rank)] = e.ts
     pending = []
@@ -233,27 +233,6 @@ async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified
         if Path(e.path) == path and await anyio.Path(path).exists():
             pending.append(e)
     return pending
-
-
-class _KeyLocks:
-    """One lock per key, alive while someone holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
-
-    @asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key, (anyio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
 
 
 def _apply(throttle: Throttle, data: bytes) -> None:
@@ -275,3 +254,24 @@ def _owned(nvme: NvmeStore, s3: S3Store, key: str) -> bool:
         return nvme.path_for(PurePosixPath(relpath)).exists()
     except ValueError:
         return False
+
+
+class _KeyLocks:
+    """One lock per key, alive while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[anyio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (anyio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)

@@ -11,78 +11,75 @@ holding the same save and only republishes (deduplicated).
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
-import structlog
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup
+from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import StagingGoneError, TierpipeError
-from tierpipe.faults import maybe_die
 from tierpipe.names import node_name, shard_relpath
-from tierpipe.runner import serve
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
 from tierpipe.staging import StagedImage, open_image
 from tierpipe.storage.nvme import NvmeStore, WriteResult, read_head
 
-__all__ = ["STAGE", "run"]
+__all__ = ["KINDS", "STAGE", "NvmeWrite", "handle", "open"]
 
 STAGE = "nvme-write"
-log = structlog.get_logger(__name__)
+KINDS = ("staged",)
 
 
-async def run(
-    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    node = node_name(settings.node)
-    async with AsyncExitStack() as stack:
-        store = stack.enter_context(NvmeStore.from_settings(settings))
-        await stack.enter_async_context(store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
-        # Under the lock: another instance's temp files are dead for sure, whatever their PID.
-        await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
+@dataclass(frozen=True, slots=True)
+class NvmeWrite:
+    settings: Settings
+    node: str
+    store: NvmeStore
+    #: Unmaps staging images once their shard is written, off the `written` event's path.
+    unmapper: TaskGroup
 
-        async def handle(event: ShardStaged, attempt: int) -> None:
-            result, image = await anyio.to_thread.run_sync(
-                _write, store, settings.staging_root, event
-            )
-            try:
-                await bus.publish(
-                    event.follow(
-                        ShardWritten,
-                        node=node,
-                        path=result.path,
-                        nbytes=result.nbytes,
-                        header_digest=result.header_digest,
-                        tensors=result.tensors,
-                        seconds=round(result.seconds, 6),
-                        origin=event.origin,
-                    )
-                )
-            finally:
-                if image is not None:  # unmapping a large slot takes tens of ms: after the event
-                    await anyio.to_thread.run_sync(image.close)
-            maybe_die("nvme-write:before-ack", settings.fault_point)
-            log.info(
-                "shard_written",
-                path=result.path,
-                nbytes=result.nbytes,
-                existed=result.existed,
-                seconds=round(result.seconds, 4),
-                mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-            )
 
-        await serve(
-            bus,
-            settings,
-            stage=STAGE,
-            node=node,
-            kinds=("staged",),
-            handler=handle,
-            task_status=task_status,
-        )
+@asynccontextmanager
+async def open(settings: Settings, bus: Bus) -> AsyncIterator[NvmeWrite]:
+    """Hold the node's nvme-write lock and sweep the temp files a killed writer left."""
+    with NvmeStore.from_settings(settings) as store:
+        async with (
+            store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),
+            anyio.create_task_group() as unmapper,
+        ):
+            # Under the lock: another instance's temp files are dead for sure, whatever their PID.
+            await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
+            yield NvmeWrite(settings, node_name(settings.node), store, unmapper)
+
+
+async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritten:
+    """Seal the staged shard on NVMe (or find it sealed already) and say so."""
+    result, image = await anyio.to_thread.run_sync(
+        _write, ctx.store, ctx.settings.staging_root, event
+    )
+    if image is not None:
+        # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
+        ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
+    bind_contextvars(
+        path=result.path,
+        nbytes=result.nbytes,
+        existed=result.existed,
+        mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+    )
+    return event.follow(
+        ShardWritten,
+        node=ctx.node,
+        path=result.path,
+        nbytes=result.nbytes,
+        header_digest=result.header_digest,
+        tensors=result.tensors,
+        seconds=round(result.seconds, 6),
+        origin=event.origin,
+    )
 
 
 def _write(

@@ -9,95 +9,90 @@ lock.
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import structlog
-from anyio.abc import TaskStatus
+from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.names import node_name, shard_relpath
-from tierpipe.runner import serve
-from tierpipe.schemas import ShardVerified, ShardWritten, StageFailed
+from tierpipe.schemas import Event, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.staging import open_staged
 from tierpipe.storage.nvme import NvmeStore, VerifyResult
 
-__all__ = ["STAGE", "run"]
+__all__ = ["KINDS", "STAGE", "Verify", "handle", "open"]
 
 STAGE = "verify"
+KINDS = ("written",)
 log = structlog.get_logger(__name__)
 
 
-async def run(
-    settings: Settings, bus: Bus, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    node = node_name(settings.node)
-    async with AsyncExitStack() as stack:
-        store = stack.enter_context(NvmeStore.from_settings(settings))
-        await stack.enter_async_context(store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
-        await anyio.to_thread.run_sync(store.sweep_temp, STAGE)  # a killed rewrite's
+@dataclass(frozen=True, slots=True)
+class Verify:
+    settings: Settings
+    node: str
+    store: NvmeStore
 
-        async def handle(event: ShardWritten, attempt: int) -> None:
-            final = store.path_for(
-                shard_relpath(event.job, event.step, event.rank, event.world_size)
-            )
-            if Path(event.path) != final:
-                raise ShardFormatError(event.path, f"not this node's shard path {final}")
-            rewritten = False
-            try:
-                result = await anyio.to_thread.run_sync(_verify, store, final, event)
-            except (IntegrityError, ShardFormatError) as corrupt:
-                result = await anyio.to_thread.run_sync(
-                    _rewrite, store, settings.staging_root, final, event
-                )
-                if result is None:
-                    raise
-                rewritten = True
-                await bus.publish(
-                    event.follow(
-                        StageFailed,
-                        node=node,
-                        stage=STAGE,
-                        error=type(corrupt).__name__,
-                        message=f"{corrupt}; rewritten from the staging copy and verified",
-                        retryable=True,
-                        attempt=attempt,
-                    )
-                )
-                log.warning("shard_rewritten", path=str(final), error=str(corrupt))
-            await bus.publish(
-                event.follow(
-                    ShardVerified,
-                    node=node,
-                    path=result.path,
-                    nbytes=result.nbytes,
-                    header_digest=result.header_digest,
-                    seconds=round(result.seconds, 6),
-                    rewritten=rewritten,
-                    origin=event.origin,
-                )
-            )
-            log.info(
-                "shard_verified",
-                path=result.path,
-                nbytes=result.nbytes,
-                rewritten=rewritten,
-                seconds=round(result.seconds, 4),
-                mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-            )
 
-        await serve(
-            bus,
-            settings,
-            stage=STAGE,
-            node=node,
-            kinds=("written",),
-            handler=handle,
-            task_status=task_status,
+@asynccontextmanager
+async def open(settings: Settings, bus: Bus) -> AsyncIterator[Verify]:
+    """Hold the node's verify lock and sweep the temp files of a killed rewrite."""
+    with NvmeStore.from_settings(settings) as store:
+        async with store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s):
+            await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
+            yield Verify(settings, node_name(settings.node), store)
+
+
+async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
+    """Check the shard as the device holds it; `verified`, preceded by a retryable `failed`
+    naming the corruption when the shard had to be rewritten from staging."""
+    final = ctx.store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
+    if Path(event.path) != final:
+        raise ShardFormatError(event.path, f"not this node's shard path {final}")
+    out: list[Event] = []
+    try:
+        result = await anyio.to_thread.run_sync(_verify, ctx.store, final, event)
+    except (IntegrityError, ShardFormatError) as corrupt:
+        result = await anyio.to_thread.run_sync(
+            _rewrite, ctx.store, ctx.settings.staging_root, final, event
         )
+        if result is None:
+            raise
+        log.warning("shard_rewritten", path=str(final), error=str(corrupt))
+        out.append(
+            event.follow(
+                StageFailed,
+                node=ctx.node,
+                stage=STAGE,
+                error=type(corrupt).__name__,
+                message=f"{corrupt}; rewritten from the staging copy and verified",
+                retryable=True,
+                attempt=attempt,
+            )
+        )
+    bind_contextvars(
+        path=result.path,
+        nbytes=result.nbytes,
+        rewritten=bool(out),
+        mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
+    )
+    verified = event.follow(
+        ShardVerified,
+        node=ctx.node,
+        path=result.path,
+        nbytes=result.nbytes,
+        header_digest=result.header_digest,
+        seconds=round(result.seconds, 6),
+        rewritten=bool(out),
+        origin=event.origin,
+    )
+    return [*out, verified]
 
 
 def _verify(store: NvmeStore, final: Path, event: ShardWritten) -> VerifyResult:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from tierpipe.errors import InvalidNameError
-from tierpipe.names import event_subject, msg_id, shard_relpath, validate_token
+from tierpipe.names import (
+    ALL_SUBJECTS,
+    event_subject,
+    filter_subject,
+    flush_control_subject,
+    job_subjects,
+    msg_id,
+    shard_relpath,
+    validate_token,
+)
 from tierpipe.schemas import ShardEvicted, ShardWritten, StageFailed, decode_event, encode_event
 
 
@@ -105,3 +116,53 @@ def test_unknown_schema_versions_are_refused_not_guessed(version: int) -> None:
     assert b'"v":1' in good
     with pytest.raises(msgspec.ValidationError, match=f"schema version {version} is not supported"):
         decode_event(good.replace(b'"v":1', f'"v":{version}'.encode()))
+
+
+def test_filters_cover_what_their_readers_need() -> None:
+    """Filters for the stream, a job, one kind on one node, every shard event, and the flush
+    commands (every node or one)."""
+    assert ALL_SUBJECTS == "tp.>"
+    assert job_subjects("j1") == "tp.j1.>"
+    assert filter_subject("verified", node="n1") == "tp.*.verified.n1.*"
+    assert filter_subject("*", node="*") == "tp.*.*.*.*"
+    assert (flush_control_subject(), flush_control_subject("n1")) == (
+        "tp.ctl.flush",
+        "tp.ctl.flush.n1",
+    )
+
+
+ROOT = Path(__file__).parent.parent
+#: Modules other parts of issue 9 are moving that still spell their subjects inline; remove
+#: each once it uses `job_subjects`, `filter_subject` or `flush_control_subject`.
+NOT_YET = {"pipeline/cli.py", "pipeline/client.py", "pipeline/recovery.py"}
+
+
+def inline_subjects(path: Path) -> list[str]:
+    """Where `path` builds a subject itself: an f-string on `SUBJECT_ROOT` or `CONTROL_FLUSH`,
+    or a string that starts like one (`"tp."`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.JoinedStr):
+            names = {v.value.id for v in node.values if isinstance(v, ast.FormattedValue)
+                     and isinstance(v.value, ast.Name)}  # fmt: skip
+            if names & {"SUBJECT_ROOT", "CONTROL_FLUSH"}:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("tp.")
+        ):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_subjects_are_built_only_in_names() -> None:
+    """No module of the library, the stages or the schemas spells out a subject: names.py
+    builds every one."""
+    modules = [p for d in ("pipeline", "stages", "schemas") for p in (ROOT / d).rglob("*.py")]
+    checked = [p for p in modules if str(p.relative_to(ROOT)) not in NOT_YET]
+    assert len(checked) > 20 and (ROOT / "pipeline/names.py") in checked
+    found = [hit for p in checked if p.name != "names.py" for hit in inline_subjects(p)]
+    assert found == []
+    # The check finds what it looks for (names.py itself is where subjects are built).
+    assert inline_subjects(ROOT / "pipeline/names.py")

@@ -17,13 +17,14 @@ import pytest
 
 from tests.conftest import Events, make_staged
 from tierpipe.bus import Bus
+from tierpipe.consumer import Drain
 from tierpipe.errors import (
     BusUnavailableError,
     PermanentError,
     RetryableError,
     StorageUnavailableError,
 )
-from tierpipe.runner import _Drain, _drain, serve
+from tierpipe.runner import _drain, serve
 from tierpipe.schemas import ShardStaged, StageFailed
 from tierpipe.settings import Settings
 
@@ -197,7 +198,7 @@ async def test_an_outage_is_handed_back_at_once_when_the_worker_stops(
     told to stop, without waiting for its backoff or the drain timeout."""
     calls: list[int] = []
     tried = anyio.Event()
-    drain = _Drain(timeout_s=30.0)
+    drain = Drain(timeout_s=30.0)
     token = _drain.set(drain)
 
     async def handler(event: ShardStaged, attempt: int) -> None:
@@ -251,16 +252,17 @@ def test_sigterm_drains_in_flight_work(
         textwrap.dedent(f"""
         import anyio, sys
         from tierpipe.log import configure_logging
-        from tierpipe.runner import run_agent, serve
+        from tierpipe.runner import run_agent
         from tierpipe.settings import load_settings
 
-        async def stage(settings, bus, *, task_status):
-            async def handle(event, attempt):
+        class stage:
+            STAGE = "drain"
+            KINDS = ("staged",)
+
+            async def handle(ctx, event, attempt):
                 print("started", flush=True)
                 await anyio.sleep(1.5)
                 open({str(done)!r}, "w").write(str(attempt))
-            await serve(bus, settings, stage="drain", node=settings.node, kinds=("staged",),
-                        handler=handle, task_status=task_status)
 
         s = load_settings()
         configure_logging(s.log_level, "json")  # logs to stderr; stdout is for the test

@@ -96,19 +96,23 @@ def _crash_agent_script(tmp_path: Path) -> Path:
         import sys
         from urllib.parse import urlsplit
 
+        from contextlib import asynccontextmanager
+
         from tierpipe import cli
-        from tierpipe.names import node_name
-        from tierpipe.runner import serve
         from tierpipe.stages import AGENT_STAGES
 
-        async def crash(settings, bus, *, task_status):
-            async def handle(event, attempt):
+        class crash:
+            STAGE = "crash"
+            KINDS = ("verified",)
+
+            @asynccontextmanager
+            async def open(settings, bus):
+                yield settings
+
+            async def handle(settings, event, attempt):
                 password = urlsplit(settings.nats_url).password
                 s3_secret = settings.s3_secret_access_key
                 raise RuntimeError(f"cannot log in with {password} or {s3_secret}")
-
-            await serve(bus, settings, stage="crash", node=node_name(settings.node),
-                        kinds=("verified",), handler=handle, task_status=task_status)
 
         AGENT_STAGES["crash"] = crash
         sys.exit(cli.main(["worker", "all"]))

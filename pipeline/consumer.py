@@ -1,0 +1,146 @@
+"""How messages reach a stage's worker, and how the worker stops taking them.
+
+`StageConsumer` is the stage's durable pull consumer: bound at start, rebuilt when it or its
+stream is gone. `Drain` tracks the process's in-flight work, so a stop lets it finish in time.
+Plus what the runner and the consumer share: the retry delay (`backoff`) and best-effort acks
+(`quietly`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import structlog
+from nats.aio.msg import Msg
+
+from tierpipe.bus import Bus
+from tierpipe.settings import Settings
+
+__all__ = ["Drain", "StageConsumer", "backoff", "quietly", "text"]
+
+log = structlog.get_logger(__name__)
+
+
+class StageConsumer:
+    """The stage's pull subscription, rebuilt when its consumer or the whole stream is gone."""
+
+    def __init__(
+        self, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str], sub: Any
+    ) -> None:
+        self.bus, self.settings, self.stage = bus, settings, stage
+        self.durable, self.filters, self.sub = durable, filters, sub
+        self.failures = 0
+
+    @classmethod
+    async def bind(
+        cls, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str]
+    ) -> StageConsumer:
+        """Create (or update) the durable consumer and subscribe to it."""
+        await bus.ensure_consumer(durable, filters)
+        return cls(bus, settings, stage, durable, filters, await bus.pull(durable))
+
+    async def fetch(self, drain: Drain) -> list[Msg]:
+        """The next message, or none (after a failure has been dealt with)."""
+        try:
+            msgs = await self.bus.fetch(self.sub, batch=1, timeout=1.0)
+        except Exception as e:  # whatever it is, the stage must go on fetching
+            await self._recover(e, drain)
+            return []
+        if self.failures:
+            log.info("fetch_recovered", stage=self.stage, failures=self.failures)
+            self.failures = 0
+        return msgs
+
+    async def _recover(self, error: Exception, drain: Drain) -> None:
+        self.failures += 1
+        if self.failures == 1:  # once per run of failures: an outage must not flood the log
+            log.warning("fetch_failed", stage=self.stage, error=text(error))
+        try:
+            # A pull from a consumer that no longer exists fails at once, every time: find out
+            # whether that is why, rather than waiting for an outage that is not there.
+            gone = await self.bus.missing(self.durable)
+            if gone is not None:
+                await self._recreate(gone)
+                return
+        except Exception as e:  # an outage, most likely: wait and fetch again
+            log.debug("consumer_check_failed", stage=self.stage, error=text(e))
+        # Fetching is cheap: retry soon after an outage ends, whatever retry_max_s says.
+        await drain.sleep(backoff(self.settings, self.failures, cap_s=5.0))
+
+    async def _recreate(self, gone: str) -> None:
+        if gone == "stream":
+            await self.bus.ensure_stream()
+        await self.bus.ensure_consumer(self.durable, self.filters)
+        old, self.sub = self.sub, await self.bus.pull(self.durable)
+        await quietly(old.unsubscribe())
+        # One line per recreation (at warning: events published meanwhile may be lost).
+        if gone == "stream":
+            log.warning("stream_recreated", stage=self.stage, stream=self.settings.stream)
+        else:
+            log.warning("consumer_recreated", stage=self.stage, consumer=self.durable)
+        self.failures = 0
+
+
+class Drain:
+    """In-flight work of this process; on stop, each gets `timeout_s` more to finish."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.stopping = False
+        self.stopped = anyio.Event()
+        self._inflight: set[anyio.CancelScope] = set()
+
+    def begin(self) -> None:
+        self.stopping = True
+        self.stopped.set()
+        deadline = anyio.current_time() + self.timeout_s
+        for scope in self._inflight:
+            scope.deadline = min(scope.deadline, deadline)
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, but wake up when the drain begins."""
+        with anyio.move_on_after(seconds):
+            await self.stopped.wait()
+
+    @contextmanager
+    def work(self) -> Iterator[anyio.CancelScope]:
+        # Shielded: cancelling the worker does not interrupt a half-done write; the deadline
+        # set by begin() bounds how long it may still take.
+        scope = anyio.CancelScope(shield=True)
+        if self.stopping:
+            scope.deadline = anyio.current_time() + self.timeout_s
+        self._inflight.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._inflight.discard(scope)
+
+
+def backoff(
+    settings: Settings, n: int, *, cap_s: float | None = None, jitter: bool = True
+) -> float:
+    """The delay before try `n + 1`: `retry_base_s` doubling per try up to `retry_max_s`
+    (and `cap_s`); with jitter, a random 50-100 % of it, so workers that failed together do not
+    retry in lockstep."""
+    cap = settings.retry_max_s if cap_s is None else min(cap_s, settings.retry_max_s)
+    delay = min(cap, settings.retry_base_s * 2 ** min(max(n - 1, 0), 32))
+    return delay * random.uniform(0.5, 1.0) if jitter else delay  # noqa: S311 (not crypto)
+
+
+async def quietly(op: Awaitable[Any]) -> None:
+    """Acks, naks and heartbeats are best effort: a lost one means a redelivery, which the
+    stages' idempotence absorbs."""
+    try:
+        await op
+    except Exception as e:
+        log.warning("ack_failed", error=text(e))
+
+
+def text(e: BaseException) -> str:
+    """An error's message, or its class name when it has none."""
+    return str(e) or type(e).__name__
