@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from tierpipe.bus import Bus
 from tierpipe.settings import Settings
 
-__all__ = ["Drain", "StageConsumer", "backoff", "quietly", "text"]
+__all__ = ("Drain", "StageConsumer", "backoff", "quietly", "text")
 
 log = structlog.get_logger(__name__)
 

@@ -56,7 +56,7 @@ from tierpipe.names import consumer_name, event_subject, filter_subject, node_na
 from tierpipe.schemas import Event, ShardEvent, StageFailed, decode_event
 from tierpipe.settings import Settings
 
-__all__ = ["Handler", "Output", "Stage", "run_agent", "run_stage", "serve"]
+__all__ = ("Handler", "Output", "Stage", "run_agent", "run_stage", "serve")
 
 log = structlog.get_logger(__name__)
 _IGNORED = anyio.TASK_STATUS_IGNORED

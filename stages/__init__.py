@@ -25,4 +25,4 @@ AGENT_STAGES: dict[str, Stage] = {
     evict.STAGE: evict,
 }
 
-__all__ = ["AGENT_STAGES"]
+__all__ = ("AGENT_STAGES",)

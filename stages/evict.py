@@ -48,7 +48,7 @@ from tierpipe.staging import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ["EVERY_NODE", "KINDS", "STAGE", "Evict", "RestorePins", "handle", "open"]
+__all__ = ("EVERY_NODE", "KINDS", "STAGE", "Evict", "RestorePins", "handle", "open")
 
 STAGE = "evict"
 KINDS = ("written", "verified", "flushed", "evicted", "failed")

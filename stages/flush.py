@@ -41,7 +41,7 @@ from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 from tierpipe.throttle import Throttle
 
-__all__ = ["KINDS", "STAGE", "Flush", "apply_control", "handle", "open"]
+__all__ = ("KINDS", "STAGE", "Flush", "apply_control", "handle", "open")
 
 STAGE = "flush"
 KINDS = ("verified",)

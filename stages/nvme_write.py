@@ -28,7 +28,7 @@ from tierpipe.settings import Settings
 from tierpipe.staging import StagedImage, open_image
 from tierpipe.storage.nvme import NvmeStore, WriteResult, read_head
 
-__all__ = ["KINDS", "STAGE", "NvmeWrite", "handle", "open"]
+__all__ = ("KINDS", "STAGE", "NvmeWrite", "handle", "open")
 
 STAGE = "nvme-write"
 KINDS = ("staged",)

@@ -20,7 +20,7 @@ from tierpipe.pinned import page_lock, page_unlock
 from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan
 
-__all__ = ["Snapshot", "StagedCopy"]
+__all__ = ("Snapshot", "StagedCopy")
 
 
 @dataclass(slots=True)

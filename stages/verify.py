@@ -26,7 +26,7 @@ from tierpipe.settings import Settings
 from tierpipe.staging import open_staged
 from tierpipe.storage.nvme import NvmeStore, VerifyResult
 
-__all__ = ["KINDS", "STAGE", "Verify", "handle", "open"]
+__all__ = ("KINDS", "STAGE", "Verify", "handle", "open")
 
 STAGE = "verify"
 KINDS = ("written",)

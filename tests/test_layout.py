@@ -37,13 +37,6 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
         "tierpipe.recovery",
         "tierpipe.reindex",
         "tierpipe.restore",
-        "tierpipe.runner",
-        "tierpipe.stages",
-        "tierpipe.stages.evict",
-        "tierpipe.stages.flush",
-        "tierpipe.stages.nvme_write",
-        "tierpipe.stages.snapshot",
-        "tierpipe.stages.verify",
         "tierpipe.storage.nvme",
         "tierpipe.storage.s3",
     )
