@@ -345,16 +345,11 @@ class S3Store:
     async def list_uploads(self, prefix: str) -> list[dict[str, Any]]:
         """In-progress multipart uploads under `prefix`."""
         uploads: list[dict[str, Any]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         async with translate_errors(prefix):
-            while True:
-                page = await self.client.list_multipart_uploads(**kwargs)
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 uploads += page.get("Uploads", [])
-                if not page.get("IsTruncated"):
-                    return uploads
-                kwargs.update(
-                    KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"]
-                )
+        return uploads
 
     async def abort_orphans(self, owned: Callable[[str], bool], *, max_age_s: float) -> int:
         """Abort multipart uploads under the prefix that this node owns (`owned(key)`), or that
@@ -434,14 +429,11 @@ class S3Store:
     async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`."""
         found: list[tuple[str, int]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         async with translate_errors(prefix):
-            while True:
-                page = await self.client.list_objects_v2(**kwargs)
+            paginator = self.client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
-                if not page.get("IsTruncated"):
-                    return found
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        return found
 
     async def delete(self, key: str) -> None:
         """Remove an object (idempotent)."""
