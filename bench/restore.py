@@ -3,7 +3,7 @@ against a plain cold read and the usual loaders (recovery planning and event rep
 `python -m bench plan`).
 
 The synthetic transformer state of `bench.common.make_state` is written once as a tierpipe shard
-(`tierpipe.state.write_shard`, at its canonical path under a private NVMe root), and once in each
+(`tierpipe.write_shard`, at its canonical path under a private NVMe root), and once in each
 peer's own format. Target tensors (same shapes and dtypes, allocated and touched once) are reused
 by every candidate and every rep. Every candidate reads cold: the page cache is dropped right
 before each one. Candidates run once per rep in a shuffled order (interleaved against a noisy
@@ -203,7 +203,7 @@ class _Setup:
         self.key = ""
 
     def write_shard(self, state: dict[str, Any]) -> str:
-        from tierpipe.state import write_shard
+        from tierpipe.storage.shardfile import write_shard
 
         self.shard.parent.mkdir(parents=True)
         return write_shard(self.shard, state, job=JOB, step=STEP, node=NODE)

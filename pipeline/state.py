@@ -12,8 +12,6 @@ No pickle: a shard holds data only.
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
 import re
 import sys
 import time
@@ -39,7 +37,6 @@ __all__ = (
     "plan_state",
     "rebuild_state",
     "tensor_buffer",
-    "write_shard",
 )
 
 KeyPath = tuple[str | int, ...]
@@ -269,36 +266,6 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
-def write_shard(
-    path: str | os.PathLike[str],
-    state: Any,
-    *,
-    job: str,
-    step: int,
-    rank: int = 0,
-    world_size: int = 1,
-    node: str = "local",
-    epoch: int = 0,
-) -> str:
-    """Write `state` as a sealed shard file (fsynced, atomically renamed into place).
-
-    This is the standalone writer (tests, tools); training code uses `Checkpointer.save()`.
-
-    Returns:
-        The header digest as hex.
-    """
-    from tierpipe.storage.nvme import seal_image
-
-    plan = plan_state(
-        state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch
-    )
-    buf = mmap.mmap(-1, plan.nbytes)  # page-aligned, so the writer can use O_DIRECT
-    buf[: len(plan.head)] = plan.head
-    plan.copy_into(plan.destinations(torch.frombuffer(buf, dtype=torch.uint8)))
-    with memoryview(buf) as view:
-        return seal_image(view, os.fspath(path)).header_digest
 
 
 # --- the state tree: msgpack values; containers and references are arrays tagged by their 1st item

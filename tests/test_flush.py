@@ -28,8 +28,8 @@ from tierpipe.restore import load_shard
 from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
-from tierpipe.state import write_shard
 from tierpipe.storage.s3 import S3Store, Uploaded
+from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
 
 pytestmark = pytest.mark.slow

@@ -43,9 +43,9 @@ from tierpipe.schemas import (
 )
 from tierpipe.settings import Settings
 from tierpipe.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
-from tierpipe.state import write_shard
-from tierpipe.storage.nvme import read_head
+from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.shardfile import write_shard
 
 # --- item 14: crafted shard files ------------------------------------------------------------
 

@@ -37,8 +37,6 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
         "tierpipe.recovery",
         "tierpipe.reindex",
         "tierpipe.restore",
-        "tierpipe.storage.nvme",
-        "tierpipe.storage.s3",
     )
 )
 

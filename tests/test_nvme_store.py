@@ -16,7 +16,8 @@ from tierpipe.errors import NoSpaceError, ShardFormatError
 from tierpipe.restore import load_shard
 from tierpipe.shard import parse_head
 from tierpipe.state import plan_state, tensor_buffer
-from tierpipe.storage.nvme import INSTANCE, NvmeStore
+from tierpipe.storage.lock import INSTANCE
+from tierpipe.storage.nvme import NvmeStore
 
 
 def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:

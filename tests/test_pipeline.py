@@ -23,7 +23,7 @@ from tierpipe.names import shard_relpath
 from tierpipe.restore import load_shard
 from tierpipe.schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.storage.nvme import read_head
+from tierpipe.storage.reader import read_head
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from tierpipe.names import shard_relpath
 from tierpipe.recovery import NoCheckpointError, WorldSizeMismatchError
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.storage.nvme import read_head
+from tierpipe.storage.reader import read_head
 
 pytestmark = pytest.mark.slow
 

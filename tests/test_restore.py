@@ -14,8 +14,8 @@ from hypothesis import strategies as hs
 from tierpipe import restore
 from tierpipe.errors import IntegrityError, ShardFormatError
 from tierpipe.restore import load_into
-from tierpipe.state import write_shard
-from tierpipe.storage.nvme import read_head
+from tierpipe.storage.reader import read_head
+from tierpipe.storage.shardfile import write_shard
 
 
 def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -43,8 +43,8 @@ from tierpipe.schemas import (
 from tierpipe.settings import Settings
 from tierpipe.stages.evict import RestorePins
 from tierpipe.staging import NodeSlots
-from tierpipe.state import write_shard
 from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.shardfile import write_shard
 
 # --- events for pure-logic tests
 

@@ -439,7 +439,7 @@ async def test_a_request_the_store_does_not_implement_is_permanent_not_an_outage
     from botocore.exceptions import ClientError
 
     from tierpipe.errors import StorageUnsupportedError, UnavailableError
-    from tierpipe.storage.s3 import _errors
+    from tierpipe.storage.s3_errors import translate_errors
 
     refused = ClientError(
         {
@@ -449,6 +449,6 @@ async def test_a_request_the_store_does_not_implement_is_permanent_not_an_outage
         "DeleteObject",
     )
     with pytest.raises(StorageUnsupportedError, match="conditional writes") as err:
-        async with _errors("k"):
+        async with translate_errors("k"):
             raise refused
     assert not isinstance(err.value, UnavailableError)

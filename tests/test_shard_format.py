@@ -17,8 +17,8 @@ from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateEr
 from tierpipe.restore import load_shard
 from tierpipe.schemas import ALIGN
 from tierpipe.shard import PREFIX_NBYTES
-from tierpipe.state import write_shard
-from tierpipe.storage.nvme import read_head
+from tierpipe.storage.reader import read_head
+from tierpipe.storage.shardfile import write_shard
 
 DTYPES = [
     torch.bfloat16,

@@ -36,7 +36,8 @@ from tierpipe.settings import Settings
 from tierpipe.stages.snapshot import Snapshot
 from tierpipe.staging import SlotPool, StagedImage, open_image, release
 from tierpipe.state import plan_state
-from tierpipe.storage.nvme import NvmeStore, read_head
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.reader import read_head
 
 JOB = "j"
 

@@ -1,0 +1,11 @@
+"""Storage: every byte of a shard on disk and in the bucket.
+
+- `nvme`: the node-local tier (`NvmeStore`): seal staged images into shard files, verify them.
+- `s3`: the object-storage tier (`S3Store`): write-once multipart uploads, ranged downloads;
+  `s3_parts` (part reads, checksums, paced bodies), `s3_errors` (botocore's errors translated).
+- `reader`: shard files read back from the device: the head, and every blob's digest.
+- `shardfile`: standalone writers (`write_shard`) for tests, tools and benchmarks.
+- `aligned`: O_DIRECT opens, aligned buffers, full-length pread/pwrite loops.
+- `durable`: fsynced directories, preallocation, out-of-space errors.
+- `lock`: one agent per node and stage; the temp files of dead writers.
+"""

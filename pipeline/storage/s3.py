@@ -2,14 +2,14 @@
 
 One long-lived aioboto3 client per process. An upload is a multipart upload streamed from the
 NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC32C computed
-(awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies; the
-bytes go out in ~1 MiB pieces through the shared `Throttle`. The final key is write-once
-(`IfNoneMatch="*"`); an object already there with the same size and header digest counts as
-done, and only an abandoned timeline's object (a rewound run's older epoch) may be replaced.
-Size and checksum are confirmed with a HEAD after completion. Objects record which node
-uploaded them, and retention deletes only its own node's (`delete_owned`). botocore's
-exceptions stop here: callers see `StorageUnavailableError` (retryable) or `StorageAuthError` /
-`StorageConflictError` / `IntegrityError` (permanent).
+(awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies;
+the bytes go out in ~1 MiB pieces through the shared `Throttle` (see `s3_parts`). The final key
+is write-once (`IfNoneMatch="*"`); an object already there with the same size and header digest
+counts as done, and only an abandoned timeline's object (a rewound run's older epoch) may be
+replaced. Size and checksum are confirmed with a HEAD after completion. Objects record which
+node uploaded them, and retention deletes only its own node's (`delete_owned`). botocore's
+exceptions stop here (see `s3_errors`): callers see `StorageUnavailableError` (retryable) or
+`StorageAuthError` / `StorageConflictError` / `IntegrityError` (permanent).
 """
 
 from __future__ import annotations
@@ -17,23 +17,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import errno
 import mmap
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import aiohttp
 import anyio
 import structlog
 from aiobotocore.config import AioConfig
-from awscrt import checksums
-from botocore.exceptions import BotoCoreError, ClientError
 
 from tierpipe.errors import (
     IntegrityError,
@@ -46,26 +42,16 @@ from tierpipe.errors import (
     TierpipeError,
 )
 from tierpipe.names import node_name
+from tierpipe.schemas import ALIGN
 from tierpipe.settings import Settings
+from tierpipe.storage.aligned import aligned_buffer, open_direct, round_up
+from tierpipe.storage.s3_errors import NotFound, download_error, first_error, translate_errors
+from tierpipe.storage.s3_parts import PacedBody, close_buffers, composite_checksum, read_part
 from tierpipe.throttle import Throttle
 
-__all__ = ["S3Store", "Uploaded"]
+__all__ = ("S3Store", "Uploaded")
 
 log = structlog.get_logger(__name__)
-
-_PIECE = 1 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_AUTH_CODES = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "AccessDenied",
-    "InvalidToken",
-    "ExpiredToken",
-    "AuthorizationHeaderMalformed",
-    "Forbidden",
-    "403",
-}
-_CONFIG_CODES = {"NoSuchBucket", "InvalidBucketName", "PermanentRedirect"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +175,7 @@ class S3Store:
                     epoch=epoch,
                     rewind_to=rewind_to,
                 )
-            expected = _composite([base64.b64decode(crc) for _, _, crc in parts])
+            expected = composite_checksum([base64.b64decode(crc) for _, _, crc in parts])
             checksum = await self._confirm(key, nbytes, expected)
             etag = done.get("ETag", "").strip('"')
             return Uploaded(
@@ -206,14 +192,14 @@ class S3Store:
             StorageConflictError: the condition failed (the key changed since it was looked at).
         """
         await self._abort_uploads(key)
-        async with _errors(key):
+        async with translate_errors(key):
             created = await self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C", Metadata=metadata
             )
         upload_id = created["UploadId"]
         try:
             parts = await self._upload_parts(path, key, upload_id, nbytes)
-            async with _errors(key):
+            async with translate_errors(key):
                 done = await self.client.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
@@ -241,13 +227,13 @@ class S3Store:
         # One aligned buffer per part in flight, reused part after part: a fresh 64 MiB mapping
         # per part costs page faults on every read and a slow unmap on the event loop.
         buffers = [
-            mmap.mmap(-1, -(-min(part, nbytes) // 4096) * 4096 or 4096)
+            aligned_buffer(round_up(min(part, nbytes)) or ALIGN)
             for _ in range(min(self.settings.part_concurrency, count))
         ]
         free = list(buffers)
         limiter = anyio.Semaphore(len(buffers))
         try:
-            fd = _open_direct(path)
+            fd = open_direct(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             raise RetryableError(f"cannot open {path}: {e}") from e
 
@@ -257,10 +243,10 @@ class S3Store:
                 size = min(part, nbytes - offset)
                 buf = free.pop()
                 try:
-                    crc = await anyio.to_thread.run_sync(_read_and_crc, fd, buf, offset, size, path)
+                    crc = await anyio.to_thread.run_sync(read_part, fd, buf, offset, size, path)
                     with memoryview(buf) as view:
-                        body = _PacedBody(view[:size], self.throttle)
-                        async with _errors(key):
+                        body = PacedBody(view[:size], self.throttle)
+                        async with translate_errors(key):
                             r = await self.client.upload_part(
                                 Bucket=self.bucket,
                                 Key=key,
@@ -279,10 +265,10 @@ class S3Store:
                 for i in range(count):
                     tg.start_soon(one, i)
         except BaseExceptionGroup as group:
-            raise _first(group) from group
+            raise first_error(group) from group
         finally:
             os.close(fd)
-            await anyio.to_thread.run_sync(_close_all, buffers)
+            await anyio.to_thread.run_sync(close_buffers, buffers)
         return results
 
     async def _existing(self, key: str, save: _Save) -> _Found | None:
@@ -341,11 +327,11 @@ class S3Store:
     async def head(self, key: str) -> dict[str, Any] | None:
         """The object's HEAD (with its checksum), or None if there is none."""
         try:
-            async with _errors(key):
+            async with translate_errors(key):
                 return await self.client.head_object(
                     Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
                 )
-        except _NotFound:
+        except NotFound:
             return None
 
     # --- orphans and removal
@@ -359,16 +345,11 @@ class S3Store:
     async def list_uploads(self, prefix: str) -> list[dict[str, Any]]:
         """In-progress multipart uploads under `prefix`."""
         uploads: list[dict[str, Any]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-        async with _errors(prefix):
-            while True:
-                page = await self.client.list_multipart_uploads(**kwargs)
+        async with translate_errors(prefix):
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 uploads += page.get("Uploads", [])
-                if not page.get("IsTruncated"):
-                    return uploads
-                kwargs.update(
-                    KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"]
-                )
+        return uploads
 
     async def abort_orphans(self, owned: Callable[[str], bool], *, max_age_s: float) -> int:
         """Abort multipart uploads under the prefix that this node owns (`owned(key)`), or that
@@ -387,11 +368,11 @@ class S3Store:
 
     async def _abort(self, key: str, upload_id: str) -> None:
         try:
-            async with _errors(key):
+            async with translate_errors(key):
                 await self.client.abort_multipart_upload(
                     Bucket=self.bucket, Key=key, UploadId=upload_id
                 )
-        except (_NotFound, TierpipeError) as e:
+        except (NotFound, TierpipeError) as e:
             log.warning("upload_abort_failed", key=key, error=str(e))
 
     async def download(
@@ -410,7 +391,7 @@ class S3Store:
         """
         location = f"s3://{self.bucket}/{key}"
         part = self.settings.part_size_bytes
-        buf = mmap.mmap(-1, max(nbytes, 1))
+        buf = aligned_buffer(max(nbytes, 1))
         limiter = anyio.Semaphore(self.settings.part_concurrency)
 
         async def one(offset: int) -> None:
@@ -419,7 +400,7 @@ class S3Store:
                 guard = hold() if hold is not None else contextlib.nullcontext()
                 await anyio.to_thread.run_sync(guard.__enter__)
                 try:
-                    async with _errors(key):
+                    async with translate_errors(key):
                         r = await self.client.get_object(
                             Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
                         )
@@ -429,7 +410,7 @@ class S3Store:
                                 raise StorageUnavailableError(f"{location}: long read at {offset}")
                             buf[offset + got : offset + got + len(chunk)] = chunk
                             got += len(chunk)
-                except _NotFound:
+                except NotFound:
                     raise ShardMissingError(location, "no such object") from None
                 finally:
                     guard.__exit__(None, None, None)
@@ -442,25 +423,22 @@ class S3Store:
                     tg.start_soon(one, offset)
         except BaseExceptionGroup as group:
             buf.close()
-            raise _download_error(group, location) from group
+            raise download_error(group, location) from group
         return buf
 
     async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`."""
         found: list[tuple[str, int]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-        async with _errors(prefix):
-            while True:
-                page = await self.client.list_objects_v2(**kwargs)
+        async with translate_errors(prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
-                if not page.get("IsTruncated"):
-                    return found
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        return found
 
     async def delete(self, key: str) -> None:
         """Remove an object (idempotent)."""
-        with contextlib.suppress(_NotFound):
-            async with _errors(key):
+        with contextlib.suppress(NotFound):
+            async with translate_errors(key):
                 await self.client.delete_object(Bucket=self.bucket, Key=key)
 
     async def delete_owned(self, key: str, *, node: str, header_digest: str) -> bool:
@@ -491,15 +469,15 @@ class S3Store:
             )
             return False
         try:
-            with contextlib.suppress(_NotFound):
+            with contextlib.suppress(NotFound):
                 try:
-                    async with _errors(key):
+                    async with translate_errors(key):
                         await self.client.delete_object(
                             Bucket=self.bucket, Key=key, IfMatch=head.get("ETag", "")
                         )
                 except StorageUnsupportedError:
                     # A store without conditional deletes: the HEAD just now is the check.
-                    async with _errors(key):
+                    async with translate_errors(key):
                         await self.client.delete_object(Bucket=self.bucket, Key=key)
         except StorageConflictError:
             log.warning("object_delete_refused", bucket=self.bucket, key=key, reason="replaced")
@@ -514,9 +492,9 @@ class S3Store:
             StorageUnavailableError: the store cannot be reached.
         """
         try:
-            async with _errors(self.bucket):
+            async with translate_errors(self.bucket):
                 await self.client.head_bucket(Bucket=self.bucket)
-        except _NotFound:
+        except NotFound:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"
             ) from None
@@ -550,137 +528,3 @@ def _int_or_none(text: str) -> int | None:
         return int(text)
     except ValueError:
         return None
-
-
-class _PacedBody:
-    """A part's bytes as an async stream of ~1 MiB pieces, each let through by the throttle.
-
-    `read` exists only so botocore accepts it as a streaming body; aiohttp iterates it. It can be
-    iterated again from the start, so botocore's own retries resend the whole part.
-    """
-
-    def __init__(self, data: memoryview, throttle: Throttle) -> None:
-        self._data = data
-        self._throttle = throttle
-
-    def read(self, *_: object) -> bytes:
-        raise NotImplementedError("a paced body is streamed by iterating it")
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return 0
-
-    def tell(self) -> int:
-        return 0
-
-    def __aiter__(self) -> AsyncIterator[memoryview]:
-        return self._pieces()
-
-    async def _pieces(self) -> AsyncIterator[memoryview]:
-        for start in range(0, len(self._data), _PIECE):
-            piece = self._data[start : start + _PIECE]
-            await self._throttle.acquire(len(piece))
-            yield piece
-
-
-def _read_and_crc(fd: int, buf: mmap.mmap, offset: int, size: int, path: Path) -> str:
-    """Read one part into `buf` (page-aligned, a multiple of 4 KiB, as O_DIRECT wants) and
-    return its CRC32C as S3 expects it: base64 of the 4 big-endian bytes."""
-    with memoryview(buf) as view:
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                raise RetryableError(f"{path} ended at {offset + got}, expected {offset + size}")
-            got += n
-        return base64.b64encode(checksums.crc32c(view[:size]).to_bytes(4, "big")).decode()
-
-
-def _close_all(buffers: list[mmap.mmap]) -> None:
-    for buf in buffers:
-        with contextlib.suppress(BufferError):  # a view still held by a failed request
-            buf.close()
-
-
-def _open_direct(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this filesystem
-            raise
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    """The exceptions of a (nested) group, in order."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(reversed(e.exceptions))
-        else:
-            leaves.append(e)
-    return leaves
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The error that sank a group of part uploads (a project error if there is one)."""
-    leaves = _leaves(group)
-    return next((e for e in leaves if isinstance(e, TierpipeError)), leaves[0])
-
-
-def _download_error(group: BaseExceptionGroup, location: str) -> BaseException:
-    """The one error a failed download raises: a missing object first, then the project's
-    own errors, else the first cause as an outage; never a private class or a group."""
-    leaves = _leaves(group)
-    for kind in (ShardMissingError, TierpipeError):
-        found = next((e for e in leaves if isinstance(e, kind)), None)
-        if found is not None:
-            return found
-    first = leaves[0]
-    if not isinstance(first, Exception) or isinstance(first, anyio.get_cancelled_exc_class()):
-        return first  # cancellation and interpreter exits pass through as they are
-    return StorageUnavailableError(f"{location}: download failed ({type(first).__name__}: {first})")
-
-
-def _composite(part_crcs: list[bytes]) -> str:
-    """S3's checksum of a multipart object: CRC32C of the parts' CRC32Cs, `-<part count>`."""
-    whole = checksums.crc32c(b"".join(part_crcs)).to_bytes(4, "big")
-    return f"{base64.b64encode(whole).decode()}-{len(part_crcs)}"
-
-
-class _NotFound(Exception):
-    pass
-
-
-@contextlib.asynccontextmanager
-async def _errors(key: str) -> AsyncIterator[None]:
-    """Translate botocore's exceptions into the project's error tree."""
-    try:
-        yield
-    except ClientError as e:
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = err.get("Message") or code
-        if code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound") or (
-            status == 404 and code not in _CONFIG_CODES
-        ):
-            raise _NotFound(key) from e
-        if code in _AUTH_CODES or status == 403:
-            raise StorageAuthError(
-                f"object store refused the credentials ({code}): {message}"
-            ) from e
-        if code in ("PreconditionFailed", "412") or status == 412:
-            raise StorageConflictError(key, "an object already exists at this key") from e
-        if code in _CONFIG_CODES:
-            raise StorageAuthError(f"{code}: {message} (check s3_bucket / s3_endpoint)") from e
-        if code == "NotImplemented" or status == 501:  # not an outage: it will never work
-            raise StorageUnsupportedError(key, f"{code or status}: {message}") from e
-        if status >= 500 or code in ("SlowDown", "RequestTimeout", "BadDigest", "InternalError"):
-            raise StorageUnavailableError(f"object store error on {key} ({code}): {message}") from e
-        raise StorageAuthError(
-            f"object store refused a request on {key} ({code}): {message}"
-        ) from e
-    except (BotoCoreError, OSError, TimeoutError, aiohttp.ClientError) as e:
-        raise StorageUnavailableError(f"object store unreachable ({type(e).__name__}): {e}") from e

@@ -147,7 +147,7 @@ def test_restore_registers_its_arena_on_the_target_device(
     """The restore arena is page-locked from a helper thread with the target's device current,
     never device 0 by default (that would create a context on GPU 0 for every rank)."""
     from tierpipe import restore
-    from tierpipe.state import write_shard
+    from tierpipe.storage.shardfile import write_shard
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     seen: list[int] = []

@@ -1,0 +1,143 @@
+"""Aligned and direct file I/O: the one copy of the loops every tier's byte mover uses.
+
+O_DIRECT moves bytes between the device and user memory without the page cache, so a verify
+sees what is on the device and a writer or uploader leaves the cache clean. It wants buffers,
+offsets and lengths aligned to the device's block size: `aligned_buffer` gives page-aligned
+memory (an anonymous mmap), `round_up` sizes it, and `pread_into` asks for the rest of the
+buffer it was given, so an aligned buffer keeps every request aligned. A filesystem without
+O_DIRECT (tmpfs, some overlays) refuses the flag with EINVAL; `open_direct` then opens buffered,
+and `pwrite_all` can switch a file to buffered writes when O_DIRECT refuses one buffer.
+os.pread/pwrite release the GIL, so these loops run in worker threads beside the event loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+
+import structlog
+
+from tierpipe.schemas import ALIGN
+
+__all__ = (
+    "O_DIRECT",
+    "aligned_buffer",
+    "aligned_copy",
+    "open_direct",
+    "pread_into",
+    "pwrite_all",
+    "round_up",
+)
+
+log = structlog.get_logger(__name__)
+
+#: The O_DIRECT flag, or 0 where the platform has none (then every open is buffered).
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align` (4 KiB: the page and O_DIRECT granularity)."""
+    return -(-n // align) * align
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """`nbytes` of zeroed, page-aligned anonymous memory (an mmap), fit for O_DIRECT.
+
+    Raises:
+        ValueError: `nbytes` is 0 or negative (mmap cannot map nothing).
+    """
+    return mmap.mmap(-1, nbytes)
+
+
+def aligned_copy(data: bytes) -> mmap.mmap:
+    """A page-aligned copy of `data` (small things, e.g. a sealed head, written with O_DIRECT)."""
+    buf = aligned_buffer(len(data))
+    buf[:] = data
+    return buf
+
+
+def open_direct(
+    path: str | os.PathLike[str],
+    flags: int,
+    mode: int = 0o644,
+    *,
+    direct: bool = True,
+    drop_cache: bool = False,
+) -> int:
+    """Open `path` with O_DIRECT where the platform and the filesystem allow it.
+
+    Args:
+        flags: the `os.open` flags, without O_DIRECT.
+        mode: permissions of a file that `flags` creates.
+        direct: try O_DIRECT at all (False: a buffered open, e.g. `direct_io = false`).
+        drop_cache: a file opened without O_DIRECT gets its cached pages dropped
+            (`posix_fadvise(DONTNEED)`), so a read that follows comes from the device.
+
+    Returns:
+        The file descriptor.
+
+    Raises:
+        OSError: the open failed for any other reason than the filesystem refusing O_DIRECT
+            (EINVAL), e.g. FileNotFoundError.
+    """
+    if direct and O_DIRECT:
+        try:
+            return os.open(path, flags | O_DIRECT, mode)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT
+                raise
+    fd = os.open(path, flags, mode)
+    if drop_cache:
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def pread_into(fd: int, buf: mmap.mmap | memoryview, offset: int, need: int | None = None) -> int:
+    """Read from file offset `offset` into the writable buffer `buf` until it is full (or
+    `need` bytes are in) or the file ends.
+
+    Each request asks for all the rest of `buf`: pass a slice to bound the read, and keep it
+    aligned for O_DIRECT.
+
+    Returns:
+        The byte count read (short only at the end of the file).
+    """
+    got = 0
+    with memoryview(buf) as view:
+        want = len(view) if need is None else need
+        while got < want:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+    return got
+
+
+def pwrite_all(
+    fd: int, data: memoryview | bytes | mmap.mmap, offset: int, *, may_fall_back: bool = False
+) -> None:
+    """Write all of `data` at file offset `offset`.
+
+    Args:
+        may_fall_back: an O_DIRECT refusal (EINVAL) of this buffer or filesystem switches the
+            file to buffered writes (fsync still makes them durable) and writes on. Only for a
+            write issued alone: concurrent writes must not see the file's flags change.
+    """
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if not may_fall_back or e.errno != errno.EINVAL or not flags & O_DIRECT:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+            log.debug("direct_io_unavailable", fd=fd, hint="writing buffered, fsync still applies")
+            continue
+        view, offset = view[n:], offset + n
