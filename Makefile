@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
 # Test processes in parallel (pytest-xdist): most tests wait on servers and agent processes.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-soak test-gpu lint format bench-stall bench-nvme bench-plan clean
+.PHONY: demo test test-soak test-gpu lint typecheck format bench-stall bench-nvme bench-plan clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -29,9 +29,17 @@ test-soak: $(STAMP)
 test-gpu: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/gpu -v -s -p no:cacheprovider
 
-lint: $(STAMP)
+lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy sees the package as installed (`tierpipe`, `tierpipe.stages`, `tierpipe.schemas`) through
+# a tree of links to the repository's folders.
+typecheck: $(STAMP)
+	@rm -rf build/typecheck && mkdir -p build/typecheck/tierpipe
+	@for e in pipeline/*.py pipeline/*/; do ln -s "$$PWD/$${e%/}" build/typecheck/tierpipe/; done
+	@ln -s "$$PWD/stages" "$$PWD/schemas" build/typecheck/tierpipe/
+	$(VENV)/bin/mypy -p tierpipe
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
@@ -48,4 +56,4 @@ bench-plan: $(STAMP)
 	$(VENV)/bin/python -m bench plan
 
 clean:
-	rm -rf $(VENV) tierpipe-data .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build tierpipe-data .pytest_cache .ruff_cache .mypy_cache .hypothesis

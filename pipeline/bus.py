@@ -145,10 +145,10 @@ class Bus:
             nc.connect(
                 servers,
                 name=self.name,
-                connect_timeout=s.connect_timeout_s,
+                connect_timeout=s.connect_timeout_s,  # type: ignore[arg-type]  # (seconds, float)
                 # Bounded while connecting (so a dead address fails); unlimited once up.
                 max_reconnect_attempts=1,
-                reconnect_time_wait=0.5,
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # (nats-py annotates int)
                 allow_reconnect=True,
                 error_cb=self._on_error,
                 disconnected_cb=self._on_disconnected,
@@ -344,7 +344,7 @@ class Bus:
             event = msgspec.structs.replace(event, message=message)
         headers = {
             "Nats-Msg-Id": msg_id(event) + id_suffix,
-            KIND_HEADER: type(event).__struct_config__.tag,
+            KIND_HEADER: str(type(event).__struct_config__.tag),
             SCHEMA_HEADER: str(SCHEMA_VERSION),
         }
         subject = event_subject(event)
@@ -434,9 +434,16 @@ class Bus:
                 f"{redact_url(self.settings.nats_url)} (reconnecting)"
             ) from e
 
+    def _client(self) -> nats.NATS:
+        if self.nc is None:
+            raise BusUnavailableError(
+                "not connected to NATS (connect() first; or the bus is closed)"
+            )
+        return self.nc
+
     async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Any:
         """A core (non-JetStream) subscription: live events only, no replay."""
-        return await self.nc.subscribe(subject, cb=callback)
+        return await self._client().subscribe(subject, cb=callback)
 
     async def publish_raw(self, subject: str, data: bytes) -> int:
         """Publish a non-event message (a control command) into the stream; returns its seq."""
@@ -479,7 +486,7 @@ class Bus:
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool
     ) -> list[tuple[int, Event]]:
-        nc = self.nc
+        nc = self._client()
         inbox = nc.new_inbox()
         bodies: list[tuple[int, bytes]] = []
         expected: int | None = None

@@ -88,7 +88,9 @@ def plan_evictions(
     for shards in steps.values():  # abandoned by a rewind: never restored again, whatever step
         for shard in shards:
             for copy in (shard.copy("nvme", node), shard.copy("s3")):
-                mine = copy is not None and (copy.tier == "nvme" or copy.by == node)
+                if copy is None:
+                    continue
+                mine = copy.tier == "nvme" or copy.by == node
                 if mine and copy.superseded and not copy.evicted:
                     evictions.append(_eviction(shard, copy, "superseded"))
     nvme_floor = _floor(nvme_done, policy.nvme_keep_latest_k)

@@ -70,8 +70,11 @@ class Stage(Protocol):
     """A stage as the runner sees it (the modules of `tierpipe.stages`); `open` and
     `EVERY_NODE` are optional."""
 
-    STAGE: str
-    KINDS: tuple[str, ...]
+    # Module constants; read-only properties here, so a module's own tuple type matches.
+    @property
+    def STAGE(self) -> str: ...
+    @property
+    def KINDS(self) -> tuple[str, ...]: ...
 
     # ctx and event are whatever the stage's own `open` yields and `KINDS` name.
     def handle(self, ctx: Any, event: Any, attempt: int, /) -> Awaitable[Output]: ...
@@ -238,7 +241,7 @@ class _Worker:
             try:
                 for output in _outputs(await self.handler(event, tries)):
                     await self.bus.publish(output)
-                    published.append(type(output).__struct_config__.tag)
+                    published.append(str(type(output).__struct_config__.tag))
             except Exception as e:
                 return _unwrap(e)
             finally:

@@ -9,6 +9,7 @@ tensors).
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def encode_head(header: ShardHeader, *, sealed: bool) -> bytes:
     return prefix + body + bytes(data_offset - PREFIX_NBYTES - len(body))
 
 
-def slot_generation(image: bytes | memoryview | bytearray) -> int:
+def slot_generation(image: bytes | memoryview | bytearray | mmap.mmap) -> int:
     """The generation a staging slot's prefix records (see `set_slot_generation`)."""
     return _GENERATION.unpack_from(image, GENERATION_OFFSET)[0]
 

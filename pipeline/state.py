@@ -431,4 +431,4 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset() * t.element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return start, start + extent * t.element_size()
+    return int(start), int(start + extent * t.element_size())

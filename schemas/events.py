@@ -75,7 +75,8 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
 
     def follow(self, kind: type[E], *, node: str, **fields: Any) -> E:
         """The next event about the same shard (what a stage publishes for its input)."""
-        return kind(
+        make: Any = kind  # (mypy sees only the base's fields)
+        event: E = make(
             job=self.job,
             node=node,
             ts=time.time(),
@@ -86,6 +87,7 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
             **({"rewind_to": self.rewind_to} if issubclass(kind, ShardEvent) else {}),
             **fields,
         )
+        return event
 
 
 class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):

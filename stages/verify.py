@@ -56,6 +56,7 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
     if Path(event.path) != final:
         raise ShardFormatError(event.path, f"not this node's shard path {final}")
     out: list[Event] = []
+    result: VerifyResult | None
     try:
         result = await anyio.to_thread.run_sync(_verify, ctx.store, final, event)
     except (IntegrityError, ShardFormatError) as corrupt:

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 import xxhash
@@ -440,7 +440,7 @@ def _blob_digests(image: memoryview, head: Head) -> list[bytes]:
     ]
 
 
-def _wait_all(futures: list[Future]) -> None:
+def _wait_all(futures: list[Future[Any]]) -> None:
     error: BaseException | None = None
     for f in futures:
         try:

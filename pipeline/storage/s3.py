@@ -223,7 +223,7 @@ class S3Store:
     ) -> list[tuple[int, str, str]]:
         part = self.settings.part_size_bytes
         count = max(1, -(-nbytes // part))
-        results: list[tuple[int, str, str]] = [("", "", "")] * count
+        results: list[tuple[int, str, str]] = [(0, "", "")] * count
         # One aligned buffer per part in flight, reused part after part: a fresh 64 MiB mapping
         # per part costs page faults on every read and a slow unmap on the event loop.
         buffers = [
@@ -328,9 +328,10 @@ class S3Store:
         """The object's HEAD (with its checksum), or None if there is none."""
         try:
             async with translate_errors(key):
-                return await self.client.head_object(
+                found: dict[str, Any] = await self.client.head_object(
                     Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
                 )
+                return found
         except NotFound:
             return None
 
