@@ -28,7 +28,9 @@ from a newer epoch's save to an older one's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from tierpipe.names import job_subjects
 from tierpipe.schemas import (
     Event,
     RecoveryPlanned,
@@ -42,6 +44,9 @@ from tierpipe.schemas import (
     StageFailed,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from tierpipe.bus import Bus
 
 __all__ = ["EVIDENCE_ERRORS", "Catalog", "Copy", "Shard"]
 
@@ -101,6 +106,20 @@ class Catalog:
         self._by_rank: dict[tuple[str, int], list[Shard]] = {}
         #: (job, rank) -> the rewinds of that rank: (epoch, rewind_to).
         self._rewinds: dict[tuple[str, int], set[tuple[int, int]]] = {}
+
+    @classmethod
+    async def replay(cls, bus: Bus, job: str) -> Catalog:
+        """The catalog of `job` as the stream holds it now: every stored event of the job,
+        folded in stream order.
+
+        Raises:
+            BusUnavailableError: NATS did not answer (or the replay stalled).
+            BusError: the server refused the replay's consumer.
+        """
+        catalog = cls()
+        for event in await bus.history(job_subjects(job)):
+            catalog.apply(event)
+        return catalog
 
     def apply(self, event: Event) -> None:
         if isinstance(event, ShardEvent) and event.rewind_to is not None:

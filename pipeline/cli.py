@@ -191,11 +191,8 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 async def replay_catalog(settings: Settings, job: str) -> Catalog:
     """Fold every stored event of `job` into a catalog."""
-    catalog = Catalog()
     async with Bus(settings, name="tierpipe-cli") as bus:
-        for event in await bus.history(f"{SUBJECT_ROOT}.{job}.>"):
-            catalog.apply(event)
-    return catalog
+        return await Catalog.replay(bus, job)
 
 
 def parse_rate(text: str) -> int:

@@ -766,9 +766,7 @@ class Checkpointer:
         from tierpipe.catalog import Catalog
 
         async def fold() -> list[int]:
-            catalog = Catalog()
-            for event in await self._bus.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
-                catalog.apply(event)
+            catalog = await Catalog.replay(self._bus.bus, self.job)
             return catalog.complete_steps(self.job, ("nvme", "s3"))
 
         return self._bus.run(fold(), self.settings.request_timeout_s + 30)

@@ -324,10 +324,7 @@ class Restorer:
 
     async def _catalog(self) -> Catalog:
         """The job's catalog as the stream stands now."""
-        catalog = Catalog()
-        for event in await self.bus.history(f"{SUBJECT_ROOT}.{self.job}.>"):
-            catalog.apply(event)
-        return catalog
+        return await Catalog.replay(self.bus, self.job)
 
     def _plan(
         self,
