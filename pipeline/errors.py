@@ -16,13 +16,16 @@ __all__ = (
     "ConfigError",
     "IntegrityError",
     "InvalidNameError",
+    "NoCheckpointError",
     "NoSpaceError",
     "PermanentError",
+    "RestoreTimeoutError",
     "RetryableError",
     "ShardFailedError",
     "ShardFormatError",
     "ShardMissingError",
     "SlotTimeoutError",
+    "SourceUnreachableError",
     "StagingGoneError",
     "StaleStepError",
     "StorageAuthError",
@@ -32,6 +35,7 @@ __all__ = (
     "TierpipeError",
     "UnavailableError",
     "UnsupportedStateError",
+    "WorldSizeMismatchError",
 )
 
 
@@ -232,3 +236,38 @@ class BusAuthError(BusError, PermanentError):
         self.url = url
         self.reason = reason
         super().__init__(f"NATS at {url} refused this client: {reason}")
+
+
+# --- restoring
+
+
+class NoCheckpointError(TierpipeError):
+    """No step of the job can be restored with the surviving copies (the message says why,
+    step by step; on ranks other than 0 it is rank 0's, prefixed `rank 0:`)."""
+
+
+class WorldSizeMismatchError(ConfigError):
+    """The checkpoint was saved with another world size (resharding is not supported)."""
+
+
+class RestoreTimeoutError(TierpipeError, TimeoutError):
+    """The ranks of a restart did not all show up (or rank 0 never planned) in time."""
+
+    def __init__(self, job: str, restart: str, timeout_s: float, waiting_for: str) -> None:
+        self.job = job
+        self.restart = restart
+        self.timeout_s = timeout_s
+        self.waiting_for = waiting_for
+        super().__init__(
+            f"restore of job {job!r} (restart {restart!r}) timed out after {timeout_s:g} s: "
+            f"{waiting_for}"
+        )
+
+
+class SourceUnreachableError(UnavailableError):
+    """A copy did not answer within the restore's deadline: skipped for this restore only (not
+    corrupt), so the next restore tries it again."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        super().__init__(f"{location}: no answer within this restore's deadline")

@@ -27,9 +27,13 @@ from tierpipe.catalog import EVIDENCE_ERRORS, Catalog, Copy, Shard
 from tierpipe.collective import Collective
 from tierpipe.errors import (
     ConfigError,
+    NoCheckpointError,
+    RestoreTimeoutError,
+    SourceUnreachableError,
     StorageAuthError,
     TierpipeError,
     UnavailableError,
+    WorldSizeMismatchError,
 )
 from tierpipe.names import SUBJECT_ROOT, plan_subject
 from tierpipe.schemas import (
@@ -50,28 +54,7 @@ _ANONYMOUS = "anonymous"
 #: Tries of one source during an outage (the store down or hung) before this restore skips it.
 _OUTAGE_TRIES = 3
 
-__all__ = [
-    "NoCheckpointError",
-    "Plan",
-    "RestoreTimeoutError",
-    "Restored",
-    "Restorer",
-    "Source",
-    "WorldSizeMismatchError",
-    "plan_recovery",
-]
-
-
-class NoCheckpointError(TierpipeError):
-    """No step of the job can be restored with the surviving copies."""
-
-
-class WorldSizeMismatchError(ConfigError):
-    """The checkpoint was saved with another world size (resharding is not supported)."""
-
-
-class RestoreTimeoutError(TierpipeError, TimeoutError):
-    """The ranks of a restart did not all show up (or rank 0 never planned) in time."""
+__all__ = ["Plan", "Restored", "Restorer", "Source", "plan_recovery"]
 
 
 Source = SourceRef
@@ -544,9 +527,7 @@ class Restorer:
             except TimeoutError as e:
                 if isinstance(e, TierpipeError):
                     raise
-                raise _Unreachable(
-                    f"{source.location}: no answer within this restore's deadline"
-                ) from e
+                raise SourceUnreachableError(source.location) from e
             except UnavailableError as e:
                 if attempt >= _OUTAGE_TRIES or delay > self._deadline - margin - time.monotonic():
                     raise
@@ -621,10 +602,7 @@ class Restorer:
 
     def _check_deadline(self, what: str) -> None:
         if time.monotonic() > self._deadline:
-            raise RestoreTimeoutError(
-                f"restore of job {self.job!r} (restart {self.restart!r}) timed out after "
-                f"{self.settings.restore_timeout_s:g} s: {what}"
-            )
+            raise RestoreTimeoutError(self.job, self.restart, self.settings.restore_timeout_s, what)
 
     def _planned(
         self, round_: int, plan: Plan | None, *, final: bool, error: str = ""
@@ -663,10 +641,6 @@ class Restorer:
             image,
             agreement="nats" if self._collective is None else "torch.distributed",
         )
-
-
-class _Unreachable(UnavailableError):
-    """A source did not answer within the restore's deadline."""
 
 
 def _raise_plan_error(plan: RecoveryPlanned) -> None:

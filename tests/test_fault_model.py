@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
-from tierpipe.recovery import NoCheckpointError
+from tierpipe.errors import NoCheckpointError
 from tierpipe.reindex import reindex
 from tierpipe.schemas import ShardEvicted, ShardFlushed
 from tierpipe.settings import Settings

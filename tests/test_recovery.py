@@ -17,8 +17,8 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
+from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
 from tierpipe.names import shard_relpath
-from tierpipe.recovery import NoCheckpointError, WorldSizeMismatchError
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tierpipe.catalog import Catalog
-from tierpipe.recovery import NoCheckpointError, WorldSizeMismatchError, plan_recovery
+from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
+from tierpipe.recovery import plan_recovery
 from tierpipe.schemas import (
     Event,
     ShardEvicted,

@@ -25,9 +25,9 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
-from tierpipe.errors import IntegrityError, ShardMissingError
+from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
 from tierpipe.names import shard_relpath
-from tierpipe.recovery import NoCheckpointError, plan_recovery
+from tierpipe.recovery import plan_recovery
 from tierpipe.restore import Expected, load_into
 from tierpipe.retention import Policy, plan_evictions
 from tierpipe.schemas import (
