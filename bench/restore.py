@@ -10,14 +10,16 @@ before each one. Candidates run once per rep in a shuffled order (interleaved ag
 machine), after one untimed warm-up each that also checks bitwise that the targets equal the
 original state afterwards (targets zeroed first); medians are reported.
 
-- `nvme_restore_s`: `tierpipe.restore.load_into(shard, into=targets)` with its defaults (buffered
-  reads by 4 threads in 8 MiB chunks into a reusable arena, every blob's xxh3-128 checked before
-  it is copied into its targets in place). `nvme_restore_direct_s`: the same with O_DIRECT.
+- `nvme_restore_s`: `tierpipe.recovery.load.load_into(shard, into=targets)` with its defaults
+  (buffered reads by 4 threads in 8 MiB chunks into a reusable arena, every blob's xxh3-128
+  checked before it is copied into its targets in place). `nvme_restore_direct_s`: the same with
+  O_DIRECT.
 - `nvme_restore_e2e_s`: wall time of `Checkpointer.restore(into=targets)` for a 1-rank job: replay
   of the job's events from an embedded nats-server, catalog fold, the rank's `ready` report, rank 0
   planning, the load above, `loaded` report, final plan. The events (`written` + `verified` for the
-  NVMe file, `flushed` for the object) come from `tierpipe reindex` (`tierpipe.reindex.reindex`,
-  which re-reads and verifies the file) run once beforehand. No node agent runs.
+  NVMe file, `flushed` for the object) come from `tierpipe reindex`
+  (`tierpipe.recovery.reindex.reindex`, which re-reads and verifies the file) run once beforehand.
+  No node agent runs.
 - `cold_read_s`: `dd if=<shard> of=/dev/null bs=16M iflag=direct`; `restore_vs_read` =
   nvme_restore_s / cold_read_s (target <= 0.95).
 - Peers, each into the same targets: `torch_load_s` (`torch.load(weights_only=True)` of a
@@ -227,7 +229,7 @@ class _Setup:
         verified), `flushed` for the object."""
         import anyio
 
-        from tierpipe.reindex import reindex
+        from tierpipe.recovery.reindex import reindex
 
         return anyio.run(lambda: reindex(self.settings, JOB), backend_options={"use_uvloop": True})
 
@@ -287,9 +289,7 @@ class _Restores:
             seconds = time.perf_counter() - t0
             # Untimed: restore() writes a shard read from object storage back through a staging
             # slot in the background; wait for it and free the slot (no agent runs here).
-            writeback = getattr(self.ckpt, "_writeback", None)
-            if writeback is not None:
-                writeback.result(RESTORE_TIMEOUT_S)
+            self.ckpt._bus.run(self.ckpt._loader.written_back(), RESTORE_TIMEOUT_S)
             release(self.setup.staging_root, JOB, 0, STEP)
         if restored.step != STEP or restored.source.tier != tier:
             raise RuntimeError(
@@ -437,7 +437,7 @@ def run(size_gib: float, reps: int) -> dict[str, float]:
         if flat_targets.keys() != s.flat.keys():
             raise RuntimeError("flat target names differ from the state's")
 
-        from tierpipe.restore import load_into
+        from tierpipe.recovery.load import load_into
 
         restores = _Restores(setup, targets, stack)
 

@@ -39,14 +39,14 @@ from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from tierpipe.client import Checkpointer, SaveHandle, SaveStats
-    from tierpipe.restore import load_shard
+    from tierpipe.recovery.load import load_shard
     from tierpipe.storage.shardfile import write_shard
 
 _LAZY = {
     "Checkpointer": "tierpipe.client",
     "SaveHandle": "tierpipe.client",
     "SaveStats": "tierpipe.client",
-    "load_shard": "tierpipe.restore",
+    "load_shard": "tierpipe.recovery.load",
     "write_shard": "tierpipe.storage.shardfile",
 }
 

@@ -14,7 +14,7 @@ import contextlib
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
 from tierpipe.log import register_secrets, scrub, settings_secrets
@@ -32,7 +32,7 @@ from tierpipe.names import ALL_SUBJECTS, event_subject, msg_id, redact_url
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.settings import Settings
 
-__all__ = ("Bus", "Missing", "Published", "redact_url")
+__all__ = ("Bus", "Missing", "Published", "Stored", "Watch", "redact_url")
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +65,43 @@ class Published:
     seq: int
     #: The server already had this `Nats-Msg-Id` (a republish after redelivery).
     duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One message of the stream, as a `Watch` delivers it."""
+
+    seq: int
+    subject: str
+    #: None when the body is no event this version knows (readers skip it, as `history` does).
+    event: Event | None
+
+
+class Watch:
+    """Messages on a subject as the stream stores them (see `Bus.watch`)."""
+
+    def __init__(self, sub: JetStreamContext.PushSubscription, subject: str) -> None:
+        self._sub = sub
+        self._subject = subject
+
+    async def next(self, timeout: float) -> Stored | None:
+        """The next message, or None if none came within `timeout` seconds (one already
+        delivered is returned even when `timeout` is up).
+
+        Raises:
+            BusUnavailableError: the connection was closed.
+        """
+        try:
+            msg = await self._sub.next_msg(timeout=max(timeout, 0.001))
+        except nats.errors.TimeoutError:
+            return None
+        except nats.errors.ConnectionClosedError as e:
+            raise BusUnavailableError(f"watch {self._subject}: the connection is closed") from e
+        try:
+            event: Event | None = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
+        return Stored(msg.metadata.sequence.stream, msg.subject, event)
 
 
 class Bus:
@@ -482,6 +519,40 @@ class Bus:
     async def latest(self, subject: str) -> list[tuple[int, Event]]:
         """(stream seq, event) of the newest message on each subject matching `subject`."""
         return await self._collect(subject, api.DeliverPolicy.LAST_PER_SUBJECT, seqs=True)
+
+    @contextlib.asynccontextmanager
+    async def watch(self, subject: str, *, each_subject: bool = True) -> AsyncIterator[Watch]:
+        """The newest stored message on each subject matching `subject` (the newest of them
+        all with `each_subject=False`), then every later one as the stream stores it, in stream
+        order: what `latest` reads, kept current without polling. Open it before publishing
+        what its messages answer.
+
+        An ordered push consumer: after a gap (a reconnect, missed heartbeats, a consumer the
+        server lost) nats-py recreates it from the next stream sequence, so no stored message is
+        skipped; the server drops it once unsubscribed.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+            BusError: the server refused the consumer.
+        """
+        policy = api.DeliverPolicy.LAST_PER_SUBJECT if each_subject else api.DeliverPolicy.LAST
+        try:
+            sub = await self.js.subscribe(
+                subject,
+                stream=self.settings.stream,
+                ordered_consumer=True,
+                deliver_policy=policy,
+                idle_heartbeat=1.0,
+            )
+        except nats.js.errors.APIError as e:
+            raise BusError(f"watch {subject}: {e.description or e}") from e
+        except _UNAVAILABLE as e:
+            raise BusUnavailableError(f"watch {subject}: {e or type(e).__name__}") from e
+        try:
+            yield Watch(sub, subject)
+        finally:
+            with contextlib.suppress(Exception):  # a closed connection has no subscription left
+                await sub.unsubscribe()
 
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool

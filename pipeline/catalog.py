@@ -13,7 +13,7 @@ make a step restorable:
 The residual: whoever can publish events can forge a matching pair, or a reindex `flushed`. That
 buys at most a wasted restore round, never wrong bytes: every load checks the shard header's
 identity (job, step, rank, world size) and header digest against the plan before any byte
-reaches a target, and falls back to the next copy (`tierpipe.restore`).
+reaches a target, and falls back to the next copy (`tierpipe.recovery.load`).
 
 "Unreachable" is not "corrupt": only evidence (a digest or identity mismatch, a garbled file)
 marks a copy corrupt, and a later good check of the same copy (`verified`, `flushed`, or a
@@ -48,7 +48,7 @@ from tierpipe.schemas import (
 if TYPE_CHECKING:
     from tierpipe.bus import Bus
 
-__all__ = ["EVIDENCE_ERRORS", "Catalog", "Copy", "Shard"]
+__all__ = ("EVIDENCE_ERRORS", "Catalog", "Copy", "Shard")
 
 #: Error classes that prove a copy bad (as opposed to unreachable, missing or refused).
 EVIDENCE_ERRORS = frozenset({"IntegrityError", "ShardFormatError"})

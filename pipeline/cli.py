@@ -147,7 +147,7 @@ def _reader_gone() -> int:
 
 
 def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
-    from tierpipe.reindex import reindex
+    from tierpipe.recovery.reindex import reindex
 
     done = anyio.run(lambda: reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3))
     if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import dataclasses
-import functools
 import os
 import threading
 import time
@@ -19,24 +16,25 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import anyio
 import msgspec
 import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog
 from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
     ShardFailedError,
-    ShardMissingError,
     StaleStepError,
     TierpipeError,
 )
 from tierpipe.log import configure_logging
 from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_subject, validate_token
-from tierpipe.recovery import Restored, Source
+from tierpipe.recovery.agree import Restored, Restorer
+from tierpipe.recovery.collective import Collective
+from tierpipe.recovery.load import Loader
 from tierpipe.schemas import (
     Event,
     FlushControl,
@@ -47,12 +45,11 @@ from tierpipe.schemas import (
     decode_event,
 )
 from tierpipe.settings import Settings, load_settings
-from tierpipe.shard import PREFIX_NBYTES, parse_head, parse_prefix
 from tierpipe.stages.snapshot import Snapshot, StagedCopy
-from tierpipe.staging import NodeSlots, Slot, SlotPool
+from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan, plan_state
 
-__all__ = ["Checkpointer", "SaveHandle", "SaveStats"]
+__all__ = ("Checkpointer", "SaveHandle", "SaveStats")
 
 log = structlog.get_logger(__name__)
 
@@ -292,8 +289,6 @@ class Checkpointer:
         self._last_step: int | None = None
         self._inflight: tuple[SaveHandle, concurrent.futures.Future[None]] | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
-        self._writeback: concurrent.futures.Future[None] | None = None
-        self._s3: Any = None
         self._subject = f"{SUBJECT_ROOT}.{self.job}.{{kind}}.{self.node}.{self.rank}"
         self._pool = SlotPool(
             self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
@@ -310,6 +305,15 @@ class Checkpointer:
             self._pool.close()
             raise
         self._snapshot = Snapshot(self._pool)
+        self._loader = Loader(
+            self.settings,
+            self._bus.bus,
+            self._pool,
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            node=self.node,
+        )
 
     async def _start(self) -> None:
         bus = self._bus.bus
@@ -615,19 +619,17 @@ class Checkpointer:
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
-        from tierpipe.collective import Collective
-        from tierpipe.recovery import Restorer
-
         self._await_inflight()
         restorer = Restorer(
             self._bus.bus,
             self.settings,
+            self._loader,
             job=self.job,
             rank=self.rank,
             world_size=self.world_size,
             node=self.node,
-            restart=restart or _restart_id(),
-            load=lambda source, step: self._load_source(source, step, into),
+            restart=restart,
+            into=into,
             collective=(
                 Collective.from_torch(self.rank, self.world_size)
                 if self.settings.restore_use_torch_distributed
@@ -639,12 +641,6 @@ class Checkpointer:
         # Saves from here on branch the job's history at the restored step: this rank's older
         # epochs' saves of later steps are superseded (a normal restart has none that count).
         self._rewind_to = restored.step
-        if restored.image is not None:
-            if self._copier is None:
-                self._copier = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tierpipe-copy"
-                )
-            self._writeback = self._copier.submit(self._stage_again, restored.step, *restored.image)
         log.info(
             "checkpoint_restored",
             job=self.job,
@@ -654,107 +650,7 @@ class Checkpointer:
             seconds=round(restored.seconds, 3),
             rounds=restored.rounds,
         )
-        return dataclasses.replace(restored, image=None)
-
-    async def _load_source(self, source: Source, step: int, into: Any) -> tuple[Any, Any]:
-        """This rank's shard of `step` from `source`, checked against the plan's identity and
-        header digest before any byte reaches `into`.
-
-        Raises:
-            ShardMissingError: the copy is not there (or not reachable from this node).
-            IntegrityError, ShardFormatError: the copy is not the shard planned, or is corrupt.
-            StorageUnavailableError, StorageAuthError: object storage is down or refused.
-        """
-        from tierpipe.restore import Expected, load_image, load_into
-
-        s = self.settings
-        expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
-        if source.tier == "nvme":
-            if source.node != self.node:
-                raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
-            loaded = await anyio.to_thread.run_sync(
-                functools.partial(
-                    load_into,
-                    source.location,
-                    into,
-                    expected=expected,
-                    direct_io=s.restore_direct_io,
-                    queue_depth=s.io_queue_depth,
-                    chunk_bytes=s.io_chunk_bytes,
-                )
-            )
-            return loaded, None
-        store = await self._object_store()
-        bucket, _, key = source.location.removeprefix("s3://").partition("/")
-        if bucket != store.bucket:
-            raise ShardMissingError(source.location, f"not in the configured bucket {store.bucket}")
-        reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
-        image = await store.download(key, source.nbytes, hold=reads.hold)
-        try:
-            head = parse_head(
-                image[: _head_bytes(image, source.location)],
-                source.location,
-                actual_nbytes=source.nbytes,
-            )
-            loaded = await anyio.to_thread.run_sync(
-                functools.partial(
-                    load_image, memoryview(image), head, source.location, into, expected=expected
-                )
-            )
-        except BaseException:
-            with contextlib.suppress(BufferError):
-                image.close()
-            raise
-        return loaded, (image, head)
-
-    async def _object_store(self) -> Any:
-        if self._s3 is None:
-            from tierpipe.storage.s3 import S3Store
-
-            self._s3 = await S3Store(self.settings).__aenter__()
-        return self._s3
-
-    def _stage_again(self, step: int, image: Any, head: Any) -> None:
-        """Stage a shard read from object storage, so this node's agent writes it to NVMe."""
-        slot: Slot | None = None
-        marked = False
-        try:
-            slot = self._pool.acquire(wait=True, timeout_s=self.settings.slot_wait_timeout_s)
-            if slot is None:  # (cannot happen with wait=True)
-                return
-            mm = slot.ensure(head.file_nbytes)
-            with memoryview(image) as src:
-                slot.begin(src[: head.data_offset])  # the generation first, as for every save
-                mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
-            self._pool.mark(slot, step)
-            marked = True
-            event = ShardStaged(
-                job=self.job,
-                node=self.node,
-                ts=time.time(),
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                staging_path=str(slot.path),
-                slot=slot.index,
-                nbytes=head.file_nbytes,
-                tensors=len(head.header.tensors),
-                stall_s=0.0,
-                origin="restore",
-                generation=slot.generation,
-                epoch=head.header.epoch,  # the restored save's own timeline
-            )
-            published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
-            if published.duplicate:  # no agent will ever see this copy: give the slot back
-                raise ConfigError(f"write-back of step {step} was deduplicated by the server")
-            marked = False
-        except (TierpipeError, TimeoutError, OSError) as e:
-            log.warning("restore_writeback_failed", step=step, error=str(e))
-        finally:
-            if marked and slot is not None:
-                self._pool.unmark(slot, step)
-            with contextlib.suppress(BufferError):
-                image.close()
+        return restored
 
     def latest_step(self) -> int | None:
         """The newest step complete on some tier (every rank verified), from the event stream."""
@@ -763,7 +659,6 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps complete on NVMe or object storage, ascending."""
-        from tierpipe.catalog import Catalog
 
         async def fold() -> list[int]:
             catalog = await Catalog.replay(self._bus.bus, self.job)
@@ -844,10 +739,8 @@ class Checkpointer:
         self._closed = True
         try:
             self._await_inflight()
-            if self._writeback is not None:
-                self._writeback.result()
-            if self._s3 is not None:
-                self._bus.run(self._s3.__aexit__(None, None, None), 30)
+            self._bus.run(self._loader.written_back(), None)  # a restore's NVMe write-back
+            self._bus.run(self._loader.aclose(), 30)
         finally:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
@@ -860,17 +753,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _restart_id() -> str:
-    run, count = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return f"{run}-{count}" if run and count is not None else "anonymous"
-
-
-def _head_bytes(image: Any, location: str) -> int:
-    """Bytes of prefix + header at the start of a sealed image."""
-    header_len = parse_prefix(image[:PREFIX_NBYTES], location)[0]
-    return PREFIX_NBYTES + header_len
 
 
 def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:

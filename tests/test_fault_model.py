@@ -31,7 +31,7 @@ from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
 from tierpipe.errors import NoCheckpointError
-from tierpipe.reindex import reindex
+from tierpipe.recovery.reindex import reindex
 from tierpipe.schemas import ShardEvicted, ShardFlushed
 from tierpipe.settings import Settings
 

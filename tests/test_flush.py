@@ -24,7 +24,7 @@ from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
 from tierpipe.errors import StorageConflictError
 from tierpipe.names import shard_relpath
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply

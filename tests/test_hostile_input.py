@@ -32,7 +32,7 @@ from tierpipe.bus import Bus
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
 from tierpipe.names import CONTROL_FLUSH, node_name, shard_relpath
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import (
     BlobEntry,
     Event,

@@ -13,7 +13,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tierpipe.errors import NoSpaceError, ShardFormatError
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.shard import parse_head
 from tierpipe.state import plan_state, tensor_buffer
 from tierpipe.storage.lock import INSTANCE

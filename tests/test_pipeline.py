@@ -20,7 +20,7 @@ from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.errors import InvalidNameError, SlotTimeoutError
 from tierpipe.names import shard_relpath
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
 from tierpipe.errors import NoCheckpointError, StaleStepError
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ALIGN
 from tierpipe.shard import PREFIX_NBYTES
 from tierpipe.storage.reader import read_head

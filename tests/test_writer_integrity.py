@@ -30,7 +30,7 @@ from tierpipe.errors import (
 )
 from tierpipe.faults import POINTS
 from tierpipe.names import shard_relpath
-from tierpipe.restore import load_shard
+from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten
 from tierpipe.settings import Settings
 from tierpipe.stages.snapshot import Snapshot

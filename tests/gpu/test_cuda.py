@@ -19,7 +19,7 @@ import torch
 from tests.conftest import Agent
 from tierpipe import pinned
 from tierpipe.client import Checkpointer
-from tierpipe.restore import load_into, load_shard
+from tierpipe.recovery.load import load_into, load_shard
 from tierpipe.settings import Settings
 
 pytestmark = [
@@ -146,19 +146,19 @@ def test_restore_registers_its_arena_on_the_target_device(
 ) -> None:
     """The restore arena is page-locked from a helper thread with the target's device current,
     never device 0 by default (that would create a context on GPU 0 for every rank)."""
-    from tierpipe import restore
+    from tierpipe.recovery import _read
     from tierpipe.storage.shardfile import write_shard
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     seen: list[int] = []
-    real = restore.page_lock
+    real = _read.page_lock
 
     def spy(mm: mmap.mmap, *, what: str, device: torch.device | None = None) -> bool:
         with torch.cuda.device(device) if device is not None else torch.cuda.device(None):
             seen.append(torch.cuda.current_device())
         return real(mm, what=what, device=device)
 
-    monkeypatch.setattr(restore, "page_lock", spy)
+    monkeypatch.setattr(_read, "page_lock", spy)
     path = tmp_path / "s.shard"
     write_shard(path, {"w": torch.randn(1 << 20)}, job="j", step=1)
     target = {"w": torch.zeros(1 << 20, device=device)}

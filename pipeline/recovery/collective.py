@@ -9,11 +9,15 @@ calls them, under the process group's own timeout.
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import torch
 
+from tierpipe.schemas import RecoveryPlanned, RestoreReport, decode_event, encode_event
 from tierpipe.state import tensor_buffer
 
-__all__ = ["Collective"]
+__all__ = ("Collective",)
 
 
 class Collective:
@@ -39,6 +43,16 @@ class Collective:
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         return cls(device)
+
+    async def gather(self, report: RestoreReport) -> list[RestoreReport]:
+        """Every rank's report, in rank order (the collectives run on a worker thread)."""
+        raw = await anyio.to_thread.run_sync(self.all_gather, encode_event(report))
+        return [_decode(b, RestoreReport) for b in raw]
+
+    async def share(self, plan: RecoveryPlanned | None) -> RecoveryPlanned:
+        """Rank 0's plan, on every rank (the others pass None)."""
+        data = encode_event(plan) if plan is not None else None
+        return _decode(await anyio.to_thread.run_sync(self.broadcast, data), RecoveryPlanned)
 
     def all_gather(self, data: bytes) -> list[bytes]:
         """Every rank's `data`, in rank order."""
@@ -75,3 +89,10 @@ class Collective:
 def _bytes(t: torch.Tensor, n: int) -> bytes:
     cpu = t[:n].cpu()
     return bytes(tensor_buffer(cpu))
+
+
+def _decode(data: bytes, kind: type[Any]) -> Any:
+    event = decode_event(data)
+    if not isinstance(event, kind):
+        raise TypeError(f"expected a {kind.__name__} from the other ranks, got {type(event)}")
+    return event

@@ -1,4 +1,4 @@
-"""Loading a shard back into tensors, verified before any byte reaches the model.
+"""From a sealed shard's bytes to the caller's tensors (the private half of `load`).
 
 The data region is read by `queue_depth` threads in chunks of up to `chunk_bytes`, each blob's
 xxh3-128 computed as its chunks arrive. A blob whose tensors all go into targets is read into a
@@ -17,7 +17,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,143 +24,16 @@ from typing import Any
 import torch
 import xxhash
 
-from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
+from tierpipe.errors import IntegrityError, ShardFormatError
 from tierpipe.pinned import page_lock, page_unlock
 from tierpipe.schemas import ShardHeader
 from tierpipe.shard import Head
 from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
-from tierpipe.storage.nvme import open_for_read, read_head_fd
 
-__all__ = ["Expected", "Loaded", "check_head", "load_image", "load_into", "load_shard"]
+__all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
 #: The smallest restore arena (see `_Layout`).
 ARENA_MIN_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    header: ShardHeader
-    state: Any
-    nbytes: int
-    seconds: float
-    #: How many tensors were written in place into the caller's targets.
-    in_place: int
-
-
-@dataclass(frozen=True, slots=True)
-class Expected:
-    """What the catalog says a copy holds: checked against the shard's own header before any
-    byte reaches a target, so a stale, misplaced or swapped file never loads as this shard."""
-
-    job: str
-    step: int
-    rank: int
-    world_size: int
-    #: The header digest recorded when the copy was written (hex).
-    header_digest: str
-
-
-def check_head(head: Head, expected: Expected | None, path: str) -> None:
-    """Refuse a shard whose identity or header digest is not the one expected.
-
-    Raises:
-        IntegrityError: names what was expected and what the file holds.
-    """
-    if expected is None:
-        return
-    h = head.header
-    want = (expected.job, expected.step, expected.rank, expected.world_size)
-    got = (h.job, h.step, h.rank, h.world_size)
-    if got != want:
-        raise IntegrityError(
-            path, "identity (job, step, rank, world size)", _identity(want), _identity(got)
-        )
-    actual = head.header_digest.hex()
-    if actual != expected.header_digest:
-        raise IntegrityError(path, "header", expected.header_digest, actual)
-
-
-def _identity(ident: tuple[str, int, int, int]) -> str:
-    job, step, rank, world = ident
-    return f"job {job!r} step {step} rank {rank}/{world}"
-
-
-def load_into(
-    path: str,
-    into: Any = None,
-    *,
-    expected: Expected | None = None,
-    direct_io: bool = False,
-    queue_depth: int = 4,
-    chunk_bytes: int = 8 << 20,
-) -> Loaded:
-    """Read a sealed shard file, verify every blob, and rebuild its state.
-
-    Args:
-        direct_io: O_DIRECT reads (where the filesystem allows) instead of buffered reads.
-        into: optional targets shaped like the saved state (tensors, or objects with
-            `state_dict()`, in nested dicts/lists): a saved tensor whose key path has a target of
-            the same shape and dtype is copied into it in place; the rest come back as new CPU
-            tensors. Objects with `load_state_dict()` get their restored state loaded.
-        expected: the identity and header digest the file must have (a restore always passes
-            the catalog's), checked before any byte is read into a target.
-
-    Raises:
-        ShardMissingError: the file is not there.
-        ShardFormatError: truncated or garbled (names the file).
-        IntegrityError: a digest does not match, or the file is another shard than `expected`.
-    """
-    t0 = time.perf_counter()
-    try:
-        fd = open_for_read(path, direct_io=direct_io)
-    except FileNotFoundError as e:
-        raise ShardMissingError(path, "file is missing") from e
-    try:
-        head = read_head_fd(fd, path, os.fstat(fd).st_size)
-        check_head(head, expected, path)
-        match = _Match(head.header, into)
-        blobs = _read_blobs(
-            fd,
-            head,
-            path,
-            queue_depth,
-            chunk_bytes,
-            match.staged,
-            match.cuda_devices,
-        )
-        return _assemble(head, blobs, match, path, t0)
-    except OSError as e:
-        raise ShardFormatError(path, f"read failed: {e}") from e
-    finally:
-        os.close(fd)
-
-
-def load_shard(path: str | os.PathLike[str]) -> tuple[ShardHeader, Any]:
-    """Read a sealed shard file and rebuild its state on the CPU, every digest checked first.
-
-    Raises:
-        ShardFormatError: truncated, garbled or not a shard (the message names the file).
-        IntegrityError: a digest does not match.
-    """
-    loaded = load_into(os.fspath(path))
-    return loaded.header, loaded.state
-
-
-def load_image(
-    image: memoryview, head: Head, path: str, into: Any = None, *, expected: Expected | None = None
-) -> Loaded:
-    """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
-    t0 = time.perf_counter()
-    check_head(head, expected, path)
-
-    def blobs() -> Iterator[tuple[int, torch.Tensor]]:
-        for i, b in enumerate(head.header.blobs):
-            start = head.data_offset + b.offset
-            data = image[start : start + b.nbytes]
-            _check(path, head.header, i, xxhash.xxh3_128_digest(data))
-            yield i, _tensor(data, b.nbytes)
-
-    return _assemble(head, blobs(), _Match(head.header, into), path, t0)
 
 
 @dataclass(slots=True)
@@ -316,7 +188,7 @@ class _Readers:
                 self._cond.notify_all()
 
 
-def _read_blobs(
+def read_blobs(
     fd: int,
     head: Head,
     path: str,
@@ -344,7 +216,7 @@ def _read_blobs(
     done = [0] * len(blobs)
     for i, b in enumerate(blobs):  # empty blobs have nothing to read
         if not b.nbytes:
-            _check(path, head.header, i, hashers[i].digest())
+            check_blob(path, head.header, i, hashers[i].digest())
             yield i, torch.empty(0, dtype=torch.uint8)
     readers = _Readers(fd, layout, depth)
     try:
@@ -357,7 +229,7 @@ def _read_blobs(
                     done[i] += n
                     if done[i] < blobs[i].nbytes:
                         continue
-                    _check(path, head.header, i, hashers[i].digest())
+                    check_blob(path, head.header, i, hashers[i].digest())
                     tensor, layout.views[i] = layout.views[i], None
                     assert tensor is not None
                     yield i, tensor
@@ -389,7 +261,7 @@ def _pread(fd: int, buf: Any, offset: int, length: int, file_offset: int) -> int
     return got
 
 
-def _check(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
+def check_blob(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
     expected = header.blobs[i].digest
     if actual != expected:
         name = next(
@@ -399,13 +271,13 @@ def _check(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
         raise IntegrityError(path, name, expected.hex(), actual.hex())
 
 
-def _tensor(buf: Any, nbytes: int) -> torch.Tensor:
+def as_tensor(buf: Any, nbytes: int) -> torch.Tensor:
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
 
-class _Match:
+class Match:
     """The caller's targets matched to the saved tensors: key path, shape and dtype equal."""
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
@@ -427,9 +299,11 @@ class _Match:
         self.cuda_devices = {t.device for t in self.targets if t is not None and t.is_cuda}
 
 
-def _assemble(
-    head: Head, blobs: Iterator[tuple[int, torch.Tensor]], match: _Match, path: str, t0: float
-) -> Loaded:
+def assemble(
+    head: Head, blobs: Iterator[tuple[int, torch.Tensor]], match: Match, path: str
+) -> tuple[Any, int]:
+    """The state rebuilt from verified `blobs`, and how many tensors went into targets in place
+    (objects with `load_state_dict()` get their part loaded)."""
     header = head.header
     by_blob: dict[int, list[int]] = {}
     for index, e in enumerate(header.tensors):
@@ -454,7 +328,7 @@ def _assemble(
         if isinstance(obj, torch.nn.Module) and _restored_in_place(obj, sub, keypath, copied):
             continue  # every entry was copied into the module's own parameters and buffers
         obj.load_state_dict(sub)
-    return Loaded(header, state, head.file_nbytes, time.perf_counter() - t0, len(copied))
+    return state, len(copied)
 
 
 def _restored_in_place(

@@ -26,7 +26,7 @@ from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore, read_head
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ["Reindexed", "reindex"]
+__all__ = ("Reindexed", "reindex")
 
 log = structlog.get_logger(__name__)
 

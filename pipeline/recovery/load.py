@@ -1,0 +1,404 @@
+"""Loading this rank's shard back, from either tier, verified before any byte reaches the model.
+
+`Loader.load(source, into, step=...)` is the one entry for both tiers. A copy on this node's
+NVMe is read by `load_into`; a copy in object storage is downloaded (parallel ranged GETs,
+capped per node) and read from memory by `load_image`. Either way the shard's identity and
+header digest are checked against the plan first (`Expected`), and each blob's digest before
+its bytes reach a target (the read engine is in `_read`). A shard read from object storage is
+staged again once the restore is over (`Loader.settle`), so this node's agent writes it back to
+its NVMe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+import torch
+import xxhash
+
+from tierpipe.bus import Bus
+from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
+from tierpipe.errors import (
+    IntegrityError,
+    ShardFormatError,
+    ShardMissingError,
+    SourceUnreachableError,
+    StorageAuthError,
+    TierpipeError,
+    UnavailableError,
+)
+from tierpipe.recovery._read import Match, as_tensor, assemble, check_blob, read_blobs
+from tierpipe.recovery._writeback import close_image, write_back
+from tierpipe.recovery.plan import Source
+from tierpipe.schemas import ShardHeader, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
+from tierpipe.staging import NodeSlots, SlotPool
+from tierpipe.storage.reader import open_for_read, read_head_fd
+
+if TYPE_CHECKING:
+    from tierpipe.storage.s3 import S3Store
+
+__all__ = ("Expected", "Loaded", "Loader", "check_head", "load_image", "load_into", "load_shard")
+
+log = structlog.get_logger(__name__)
+
+#: Tries of one source during an outage (the store down or hung) before this restore skips it.
+_OUTAGE_TRIES = 3
+
+
+class Loader:
+    """Loads one rank's shards from the sources a plan names, NVMe or object storage.
+
+    One per `Checkpointer`: it keeps the object-storage client (opened on first use) and the
+    write-backs of shards read from there. `aclose()` waits for those, then closes the client.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: Bus,
+        pool: SlotPool,
+        *,
+        job: str,
+        rank: int,
+        world_size: int,
+        node: str,
+    ) -> None:
+        self.settings, self.bus = settings, bus
+        self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
+        self._pool = pool
+        self._stack = contextlib.AsyncExitStack()
+        self._store: S3Store | None = None
+        #: The last shard read from object storage (step, sealed image, head), until `settle`.
+        self._held: tuple[int, mmap.mmap, Head] | None = None
+        #: Write-backs under way. Plain asyncio tasks: each outlives the restore that started
+        #: it (the bus thread's loop runs one call at a time), and `written_back()` awaits them.
+        self._writebacks: set[asyncio.Task[None]] = set()
+
+    async def load(self, source: Source, into: Any, *, step: int) -> Loaded:
+        """This rank's shard of `step` from `source`, checked against the plan's identity and
+        header digest before any byte reaches `into` (targets, as for `load_into`).
+
+        Raises:
+            ShardMissingError: the copy is not there (or not reachable from this node).
+            IntegrityError, ShardFormatError: the copy is not the shard planned, or is corrupt.
+            StorageUnavailableError, StorageAuthError: object storage is down or refused.
+        """
+        s = self.settings
+        expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
+        if source.tier == "nvme":
+            if source.node != self.node:
+                raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
+            return await anyio.to_thread.run_sync(
+                functools.partial(
+                    load_into,
+                    source.location,
+                    into,
+                    expected=expected,
+                    direct_io=s.restore_direct_io,
+                    queue_depth=s.io_queue_depth,
+                    chunk_bytes=s.io_chunk_bytes,
+                )
+            )
+        store = await self._object_store()
+        bucket, _, key = source.location.removeprefix("s3://").partition("/")
+        if bucket != store.bucket:
+            raise ShardMissingError(source.location, f"not in the configured bucket {store.bucket}")
+        reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
+        image = await store.download(key, source.nbytes, hold=reads.hold)
+        try:
+            head = parse_head(
+                image[: _head_bytes(image, source.location)],
+                source.location,
+                actual_nbytes=source.nbytes,
+            )
+            loaded = await anyio.to_thread.run_sync(
+                functools.partial(
+                    load_image, memoryview(image), head, source.location, into, expected=expected
+                )
+            )
+        except BaseException:
+            close_image(image)
+            raise
+        self._hold((step, image, head))
+        return loaded
+
+    async def first_good(
+        self, sources: list[Source], into: Any, *, step: int, attempt: int, deadline: float
+    ) -> tuple[Source, Loaded] | str:
+        """This rank's shard of `step` from its first good source, or why there was none (for
+        its `failed` report). `deadline` is the restore's (`time.monotonic()`); `attempt` its
+        round.
+
+        Only evidence (a digest or identity mismatch, a garbled file) is reported as a bad copy
+        (`failed`, not retryable); a copy that is unreachable (an outage, retried a few times
+        first), refused (credentials) or missing is skipped for this restore only (`failed`,
+        retryable), so the next restore tries it again.
+        """
+        problems = []
+        for source in sources:
+            try:
+                return source, await self._load_retrying(source, into, step, deadline)
+            except TierpipeError as e:
+                evidence = type(e).__name__ in EVIDENCE_ERRORS
+                message = str(e)
+                if isinstance(e, StorageAuthError):
+                    message += (
+                        " (the trainer's own S3 credentials are used for restores: set "
+                        "s3_access_key_id / s3_secret_access_key, or TIERPIPE_S3_*, for trainers)"
+                    )
+                log.warning(
+                    "restore_source_failed",
+                    step=step,
+                    tier=source.tier,
+                    location=source.location,
+                    error=message,
+                    corrupt=evidence,
+                )
+                problems.append(f"{source.tier}: {type(e).__name__}")
+                await self.bus.publish(
+                    StageFailed(
+                        job=self.job,
+                        node=self.node,
+                        ts=time.time(),
+                        stage="restore",
+                        error=type(e).__name__,
+                        message=message,
+                        retryable=not evidence,
+                        attempt=attempt,
+                        step=step,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        tier=source.tier,
+                    )
+                )
+        return "no good copy left (" + (", ".join(problems) or "no sources") + ")"
+
+    async def _load_retrying(self, source: Source, into: Any, step: int, deadline: float) -> Loaded:
+        """Load `source`, retrying an outage a few times while the restore's deadline allows
+        (leaving the other ranks time to hear from this one)."""
+        delay = self.settings.retry_base_s
+        margin = min(30.0, self.settings.restore_timeout_s / 4)
+        for tries in itertools.count(1):
+            left = deadline - margin - time.monotonic()
+            try:
+                with anyio.fail_after(max(left, 1.0)):
+                    return await self.load(source, into, step=step)
+            except TimeoutError as e:
+                if isinstance(e, TierpipeError):
+                    raise
+                raise SourceUnreachableError(source.location) from e
+            except UnavailableError as e:
+                if tries >= _OUTAGE_TRIES or delay > deadline - margin - time.monotonic():
+                    raise
+                log.warning(
+                    "restore_source_unavailable",
+                    step=step,
+                    tier=source.tier,
+                    location=source.location,
+                    attempt=tries,
+                    retry_in_s=delay,
+                    error=str(e),
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self.settings.retry_max_s)
+        raise AssertionError("unreachable")
+
+    def local_steps(self, catalog: Catalog) -> list[int]:
+        """Steps whose shard of this rank this node still has on NVMe (checked on disk)."""
+        steps = []
+        for s, shards in catalog.steps(self.job).items():
+            for shard in shards:
+                copy = shard.copy("nvme", self.node)
+                if shard.rank == self.rank and copy is not None and copy.usable:
+                    with contextlib.suppress(OSError):
+                        if os.stat(copy.location).st_size == copy.nbytes:
+                            steps.append(s)
+        return steps
+
+    def settle(self, step: int | None) -> None:
+        """The restore is over, having restored `step` (None: it failed). A shard of `step`
+        this loader read from object storage is staged again in the background, so this node's
+        agent writes it to NVMe; any other image it still holds is dropped."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        if held[0] != step:
+            close_image(held[1])
+            return
+        _, image, head = held
+        task = asyncio.get_running_loop().create_task(
+            write_back(self.settings, self.bus, self._pool, image, head, node=self.node)
+        )
+        self._writebacks.add(task)
+        task.add_done_callback(self._writebacks.discard)
+
+    async def written_back(self) -> None:
+        """Wait for the write-backs started so far (they log their own failures)."""
+        await asyncio.gather(*self._writebacks)
+
+    async def aclose(self) -> None:
+        """Wait for the write-backs, drop a held image and close the object-storage client
+        (idempotent)."""
+        await self.written_back()
+        self._hold(None)
+        self._store = None
+        await self._stack.aclose()
+
+    async def _object_store(self) -> S3Store:
+        if self._store is None:
+            from tierpipe.storage.s3 import S3Store
+
+            self._store = await self._stack.enter_async_context(S3Store(self.settings))
+        return self._store
+
+    def _hold(self, held: tuple[int, mmap.mmap, Head] | None) -> None:
+        """Keep `held` for `settle` (an image of an earlier round is closed)."""
+        if self._held is not None:
+            close_image(self._held[1])
+        self._held = held
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A shard read back: its header, the rebuilt state, and how it went."""
+
+    header: ShardHeader
+    state: Any
+    nbytes: int
+    seconds: float
+    #: How many tensors were written in place into the caller's targets.
+    in_place: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the catalog says a copy holds: checked against the shard's own header before any
+    byte reaches a target, so a stale, misplaced or swapped file never loads as this shard."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    #: The header digest recorded when the copy was written (hex).
+    header_digest: str
+
+
+def check_head(head: Head, expected: Expected | None, path: str) -> None:
+    """Refuse a shard whose identity or header digest is not the one expected.
+
+    Raises:
+        IntegrityError: names what was expected and what the file holds.
+    """
+    if expected is None:
+        return
+    h = head.header
+    want = (expected.job, expected.step, expected.rank, expected.world_size)
+    got = (h.job, h.step, h.rank, h.world_size)
+    if got != want:
+        raise IntegrityError(
+            path, "identity (job, step, rank, world size)", _identity(want), _identity(got)
+        )
+    actual = head.header_digest.hex()
+    if actual != expected.header_digest:
+        raise IntegrityError(path, "header", expected.header_digest, actual)
+
+
+def _identity(ident: tuple[str, int, int, int]) -> str:
+    job, step, rank, world = ident
+    return f"job {job!r} step {step} rank {rank}/{world}"
+
+
+def load_into(
+    path: str,
+    into: Any = None,
+    *,
+    expected: Expected | None = None,
+    direct_io: bool = False,
+    queue_depth: int = 4,
+    chunk_bytes: int = 8 << 20,
+) -> Loaded:
+    """Read a sealed shard file, verify every blob, and rebuild its state.
+
+    Args:
+        direct_io: O_DIRECT reads (where the filesystem allows) instead of buffered reads.
+        into: optional targets shaped like the saved state (tensors, or objects with
+            `state_dict()`, in nested dicts/lists): a saved tensor whose key path has a target of
+            the same shape and dtype is copied into it in place; the rest come back as new CPU
+            tensors. Objects with `load_state_dict()` get their restored state loaded.
+        expected: the identity and header digest the file must have (a restore always passes
+            the catalog's), checked before any byte is read into a target.
+
+    Raises:
+        ShardMissingError: the file is not there.
+        ShardFormatError: truncated or garbled (names the file).
+        IntegrityError: a digest does not match, or the file is another shard than `expected`.
+    """
+    t0 = time.perf_counter()
+    try:
+        fd = open_for_read(path, direct_io=direct_io)
+    except FileNotFoundError as e:
+        raise ShardMissingError(path, "file is missing") from e
+    try:
+        head = read_head_fd(fd, path, os.fstat(fd).st_size)
+        check_head(head, expected, path)
+        match = Match(head.header, into)
+        blobs = read_blobs(
+            fd, head, path, queue_depth, chunk_bytes, match.staged, match.cuda_devices
+        )
+        return _loaded(head, assemble(head, blobs, match, path), t0)
+    except OSError as e:
+        raise ShardFormatError(path, f"read failed: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def load_shard(path: str | os.PathLike[str]) -> tuple[ShardHeader, Any]:
+    """Read a sealed shard file and rebuild its state on the CPU, every digest checked first.
+
+    Raises:
+        ShardFormatError: truncated, garbled or not a shard (the message names the file).
+        IntegrityError: a digest does not match.
+    """
+    loaded = load_into(os.fspath(path))
+    return loaded.header, loaded.state
+
+
+def load_image(
+    image: memoryview, head: Head, path: str, into: Any = None, *, expected: Expected | None = None
+) -> Loaded:
+    """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
+    t0 = time.perf_counter()
+    check_head(head, expected, path)
+
+    def blobs() -> Iterator[tuple[int, torch.Tensor]]:
+        for i, b in enumerate(head.header.blobs):
+            start = head.data_offset + b.offset
+            data = image[start : start + b.nbytes]
+            check_blob(path, head.header, i, xxhash.xxh3_128_digest(data))
+            yield i, as_tensor(data, b.nbytes)
+
+    return _loaded(head, assemble(head, blobs(), Match(head.header, into), path), t0)
+
+
+def _loaded(head: Head, assembled: tuple[Any, int], t0: float) -> Loaded:
+    state, in_place = assembled
+    return Loaded(head.header, state, head.file_nbytes, time.perf_counter() - t0, in_place)
+
+
+def _head_bytes(image: mmap.mmap, location: str) -> int:
+    """Bytes of prefix + header at the start of a sealed image."""
+    header_len = parse_prefix(image[:PREFIX_NBYTES], location)[0]
+    return PREFIX_NBYTES + header_len
