@@ -148,3 +148,43 @@ async def test_a_publish_recreates_a_deleted_stream(
         published = await bus.publish(staged(job, "n1", step=2))
         assert published.seq == 1 and not published.duplicate
         assert [e.step for e in await bus.history(f"tp.{job}.>")] == [2]
+
+
+async def test_a_watch_gives_the_newest_on_each_subject_then_every_new_one(
+    settings: Settings, job: str
+) -> None:
+    """A watch starts with the newest stored event of each matching subject, then delivers each
+    later one as the stream stores it, with its stream sequence."""
+    async with Bus(settings) as bus:
+        await bus.ensure_stream()
+        await bus.publish(staged(job, "a", step=1))
+        newest = [await bus.publish(staged(job, n, step=2)) for n in ("a", "b")]
+        async with bus.watch(f"tp.{job}.staged.*.*") as watch:
+            first = [await watch.next(5), await watch.next(5)]
+            later = await bus.publish(staged(job, "b", step=3))
+            got = await watch.next(5)
+            assert await watch.next(0.2) is None
+    assert [(s.seq, s.subject) for s in first if s] == [
+        (newest[0].seq, f"tp.{job}.staged.a.0"),
+        (newest[1].seq, f"tp.{job}.staged.b.0"),
+    ]
+    assert got is not None and got.seq == later.seq and getattr(got.event, "step", 0) == 3
+
+
+async def test_a_watch_misses_nothing_stored_while_its_server_restarted(
+    own_server: NatsServer, job: str
+) -> None:
+    """Events stored while the watching client was away (its server restarted, its consumer
+    lost) still arrive once it is back."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.ensure_stream()
+        async with bus.watch(f"tp.{job}.staged.*.*") as watch:
+            before = await bus.publish(staged(job, "a", step=1))
+            assert (await watch.next(5) or before).seq == before.seq
+            own_server.stop()
+            own_server.start()
+            async with Bus(s) as other:
+                after = await other.publish(staged(job, "a", step=2))
+            got = await watch.next(30)
+    assert got is not None and got.seq == after.seq

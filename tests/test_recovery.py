@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
-from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
+from tierpipe.errors import NoCheckpointError, RestoreTimeoutError, WorldSizeMismatchError
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
@@ -241,6 +241,25 @@ def test_every_rank_gives_up_at_once_when_rank_0_finds_nothing(
         errors = list(pool.map(one, range(2)))
     assert "no checkpoints" in errors[0] and errors[1].startswith("rank 0:")
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_left_alone_times_out_saying_what_it_waited_for(
+    settings: Settings, job: str, rank: int
+) -> None:
+    """A rank whose peers never show up gives up at the restore deadline: rank 0 waiting for
+    their reports, another rank for rank 0's plan."""
+    s = settings.replace(restore_timeout_s=2.0)
+    t0 = time.monotonic()
+    with (
+        Checkpointer(job, rank=rank, world_size=2, settings=s) as c,
+        pytest.raises(RestoreTimeoutError) as err,
+    ):
+        c.restore(restart="alone")
+    assert 2.0 <= time.monotonic() - t0 < 15
+    e = err.value
+    assert (e.job, e.restart, e.timeout_s) == (job, "alone", 2.0)
+    assert e.waiting_for == ("1 of 2 ranks reported" if rank == 0 else "no plan from rank 0")
 
 
 def test_ranks_agree_through_torch_distributed_when_initialised(
