@@ -1,7 +1,8 @@
 """The catalog: events folded into job -> step -> rank -> copies on each tier.
 
-One fold serves every reader of the stream (`status`, eviction and recovery). Applying the same
-event twice changes nothing, so replays and redeliveries are harmless.
+One fold serves every reader of the stream (`status`, eviction and recovery); `Catalog.replay`
+folds a job's stored history. Applying the same event twice changes nothing, so replays and
+redeliveries are harmless.
 
 A copy counts only with the evidence its tier needs, so one schema-valid but bogus event cannot
 make a step restorable:
