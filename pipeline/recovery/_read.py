@@ -240,7 +240,7 @@ def read_blobs(
                         readers.release(layout.frees[i])
     finally:
         readers.close()
-        if pinned:
+        if pinned and layout.arena is not None:
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
             page_unlock(layout.arena, device=device)
@@ -342,7 +342,7 @@ def _restored_in_place(
     entries that are no tensor of the module (`_extra_state`); bytes copied into those never
     reach the module, so anything short of proof means calling `load_state_dict`.
     """
-    live = dict(module.named_parameters(remove_duplicate=False))
+    live: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     live.update(module.named_buffers(remove_duplicate=False))
     names = list(module.state_dict(keep_vars=True))
     if not isinstance(saved, Mapping) or set(saved) != set(names):

@@ -18,7 +18,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -269,7 +269,7 @@ class Restorer:
         return found, report
 
     async def _report(
-        self, phase: str, *, round_: int = 0, **fields: Any
+        self, phase: Literal["ready", "loaded", "failed"], *, round_: int = 0, **fields: Any
     ) -> tuple[int, RestoreReport]:
         report = RestoreReport(
             job=self.job,
@@ -280,7 +280,7 @@ class Restorer:
             world_size=self.world_size,
             phase=phase,
             round=round_,
-            **fields,  # type: ignore[arg-type]
+            **fields,
         )
         return (await self.bus.publish(report)).seq, report
 

@@ -9,15 +9,17 @@ calls them, under the process group's own timeout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import anyio
 import torch
 
-from tierpipe.schemas import RecoveryPlanned, RestoreReport, decode_event, encode_event
+from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, decode_event, encode_event
 from tierpipe.state import tensor_buffer
 
 __all__ = ("Collective",)
+
+E = TypeVar("E", bound=Event)
 
 
 class Collective:
@@ -91,7 +93,7 @@ def _bytes(t: torch.Tensor, n: int) -> bytes:
     return bytes(tensor_buffer(cpu))
 
 
-def _decode(data: bytes, kind: type[Any]) -> Any:
+def _decode(data: bytes, kind: type[E]) -> E:
     event = decode_event(data)
     if not isinstance(event, kind):
         raise TypeError(f"expected a {kind.__name__} from the other ranks, got {type(event)}")

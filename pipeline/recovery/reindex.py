@@ -14,6 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypedDict
 
 import anyio
 import structlog
@@ -31,6 +32,18 @@ __all__ = ("Reindexed", "reindex")
 log = structlog.get_logger(__name__)
 
 _KEY = re.compile(r"(?:^|/)([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard$")
+
+
+class _Ident(TypedDict):
+    """The fields a shard's `written` and `verified` events share."""
+
+    job: str
+    node: str
+    ts: float
+    step: int
+    rank: int
+    world_size: int
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +81,11 @@ async def reindex(
             async with S3Store(settings) as objects:
                 prefix = objects.key_for(PurePosixPath(job))
                 for key, size in await objects.list_objects(prefix + "/"):
-                    event = await _s3_event(objects, key, size, job, node)
-                    if event is None:
+                    flushed = await _s3_event(objects, key, size, job, node)
+                    if flushed is None:
                         skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
                         continue
-                    await bus.publish(event, id_suffix=suffix)
+                    await bus.publish(flushed, id_suffix=suffix)
                     s3_count += 1
     log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, skipped=len(skipped))
     return Reindexed(nvme_count, s3_count, skipped)
@@ -86,7 +99,7 @@ def _nvme_events(
     if h.job != job or path != store.path_for(shard_relpath(h.job, h.step, h.rank, h.world_size)):
         raise TierpipeError(f"header says job {h.job!r} step {h.step} rank {h.rank}")
     digest = head.header_digest.hex()
-    ident = dict(
+    ident = _Ident(
         job=job,
         node=node,
         ts=time.time(),
