@@ -3,8 +3,10 @@
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
 config, API error). Credentials and TLS come from the settings (user/password, token, creds
-file, nkey seed, CA and client certificate). A stream that vanished (deleted by an operator,
-lost by the server) is recreated by the next publish that finds it missing.
+file, nkey seed, CA and client certificate; `tierpipe.nats_conn`). The stream's configuration is
+`tierpipe.stream`'s; reading its history and watching it, `tierpipe.history`'s. A stream that
+vanished (deleted by an operator, lost by the server) is recreated by the next publish that finds
+it missing.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,33 +25,24 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext, api
+from nats.js import api
 
-from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, ConfigError
+from tierpipe import history, stream
+from tierpipe.errors import BusAuthError, BusError, BusUnavailableError
+from tierpipe.history import Watch
 from tierpipe.log import register_secrets, scrub, settings_secrets
-from tierpipe.names import ALL_SUBJECTS, event_subject, msg_id, redact_url
+from tierpipe.names import event_subject, msg_id, redact_url
+from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.settings import Settings
 
-__all__ = ("Bus", "Missing", "Published", "Stored", "Watch", "redact_url")
+__all__ = ("Bus", "Missing", "Published", "redact_url")
 
 log = structlog.get_logger(__name__)
 
 KIND_HEADER = "Tp-Kind"
 SCHEMA_HEADER = "Tp-Schema"
 
-_UNAVAILABLE = (
-    nats.errors.TimeoutError,
-    nats.errors.NoServersError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.NoStreamResponseError,
-    asyncio.TimeoutError,
-    OSError,
-)
 #: JetStream API error codes: the stream, or the consumer, does not exist.
 _STREAM_NOT_FOUND = 10059
 _CONSUMER_NOT_FOUND = 10014
@@ -65,43 +57,6 @@ class Published:
     seq: int
     #: The server already had this `Nats-Msg-Id` (a republish after redelivery).
     duplicate: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """One message of the stream, as a `Watch` delivers it."""
-
-    seq: int
-    subject: str
-    #: None when the body is no event this version knows (readers skip it, as `history` does).
-    event: Event | None
-
-
-class Watch:
-    """Messages on a subject as the stream stores them (see `Bus.watch`)."""
-
-    def __init__(self, sub: JetStreamContext.PushSubscription, subject: str) -> None:
-        self._sub = sub
-        self._subject = subject
-
-    async def next(self, timeout: float) -> Stored | None:
-        """The next message, or None if none came within `timeout` seconds (one already
-        delivered is returned even when `timeout` is up).
-
-        Raises:
-            BusUnavailableError: the connection was closed.
-        """
-        try:
-            msg = await self._sub.next_msg(timeout=max(timeout, 0.001))
-        except nats.errors.TimeoutError:
-            return None
-        except nats.errors.ConnectionClosedError as e:
-            raise BusUnavailableError(f"watch {self._subject}: the connection is closed") from e
-        try:
-            event: Event | None = decode_event(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            event = None
-        return Stored(msg.metadata.sequence.stream, msg.subject, event)
 
 
 class Bus:
@@ -144,7 +99,7 @@ class Bus:
         """
         s = self.settings
         servers = [u.strip() for u in s.nats_url.split(",") if u.strip()]
-        options = _auth_options(s)
+        options = connect_options(s)
         deadline = time.monotonic() + wait_s
         delay = 0.1
         while True:
@@ -154,7 +109,7 @@ class Bus:
             except Exception as e:
                 self.nc = None
                 where = redact_url(s.nats_url)
-                refused = _refusal(self._last_error or e)
+                refused = refusal(self._last_error or e)
                 if refused is not None:
                     raise BusAuthError(where, refused) from e
                 if time.monotonic() + delay > deadline:
@@ -236,7 +191,7 @@ class Bus:
                 log.warning("bus_error", error=str(e) or type(e).__name__)
             else:
                 self._last_error = e
-                if _refusal(e) is not None:
+                if refusal(e) is not None:
                     self._refused.set()
         except Exception:  # noqa: S110 (see above: never raise into nats-py)
             pass
@@ -254,27 +209,6 @@ class Bus:
 
     # --- stream and consumers
 
-    def _stream_config(self) -> api.StreamConfig:
-        s = self.settings
-        return api.StreamConfig(
-            name=s.stream,
-            description="tierpipe checkpoint events (an index: recovery replays it)",
-            subjects=[ALL_SUBJECTS],
-            retention=api.RetentionPolicy.LIMITS,
-            storage=api.StorageType.FILE,
-            discard=api.DiscardPolicy.OLD,
-            # No per-subject cap: `evicted` subjects fill three times faster than `written`, so a
-            # cap would drop a removal while the events that created the copy remain. Age and
-            # size limits drop the oldest events first, keeping a suffix of the history.
-            max_msgs_per_subject=-1,
-            max_age=s.stream_max_age_s,
-            max_bytes=s.stream_max_bytes,
-            duplicate_window=s.duplicate_window_s,
-            num_replicas=s.stream_replicas,
-            allow_direct=True,
-            deny_delete=True,
-        )
-
     async def ensure_stream(self, *, update: bool = True) -> None:
         """Create the stream, or update it if its settings changed (idempotent).
 
@@ -283,24 +217,7 @@ class Bus:
         Raises:
             BusError: the server refused the config (e.g. a change it cannot apply in place).
         """
-        want = self._stream_config()
-        try:
-            try:
-                info = await self.js.stream_info(want.name)
-            except nats.js.errors.NotFoundError:
-                await self.js.add_stream(want)
-                log.info("stream_created", stream=want.name)
-                return
-            have = info.config
-            if update and any(getattr(have, f) != getattr(want, f) for f in _STREAM_FIELDS):
-                await self.js.update_stream(want)
-                log.info("stream_updated", stream=want.name)
-        except nats.js.errors.APIError as e:
-            if isinstance(e, nats.js.errors.ServiceUnavailableError):
-                raise BusUnavailableError(f"JetStream unavailable: {e}") from e
-            raise BusError(f"stream {want.name}: {e.description or e}") from e
-        except _UNAVAILABLE as e:
-            raise BusUnavailableError(f"stream {want.name}: {e or type(e).__name__}") from e
+        await stream.ensure_stream(self.js, self.settings, update=update)
 
     async def ensure_consumer(self, durable: str, filters: list[str]) -> None:
         """Create or update a durable pull consumer with explicit acks (idempotent)."""
@@ -320,7 +237,7 @@ class Bus:
             await self.js.add_consumer(s.stream, config)
         except nats.js.errors.APIError as e:
             raise BusError(f"consumer {durable}: {e.description or e}") from e
-        except _UNAVAILABLE as e:
+        except UNAVAILABLE as e:
             raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
 
     async def missing(self, durable: str) -> Missing | None:
@@ -342,7 +259,7 @@ class Bus:
             if isinstance(e, nats.js.errors.ServiceUnavailableError):
                 raise BusUnavailableError(f"consumer {durable}: JetStream unavailable") from e
             raise BusError(f"consumer {durable}: {e.description or e}") from e
-        except _UNAVAILABLE as e:
+        except UNAVAILABLE as e:
             raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
         return None
 
@@ -356,7 +273,7 @@ class Bus:
             return await sub.fetch(batch, timeout=timeout)
         except nats.errors.TimeoutError:
             return []
-        except _UNAVAILABLE as e:
+        except UNAVAILABLE as e:
             raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
         except nats.errors.Error as e:
             raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
@@ -437,7 +354,7 @@ class Bus:
                     await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
                 raise BusError(f"publish to {subject} refused: {e.description or e}") from e
-            except _UNAVAILABLE as e:
+            except UNAVAILABLE as e:
                 raise BusUnavailableError(f"publish to {subject}: {e or type(e).__name__}") from e
             else:
                 if tried and ack.duplicate:  # our own earlier try landed after all
@@ -493,7 +410,7 @@ class Bus:
             raw = await self.js.get_last_msg(self.settings.stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
-        except _UNAVAILABLE as e:
+        except UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
         return raw.seq or 0, raw.data or b""
 
@@ -520,181 +437,24 @@ class Bus:
         """(stream seq, event) of the newest message on each subject matching `subject`."""
         return await self._collect(subject, api.DeliverPolicy.LAST_PER_SUBJECT, seqs=True)
 
-    @contextlib.asynccontextmanager
-    async def watch(self, subject: str, *, each_subject: bool = True) -> AsyncIterator[Watch]:
+    def watch(
+        self, subject: str, *, each_subject: bool = True
+    ) -> contextlib.AbstractAsyncContextManager[Watch]:
         """The newest stored message on each subject matching `subject` (the newest of them
         all with `each_subject=False`), then every later one as the stream stores it, in stream
-        order: what `latest` reads, kept current without polling. Open it before publishing
-        what its messages answer.
-
-        An ordered push consumer: after a gap (a reconnect, missed heartbeats, a consumer the
-        server lost) nats-py recreates it from the next stream sequence, so no stored message is
-        skipped; the server drops it once unsubscribed.
-
-        Raises:
-            BusUnavailableError: JetStream did not answer.
-            BusError: the server refused the consumer.
-        """
-        policy = api.DeliverPolicy.LAST_PER_SUBJECT if each_subject else api.DeliverPolicy.LAST
-        try:
-            sub = await self.js.subscribe(
-                subject,
-                stream=self.settings.stream,
-                ordered_consumer=True,
-                deliver_policy=policy,
-                idle_heartbeat=1.0,
-            )
-        except nats.js.errors.APIError as e:
-            raise BusError(f"watch {subject}: {e.description or e}") from e
-        except _UNAVAILABLE as e:
-            raise BusUnavailableError(f"watch {subject}: {e or type(e).__name__}") from e
-        try:
-            yield Watch(sub, subject)
-        finally:
-            with contextlib.suppress(Exception):  # a closed connection has no subscription left
-                await sub.unsubscribe()
+        order (see `tierpipe.history.watch`). Open it before publishing what its messages
+        answer."""
+        return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
 
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool
     ) -> list[tuple[int, Event]]:
-        nc = self._client()
-        inbox = nc.new_inbox()
-        bodies: list[tuple[int, bytes]] = []
-        expected: int | None = None
-        done = asyncio.Event()
-
-        async def on_msg(msg: Msg) -> None:
-            status = msg.headers.get("Status") if msg.headers else None
-            if status is not None:  # flow control (answer it) or an idle heartbeat
-                if msg.reply:
-                    await nc.publish(msg.reply, b"")
-                return
-            bodies.append((msg.metadata.sequence.stream if seqs else 0, msg.data))
-            if expected is not None and len(bodies) >= expected:
-                done.set()
-
-        config = api.ConsumerConfig(
-            deliver_subject=inbox,
-            deliver_policy=policy,
-            ack_policy=api.AckPolicy.NONE,
-            filter_subject=subject,
-            flow_control=True,
-            idle_heartbeat=1.0,
-            mem_storage=True,
-            inactive_threshold=30.0,
+        return await history.collect(
+            self._client(),
+            self.js,
+            self.settings.stream,
+            subject,
+            policy,
+            seqs=seqs,
+            timeout=self.settings.request_timeout_s,
         )
-        sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
-        info = None
-        try:
-            try:
-                info = await self.js.add_consumer(self.settings.stream, config)
-            except nats.js.errors.APIError as e:
-                raise BusError(f"replay {subject}: {e.description or e}") from e
-            except _UNAVAILABLE as e:
-                raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
-            expected = info.num_pending
-            if len(bodies) >= expected:
-                done.set()
-            while not done.is_set():
-                seen = len(bodies)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(done.wait(), self.settings.request_timeout_s)
-                if not done.is_set() and len(bodies) == seen:
-                    raise BusUnavailableError(
-                        f"replay {subject} stalled at {seen} of {expected} messages"
-                    )
-        finally:
-            await sub.unsubscribe()
-            if info is not None:
-                with contextlib.suppress(Exception):  # it expires on its own anyway
-                    await self.js.delete_consumer(self.settings.stream, info.name)
-        events = []
-        for seq, body in bodies[:expected]:
-            try:
-                events.append((seq, decode_event(body)))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-        return events
-
-
-_STREAM_FIELDS = (
-    "subjects",
-    "max_msgs_per_subject",
-    "max_age",
-    "max_bytes",
-    "duplicate_window",
-    "num_replicas",
-    "allow_direct",
-    "deny_delete",
-    "discard",
-    "description",
-)
-
-
-def _auth_options(s: Settings) -> dict[str, Any]:
-    """nats-py `connect` keywords for the credentials and TLS in the settings."""
-    options: dict[str, Any] = {}
-    if s.nats_user is not None:
-        options["user"] = s.nats_user
-    if s.nats_password is not None:
-        options["password"] = s.nats_password
-    if s.nats_token is not None:
-        options["token"] = s.nats_token
-    for field, keyword in (
-        ("nats_creds_file", "user_credentials"),
-        ("nats_nkey_seed_file", "nkeys_seed"),
-    ):
-        path = getattr(s, field)
-        if path is not None:
-            _check_readable(field, path)
-            options[keyword] = path
-    if s.nats_tls_ca_file or s.nats_tls_cert_file or s.nats_tls_key_file:
-        options["tls"] = _tls_context(s)
-    return options
-
-
-def _tls_context(s: Settings) -> ssl.SSLContext:
-    """A client TLS context: the server is checked against the CA (the system's when none is
-    set) and the host name of the URL it was reached at; the client certificate, if any, is
-    offered for mutual TLS."""
-    if bool(s.nats_tls_cert_file) != bool(s.nats_tls_key_file):
-        raise ConfigError("nats_tls_cert_file and nats_tls_key_file go together (mutual TLS)")
-    for field in ("nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file"):
-        if getattr(s, field):
-            _check_readable(field, getattr(s, field))
-    try:
-        context = ssl.create_default_context(cafile=s.nats_tls_ca_file)
-        if s.nats_tls_cert_file and s.nats_tls_key_file:
-            context.load_cert_chain(s.nats_tls_cert_file, s.nats_tls_key_file)
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(f"cannot load the NATS TLS files: {e}") from e
-    return context
-
-
-def _check_readable(field: str, path: str) -> None:
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{field}: cannot read {path}: {e.strerror}") from e
-
-
-def _refusal(e: BaseException) -> str | None:
-    """Why the server refused this client (credentials, TLS), or None for an outage."""
-    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
-        return (
-            "the server refused the credentials (authorization violation): check nats_user / "
-            "nats_password, nats_token, nats_creds_file or nats_nkey_seed_file"
-        )
-    if isinstance(e, nats.errors.InvalidUserCredentialsError):
-        return f"invalid credentials file: {e}"
-    if isinstance(e, ssl.SSLCertVerificationError):
-        return (
-            f"the server's TLS certificate was not accepted ({e.verify_message}): check "
-            "nats_tls_ca_file and that the URL's host name is in the certificate"
-        )
-    if isinstance(e, ssl.SSLError):
-        return f"TLS handshake failed ({e.reason or e}): check nats_tls_cert_file / key / CA"
-    if isinstance(e, nats.errors.SecureConnRequiredError):
-        return "the server requires TLS: use a tls:// URL or set nats_tls_ca_file"
-    return None

@@ -24,7 +24,7 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.bus import Bus, Stored, Watch
+from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.errors import (
     ConfigError,
@@ -32,6 +32,7 @@ from tierpipe.errors import (
     RestoreTimeoutError,
     WorldSizeMismatchError,
 )
+from tierpipe.history import Stored, Watch
 from tierpipe.names import plan_subject, shard_subject
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loaded, Loader

@@ -1,0 +1,168 @@
+"""Reading the stream: its stored history (`collect`) and a live view of it (`watch`), for
+`Bus.history`, `Bus.latest` and `Bus.watch`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from tierpipe.errors import BusError, BusUnavailableError
+from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.schemas import Event, decode_event
+
+__all__ = ("Stored", "Watch", "collect", "watch")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One message of the stream, as a `Watch` delivers it."""
+
+    seq: int
+    subject: str
+    #: None when the body is no event this version knows (readers skip it, as `history` does).
+    event: Event | None
+
+
+class Watch:
+    """Messages on a subject as the stream stores them (see `Bus.watch`)."""
+
+    def __init__(self, sub: JetStreamContext.PushSubscription, subject: str) -> None:
+        self._sub = sub
+        self._subject = subject
+
+    async def next(self, timeout: float) -> Stored | None:
+        """The next message, or None if none came within `timeout` seconds (one already
+        delivered is returned even when `timeout` is up).
+
+        Raises:
+            BusUnavailableError: the connection was closed.
+        """
+        try:
+            msg = await self._sub.next_msg(timeout=max(timeout, 0.001))
+        except nats.errors.TimeoutError:
+            return None
+        except nats.errors.ConnectionClosedError as e:
+            raise BusUnavailableError(f"watch {self._subject}: the connection is closed") from e
+        try:
+            event: Event | None = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
+        return Stored(msg.metadata.sequence.stream, msg.subject, event)
+
+
+@contextlib.asynccontextmanager
+async def watch(
+    js: JetStreamContext, stream: str, subject: str, *, each_subject: bool = True
+) -> AsyncIterator[Watch]:
+    """The newest stored message on each subject matching `subject` (the newest of them
+    all with `each_subject=False`), then every later one as the stream stores it, in stream
+    order: what `latest` reads, kept current without polling. Open it before publishing
+    what its messages answer.
+
+    An ordered push consumer: after a gap (a reconnect, missed heartbeats, a consumer the
+    server lost) nats-py recreates it from the next stream sequence, so no stored message is
+    skipped; the server drops it once unsubscribed.
+
+    Raises:
+        BusUnavailableError: JetStream did not answer.
+        BusError: the server refused the consumer.
+    """
+    policy = api.DeliverPolicy.LAST_PER_SUBJECT if each_subject else api.DeliverPolicy.LAST
+    try:
+        sub = await js.subscribe(
+            subject,
+            stream=stream,
+            ordered_consumer=True,
+            deliver_policy=policy,
+            idle_heartbeat=1.0,
+        )
+    except nats.js.errors.APIError as e:
+        raise BusError(f"watch {subject}: {e.description or e}") from e
+    except UNAVAILABLE as e:
+        raise BusUnavailableError(f"watch {subject}: {e or type(e).__name__}") from e
+    try:
+        yield Watch(sub, subject)
+    finally:
+        with contextlib.suppress(Exception):  # a closed connection has no subscription left
+            await sub.unsubscribe()
+
+
+async def collect(
+    nc: nats.NATS,
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    policy: api.DeliverPolicy,
+    *,
+    seqs: bool,
+    timeout: float,
+) -> list[tuple[int, Event]]:
+    """The stored messages on `subject` that `policy` selects, as of now, read through an
+    ephemeral push consumer whose messages land straight in a callback (no per-message task,
+    unlike a pull fetch): ~35k events/s, decoding included. Undecodable ones are skipped."""
+    inbox = nc.new_inbox()
+    bodies: list[tuple[int, bytes]] = []
+    expected: int | None = None
+    done = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is not None:  # flow control (answer it) or an idle heartbeat
+            if msg.reply:
+                await nc.publish(msg.reply, b"")
+            return
+        bodies.append((msg.metadata.sequence.stream if seqs else 0, msg.data))
+        if expected is not None and len(bodies) >= expected:
+            done.set()
+
+    config = api.ConsumerConfig(
+        deliver_subject=inbox,
+        deliver_policy=policy,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject,
+        flow_control=True,
+        idle_heartbeat=1.0,
+        mem_storage=True,
+        inactive_threshold=30.0,
+    )
+    sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    info = None
+    try:
+        try:
+            info = await js.add_consumer(stream, config)
+        except nats.js.errors.APIError as e:
+            raise BusError(f"replay {subject}: {e.description or e}") from e
+        except UNAVAILABLE as e:
+            raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
+        expected = info.num_pending or 0
+        if len(bodies) >= expected:
+            done.set()
+        while not done.is_set():
+            seen = len(bodies)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout)
+            if not done.is_set() and len(bodies) == seen:
+                raise BusUnavailableError(
+                    f"replay {subject} stalled at {seen} of {expected} messages"
+                )
+    finally:
+        await sub.unsubscribe()
+        if info is not None:
+            with contextlib.suppress(Exception):  # it expires on its own anyway
+                await js.delete_consumer(stream, info.name)
+    events = []
+    for seq, body in bodies[:expected]:
+        try:
+            events.append((seq, decode_event(body)))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return events

@@ -1,0 +1,81 @@
+"""The `TIERPIPE` stream: its configuration from the settings, created or brought up to date
+in place (`Bus.ensure_stream`)."""
+
+from __future__ import annotations
+
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext, api
+
+from tierpipe.errors import BusError, BusUnavailableError
+from tierpipe.names import ALL_SUBJECTS
+from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.settings import Settings
+
+__all__ = ("STREAM_FIELDS", "ensure_stream", "stream_config")
+
+log = structlog.get_logger(__name__)
+
+#: The stream settings compared to decide whether the stream needs an update.
+STREAM_FIELDS = (
+    "subjects",
+    "max_msgs_per_subject",
+    "max_age",
+    "max_bytes",
+    "duplicate_window",
+    "num_replicas",
+    "allow_direct",
+    "deny_delete",
+    "discard",
+    "description",
+)
+
+
+def stream_config(s: Settings) -> api.StreamConfig:
+    """The `TIERPIPE` stream as the settings want it."""
+    return api.StreamConfig(
+        name=s.stream,
+        description="tierpipe checkpoint events (an index: recovery replays it)",
+        subjects=[ALL_SUBJECTS],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        discard=api.DiscardPolicy.OLD,
+        # No per-subject cap: `evicted` subjects fill three times faster than `written`, so a
+        # cap would drop a removal while the events that created the copy remain. Age and
+        # size limits drop the oldest events first, keeping a suffix of the history.
+        max_msgs_per_subject=-1,
+        max_age=s.stream_max_age_s,
+        max_bytes=s.stream_max_bytes,
+        duplicate_window=s.duplicate_window_s,
+        num_replicas=s.stream_replicas,
+        allow_direct=True,
+        deny_delete=True,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = True) -> None:
+    """Create the stream, or update it if its settings changed (idempotent).
+
+    Trainers pass `update=False`: they create a missing stream but leave the agent's alone.
+
+    Raises:
+        BusError: the server refused the config (e.g. a change it cannot apply in place).
+    """
+    want = stream_config(s)
+    try:
+        try:
+            info = await js.stream_info(s.stream)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(want)
+            log.info("stream_created", stream=want.name)
+            return
+        have = info.config
+        if update and any(getattr(have, f) != getattr(want, f) for f in STREAM_FIELDS):
+            await js.update_stream(want)
+            log.info("stream_updated", stream=want.name)
+    except nats.js.errors.APIError as e:
+        if isinstance(e, nats.js.errors.ServiceUnavailableError):
+            raise BusUnavailableError(f"JetStream unavailable: {e}") from e
+        raise BusError(f"stream {want.name}: {e.description or e}") from e
+    except UNAVAILABLE as e:
+        raise BusUnavailableError(f"stream {want.name}: {e or type(e).__name__}") from e
