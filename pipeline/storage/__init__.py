@@ -1,6 +1,7 @@
 """Storage: every byte of a shard on disk and in the bucket.
 
 - `nvme`: the node-local tier (`NvmeStore`): seal staged images into shard files, verify them.
+- `placement`: a sealed file linked to its final path, never over another valid save.
 - `s3`: the object-storage tier (`S3Store`): write-once multipart uploads, ranged downloads;
   `s3_parts` (part uploads and ranged downloads: reads, checksums, paced bodies), `s3_once`
   (what an object already at a key means: done, replaceable or a conflict), `s3_errors`
