@@ -28,6 +28,7 @@ from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
+from tierpipe.storage import s3 as s3_store
 from tierpipe.storage.s3 import S3Store, Uploaded
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
@@ -321,11 +322,11 @@ def test_abandoned_object_appearing_mid_upload_is_replaced_not_a_conflict(
     again and replaces it, instead of failing for good."""
     (old, d_old), (new, d_new) = two_saves
     key = str(shard_relpath(job, 5, 0, 1))
-    real = S3Store._upload_parts
+    real = s3_store.upload_parts
     raced: list[bool] = []
 
-    async def parts_then_race(self: S3Store, *args: Any) -> Any:
-        result = await real(self, *args)
+    async def parts_then_race(*args: Any, **kwargs: Any) -> Any:
+        result = await real(*args, **kwargs)
         if not raced:  # the other agent completes its upload of the old save right now
             raced.append(True)
             await anyio.to_thread.run_sync(
@@ -333,7 +334,7 @@ def test_abandoned_object_appearing_mid_upload_is_replaced_not_a_conflict(
             )
         return result
 
-    monkeypatch.setattr(S3Store, "_upload_parts", parts_then_race)
+    monkeypatch.setattr(s3_store, "upload_parts", parts_then_race)
     done = _upload(settings, new, key, d_new, epoch=200, step=5, rewind_to=3)
     assert raced and not done.existed
     assert s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read() == new.read_bytes()

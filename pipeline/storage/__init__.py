@@ -1,8 +1,11 @@
 """Storage: every byte of a shard on disk and in the bucket.
 
 - `nvme`: the node-local tier (`NvmeStore`): seal staged images into shard files, verify them.
+- `placement`: a sealed file linked to its final path, never over another valid save.
 - `s3`: the object-storage tier (`S3Store`): write-once multipart uploads, ranged downloads;
-  `s3_parts` (part reads, checksums, paced bodies), `s3_errors` (botocore's errors translated).
+  `s3_parts` (part uploads and ranged downloads: reads, checksums, paced bodies), `s3_once`
+  (what an object already at a key means: done, replaceable or a conflict), `s3_errors`
+  (botocore's errors translated).
 - `reader`: shard files read back from the device: the head, and every blob's digest.
 - `shardfile`: standalone writers (`write_shard`) for tests, tools and benchmarks.
 - `aligned`: O_DIRECT opens, aligned buffers, full-length pread/pwrite loops.

@@ -6,10 +6,10 @@ written), written with large aligned O_DIRECT writes at queue depth > 1 while an
 hashes the same source bytes, fsynced, hard-linked into place (never over an existing file) and
 the directory fsynced. So a final file is either absent or complete, and a valid final file is
 never replaced by another save unless that save supersedes it (a rewound run's newer timeline);
-an unreadable or corrupt one is set aside as `.<name>.corrupt`. Verification re-reads with
-O_DIRECT (or drops the page cache first where O_DIRECT is not supported) and hashes while reading
-(`reader.BlobReader`). All blocking work runs in this store's thread pool; python-xxhash and
-os.pread/pwrite release the GIL, so hashing and I/O overlap on separate cores.
+an unreadable or corrupt one is set aside as `.<name>.corrupt` (see `placement`). Verification
+re-reads with O_DIRECT (or drops the page cache first where O_DIRECT is not supported) and hashes
+while reading (`reader.BlobReader`). All blocking work runs in this store's thread pool;
+python-xxhash and os.pread/pwrite release the GIL, so hashing and I/O overlap on separate cores.
 
 Each agent stage holds `<root>/.agent-<stage>.lock` for its whole life: one agent per node name
 and NVMe root (`NvmeStore.lock`, see `lock`).
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import xxhash
@@ -37,7 +37,7 @@ from tierpipe.errors import (
     StorageConflictError,
 )
 from tierpipe.faults import maybe_die
-from tierpipe.schemas import ALIGN, ShardHeader
+from tierpipe.schemas import ALIGN
 from tierpipe.settings import Settings
 from tierpipe.shard import PREFIX_NBYTES, Head, encode_head, seal_header
 from tierpipe.storage.aligned import O_DIRECT, aligned_copy, open_direct, pwrite_all
@@ -49,6 +49,7 @@ from tierpipe.storage.durable import (
     unlink_quietly,
 )
 from tierpipe.storage.lock import stage_lock, sweep_dead_temps, temp_path
+from tierpipe.storage.placement import judge, place
 
 # The head readers live in `reader`; re-exported here, where callers have always found them.
 from tierpipe.storage.reader import BlobReader, open_for_read, read_head, read_head_fd
@@ -56,8 +57,6 @@ from tierpipe.storage.reader import BlobReader, open_for_read, read_head, read_h
 __all__ = ("NvmeStore", "VerifyResult", "WriteResult", "open_for_read", "read_head", "read_head_fd")
 
 log = structlog.get_logger(__name__)
-
-_Verdict = Literal["absent", "same", "corrupt", "superseded", "conflict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +235,9 @@ class NvmeStore:
             StagingGoneError: (from `check`) the source was reused mid-copy; nothing placed.
         """
         t0 = time.perf_counter()
-        verdict, found = self._judge(final, head.header, rewind_to)
+        verdict, found = judge(
+            final, head.header, rewind_to, reader=self._reader, direct_io=self.direct_io
+        )
         if verdict == "same":
             return WriteResult(
                 str(final),
@@ -286,7 +287,15 @@ class NvmeStore:
         os.close(fd)
         maybe_die("nvme-write:after-fsync", self.fault_point)
         try:
-            existing = self._place(tmp, final, header, rewind_to)
+            existing = place(
+                tmp,
+                final,
+                header,
+                rewind_to,
+                reader=self._reader,
+                direct_io=self.direct_io,
+                fault_point=self.fault_point,
+            )
         except BaseException as e:
             unlink_quietly(tmp)
             if isinstance(e, OSError):
@@ -303,85 +312,6 @@ class NvmeStore:
             time.perf_counter() - t0,
             existing is not None,
         )
-
-    def _place(
-        self, tmp: Path, final: Path, header: ShardHeader, rewind_to: int | None
-    ) -> str | None:
-        """Link the complete temp file to `final`, never over a valid file (see `write_image`).
-
-        Returns:
-            None once placed; the header digest of `final` if it already held this very save.
-        """
-        for _ in range(3):
-            try:
-                os.link(tmp, final)  # EEXIST instead of replacing: unlike rename
-            except FileExistsError:
-                verdict, found = self._judge(final, header, rewind_to)
-                if verdict == "same":
-                    unlink_quietly(tmp)
-                    return found
-                if verdict == "conflict":
-                    raise StorageConflictError(str(final), found) from None
-                if verdict == "corrupt":
-                    self._set_aside(final, found)
-                elif verdict == "superseded":
-                    self._drop_superseded(final, found)
-                continue
-            maybe_die("nvme-write:after-link", self.fault_point)
-            os.unlink(tmp)
-            fsync_dir(final.parent)
-            return None
-        raise RetryableError(f"{final} kept changing while it was being placed")
-
-    def _judge(
-        self, final: Path, header: ShardHeader, rewind_to: int | None
-    ) -> tuple[_Verdict, str]:
-        """What `final` holds compared with the save `header` describes, and the header digest
-        (for `same`) or the reason (otherwise). A file is judged valid only once it passed a
-        full verification against its own header."""
-        try:
-            fd = open_for_read(final, direct_io=self.direct_io)
-        except FileNotFoundError:
-            return "absent", ""
-        try:
-            try:
-                found = read_head_fd(fd, str(final), os.fstat(fd).st_size)
-                self._reader.check(fd, found, str(final))
-            except (ShardFormatError, IntegrityError) as e:
-                return "corrupt", str(e)
-        except OSError as e:
-            raise RetryableError(f"cannot read {final}: {e}") from e
-        finally:
-            os.close(fd)
-        old = found.header
-        if _identity(old) != _identity(header):
-            return "corrupt", (
-                f"holds {old.job} step {old.step} rank {old.rank} of {old.world_size}, "
-                "not the shard of this path"
-            )
-        if _same_save(old, header):
-            return "same", found.header_digest.hex()
-        if old.epoch < header.epoch and rewind_to is not None and header.step > rewind_to:
-            return "superseded", (
-                f"epoch {old.epoch} is superseded by epoch {header.epoch}, "
-                f"which rewound to step {rewind_to}"
-            )
-        return "conflict", (
-            f"holds another valid save of this shard (created {old.created}, epoch {old.epoch}); "
-            f"the new save (created {header.created}, epoch {header.epoch}, rewind_to "
-            f"{rewind_to}) does not supersede it, and a valid shard file is never replaced"
-        )
-
-    def _set_aside(self, final: Path, reason: str) -> None:
-        aside = final.with_name(f".{final.name}.corrupt")
-        os.replace(final, aside)  # one kept for forensics: an older one is overwritten
-        fsync_dir(final.parent)
-        log.warning("corrupt_shard_set_aside", path=str(final), kept=str(aside), reason=reason)
-
-    def _drop_superseded(self, final: Path, reason: str) -> None:
-        os.unlink(final)
-        fsync_dir(final.parent)
-        log.warning("superseded_shard_replaced", path=str(final), reason=reason)
 
     def _check_space(self, nbytes: int) -> None:
         free = self.free_bytes()
@@ -416,20 +346,6 @@ class NvmeStore:
         finally:
             os.close(fd)
         return VerifyResult(str(path), size, header_digest, time.perf_counter() - t0)
-
-
-def _identity(h: ShardHeader) -> tuple[str, int, int, int]:
-    return (h.job, h.step, h.rank, h.world_size)
-
-
-def _same_save(old: ShardHeader, new: ShardHeader) -> bool:
-    """Whether two headers describe the same save (identity, creation time and layout)."""
-    return (
-        _identity(old) == _identity(new)
-        and (old.created, old.epoch, old.tree, old.tensors)
-        == (new.created, new.epoch, new.tree, new.tensors)
-        and [(b.offset, b.nbytes) for b in old.blobs] == [(b.offset, b.nbytes) for b in new.blobs]
-    )
 
 
 def _blob_digests(image: memoryview, head: Head) -> list[bytes]:

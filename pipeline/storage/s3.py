@@ -6,19 +6,17 @@ NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC
 the bytes go out in ~1 MiB pieces through the shared `Throttle` (see `s3_parts`). The final key
 is write-once (`IfNoneMatch="*"`); an object already there with the same size and header digest
 counts as done, and only an abandoned timeline's object (a rewound run's older epoch) may be
-replaced. Size and checksum are confirmed with a HEAD after completion. Objects record which
-node uploaded them, and retention deletes only its own node's (`delete_owned`). botocore's
-exceptions stop here (see `s3_errors`): callers see `StorageUnavailableError` (retryable) or
-`StorageAuthError` / `StorageConflictError` / `IntegrityError` (permanent).
+replaced (see `s3_once`). Size and checksum are confirmed with a HEAD after completion. Objects
+record which node uploaded them, and retention deletes only its own node's (`delete_owned`).
+botocore's exceptions stop here (see `s3_errors`): callers see `StorageUnavailableError`
+(retryable) or `StorageAuthError` / `StorageConflictError` / `IntegrityError` (permanent).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import mmap
-import os
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -32,21 +30,16 @@ import structlog
 from aiobotocore.config import AioConfig
 
 from tierpipe.errors import (
-    IntegrityError,
-    RetryableError,
-    ShardMissingError,
     StorageAuthError,
     StorageConflictError,
-    StorageUnavailableError,
     StorageUnsupportedError,
     TierpipeError,
 )
 from tierpipe.names import node_name
-from tierpipe.schemas import ALIGN
 from tierpipe.settings import Settings
-from tierpipe.storage.aligned import aligned_buffer, open_direct, round_up
-from tierpipe.storage.s3_errors import NotFound, download_error, first_error, translate_errors
-from tierpipe.storage.s3_parts import PacedBody, close_buffers, composite_checksum, read_part
+from tierpipe.storage.s3_errors import NotFound, translate_errors
+from tierpipe.storage.s3_once import Save, confirm, existing
+from tierpipe.storage.s3_parts import composite_checksum, download_parts, upload_parts
 from tierpipe.throttle import Throttle
 
 __all__ = ("S3Store", "Uploaded")
@@ -128,7 +121,7 @@ class S3Store:
 
         The object's metadata records the shard's header digest, the uploading node and the
         save's epoch: eviction deletes only objects this node uploaded, and a rewound run may
-        replace an abandoned timeline's object (see `_existing`).
+        replace an abandoned timeline's object (see `s3_once.existing`).
 
         Args:
             node: the uploading node (default: this node's name from the settings).
@@ -142,7 +135,8 @@ class S3Store:
         """
         t0 = time.perf_counter()
         nbytes = (await anyio.Path(path).stat()).st_size
-        save = _Save(header_digest, nbytes, epoch, step, rewind_to)
+        save = Save(header_digest, nbytes, epoch, step, rewind_to)
+        location = f"s3://{self.bucket}/{key}"
         metadata = {
             "tp-header-digest": header_digest,
             "tp-node": node or node_name(self.settings.node),
@@ -151,7 +145,7 @@ class S3Store:
         # An abandoned timeline's object can appear at the key between the HEAD and the
         # complete (its own agent still flushing it): then look again and replace that one.
         for attempt in range(3):
-            found = await self._existing(key, save)
+            found = existing(await self.head(key), save, location)
             if found is not None and not found.superseded:
                 return Uploaded(
                     self.bucket, key, found.etag, found.checksum, nbytes,
@@ -176,7 +170,7 @@ class S3Store:
                     rewind_to=rewind_to,
                 )
             expected = composite_checksum([base64.b64decode(crc) for _, _, crc in parts])
-            checksum = await self._confirm(key, nbytes, expected)
+            checksum = confirm(await self.head(key), nbytes, expected, location)
             etag = done.get("ETag", "").strip('"')
             return Uploaded(
                 self.bucket, key, etag, checksum, nbytes, time.perf_counter() - t0, False
@@ -198,7 +192,17 @@ class S3Store:
             )
         upload_id = created["UploadId"]
         try:
-            parts = await self._upload_parts(path, key, upload_id, nbytes)
+            parts = await upload_parts(
+                self.client,
+                self.bucket,
+                key,
+                upload_id,
+                path,
+                nbytes,
+                part_size_bytes=self.settings.part_size_bytes,
+                concurrency=self.settings.part_concurrency,
+                throttle=self.throttle,
+            )
             async with translate_errors(key):
                 done = await self.client.complete_multipart_upload(
                     Bucket=self.bucket,
@@ -217,112 +221,6 @@ class S3Store:
                 await self._abort(key, upload_id)
             raise
         return done, parts
-
-    async def _upload_parts(
-        self, path: Path, key: str, upload_id: str, nbytes: int
-    ) -> list[tuple[int, str, str]]:
-        part = self.settings.part_size_bytes
-        count = max(1, -(-nbytes // part))
-        results: list[tuple[int, str, str]] = [(0, "", "")] * count
-        # One aligned buffer per part in flight, reused part after part: a fresh 64 MiB mapping
-        # per part costs page faults on every read and a slow unmap on the event loop.
-        buffers = [
-            aligned_buffer(round_up(min(part, nbytes)) or ALIGN)
-            for _ in range(min(self.settings.part_concurrency, count))
-        ]
-        free = list(buffers)
-        limiter = anyio.Semaphore(len(buffers))
-        try:
-            fd = open_direct(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise RetryableError(f"cannot open {path}: {e}") from e
-
-        async def one(index: int) -> None:
-            async with limiter:
-                offset = index * part
-                size = min(part, nbytes - offset)
-                buf = free.pop()
-                try:
-                    crc = await anyio.to_thread.run_sync(read_part, fd, buf, offset, size, path)
-                    with memoryview(buf) as view:
-                        body = PacedBody(view[:size], self.throttle)
-                        async with translate_errors(key):
-                            r = await self.client.upload_part(
-                                Bucket=self.bucket,
-                                Key=key,
-                                UploadId=upload_id,
-                                PartNumber=index + 1,
-                                Body=body,
-                                ContentLength=size,
-                                ChecksumCRC32C=crc,
-                            )
-                    results[index] = (index + 1, r["ETag"].strip('"'), r.get("ChecksumCRC32C", crc))
-                finally:
-                    free.append(buf)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(count):
-                    tg.start_soon(one, i)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from group
-        finally:
-            os.close(fd)
-            await anyio.to_thread.run_sync(close_buffers, buffers)
-        return results
-
-    async def _existing(self, key: str, save: _Save) -> _Found | None:
-        """The object at `key`: this very shard (`superseded` False), or a save of an abandoned
-        timeline that this save may replace (`superseded` True); None if there is none.
-
-        An object is abandoned when it records an older epoch than this save and this save
-        rewound to a step before its own (`rewind_to`): that rank's later steps from the older
-        epoch no longer count. Objects from before epochs existed record none (0).
-
-        Raises:
-            StorageConflictError: something else holds the key.
-        """
-        head = await self.head(key)
-        if head is None:
-            return None
-        meta = head.get("Metadata", {})
-        theirs = meta.get("tp-header-digest")
-        found = _Found(
-            head.get("ETag", "").strip('"'),
-            head.get("ChecksumCRC32C", ""),
-            theirs,
-            _int_or_none(meta.get("tp-epoch", "0")),
-            superseded=False,
-        )
-        if head["ContentLength"] == save.nbytes and theirs == save.header_digest:
-            return found
-        if (
-            found.epoch is not None
-            and found.epoch < save.epoch
-            and save.rewind_to is not None
-            and save.step is not None
-            and save.step > save.rewind_to
-        ):
-            return dataclasses.replace(found, superseded=True)
-        raise StorageConflictError(
-            f"s3://{self.bucket}/{key}",
-            f"holds {head['ContentLength']} bytes with header digest {theirs} "
-            f"(epoch {meta.get('tp-epoch', 0)}); this shard is {save.nbytes} bytes with "
-            f"{save.header_digest} (epoch {save.epoch}, rewind_to {save.rewind_to})",
-        )
-
-    async def _confirm(self, key: str, nbytes: int, expected: str) -> str:
-        head = await self.head(key)
-        if head is None:
-            raise StorageUnavailableError(f"s3://{self.bucket}/{key} missing right after upload")
-        actual = head.get("ChecksumCRC32C", "")
-        if head["ContentLength"] != nbytes:
-            raise IntegrityError(
-                f"s3://{self.bucket}/{key}", "size", str(nbytes), str(head["ContentLength"])
-            )
-        if actual and actual != expected:
-            raise IntegrityError(f"s3://{self.bucket}/{key}", "CRC32C", expected, actual)
-        return actual or expected
 
     async def head(self, key: str) -> dict[str, Any] | None:
         """The object's HEAD (with its checksum), or None if there is none."""
@@ -390,42 +288,15 @@ class S3Store:
             StorageUnavailableError: the store failed or the object is shorter than `nbytes`.
             StorageAuthError: the store refused the request (credentials, permissions).
         """
-        location = f"s3://{self.bucket}/{key}"
-        part = self.settings.part_size_bytes
-        buf = aligned_buffer(max(nbytes, 1))
-        limiter = anyio.Semaphore(self.settings.part_concurrency)
-
-        async def one(offset: int) -> None:
-            size = min(part, nbytes - offset)
-            async with limiter:
-                guard = hold() if hold is not None else contextlib.nullcontext()
-                await anyio.to_thread.run_sync(guard.__enter__)
-                try:
-                    async with translate_errors(key):
-                        r = await self.client.get_object(
-                            Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
-                        )
-                        got = 0
-                        async for chunk in r["Body"].iter_chunks(1 << 20):
-                            if got + len(chunk) > size:
-                                raise StorageUnavailableError(f"{location}: long read at {offset}")
-                            buf[offset + got : offset + got + len(chunk)] = chunk
-                            got += len(chunk)
-                except NotFound:
-                    raise ShardMissingError(location, "no such object") from None
-                finally:
-                    guard.__exit__(None, None, None)
-                if got != size:
-                    raise StorageUnavailableError(f"{location}: short read at {offset}")
-
-        try:
-            async with anyio.create_task_group() as tg:
-                for offset in range(0, nbytes, part):
-                    tg.start_soon(one, offset)
-        except BaseExceptionGroup as group:
-            buf.close()
-            raise download_error(group, location) from group
-        return buf
+        return await download_parts(
+            self.client,
+            self.bucket,
+            key,
+            nbytes,
+            part_size_bytes=self.settings.part_size_bytes,
+            concurrency=self.settings.part_concurrency,
+            hold=hold,
+        )
 
     async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`."""
@@ -499,33 +370,3 @@ class S3Store:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"
             ) from None
-
-
-@dataclass(frozen=True, slots=True)
-class _Save:
-    """The shard an upload carries, as `_existing` compares it with an object."""
-
-    header_digest: str
-    nbytes: int
-    epoch: int
-    step: int | None
-    rewind_to: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Found:
-    """An object already at an upload's key."""
-
-    etag: str
-    checksum: str
-    header_digest: str | None
-    #: Its `tp-epoch` (None: unreadable, so never treated as older).
-    epoch: int | None
-    superseded: bool
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None

@@ -1,10 +1,12 @@
-"""The bytes of a multipart upload's parts: read from the NVMe file, checksummed, paced.
+"""An object's bytes, part by part: uploads streamed from the NVMe file, ranged downloads.
 
-Each part is read with O_DIRECT (the page cache stays clean) into one of a few reused aligned
-buffers, and its CRC32C computed (awscrt, ~16 GB/s) in a worker thread: S3 wants it as base64
-of the 4 big-endian bytes and verifies it on arrival. The part then goes out as a `PacedBody`,
-~1 MiB pieces each let through by the shared `Throttle`. `composite_checksum` is the checksum S3
-reports for the whole object, to compare after completion.
+`upload_parts` sends a file's parts, a few at a time. Each part is read with O_DIRECT (the page
+cache stays clean) into one of a few reused aligned buffers, and its CRC32C computed (awscrt,
+~16 GB/s) in a worker thread: S3 wants it as base64 of the 4 big-endian bytes and verifies it on
+arrival. The part then goes out as a `PacedBody`, ~1 MiB pieces each let through by the shared
+`Throttle`. `composite_checksum` is the checksum S3 reports for the whole object, to compare
+after completion. `download_parts` fetches an object with parallel ranged GETs into one
+page-aligned buffer.
 """
 
 from __future__ import annotations
@@ -12,16 +14,29 @@ from __future__ import annotations
 import base64
 import contextlib
 import mmap
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
+import anyio
 from awscrt import checksums
 
-from tierpipe.errors import RetryableError
-from tierpipe.storage.aligned import pread_into
+from tierpipe.errors import RetryableError, ShardMissingError, StorageUnavailableError
+from tierpipe.schemas import ALIGN
+from tierpipe.storage.aligned import aligned_buffer, open_direct, pread_into, round_up
+from tierpipe.storage.s3_errors import NotFound, download_error, first_error, translate_errors
 from tierpipe.throttle import Throttle
 
-__all__ = ("PacedBody", "close_buffers", "composite_checksum", "read_part")
+__all__ = (
+    "PacedBody",
+    "close_buffers",
+    "composite_checksum",
+    "download_parts",
+    "read_part",
+    "upload_parts",
+)
 
 #: What one throttle acquisition lets through.
 _PIECE = 1 << 20
@@ -82,3 +97,134 @@ class PacedBody:
             piece = self._data[start : start + _PIECE]
             await self._throttle.acquire(len(piece))
             yield piece
+
+
+async def upload_parts(
+    client: Any,
+    bucket: str,
+    key: str,
+    upload_id: str,
+    path: Path,
+    nbytes: int,
+    *,
+    part_size_bytes: int,
+    concurrency: int,
+    throttle: Throttle,
+) -> list[tuple[int, str, str]]:
+    """Send the file at `path` as the parts of multipart upload `upload_id`, at most
+    `concurrency` at a time, through `client` (the store's aioboto3 S3 client).
+
+    Returns:
+        (part number, ETag, CRC32C) of every part, in order, for the completion.
+
+    Raises:
+        RetryableError: the file cannot be opened or is shorter than `nbytes`.
+        StorageUnavailableError, StorageAuthError: as `translate_errors` says (the first one).
+    """
+    part = part_size_bytes
+    count = max(1, -(-nbytes // part))
+    results: list[tuple[int, str, str]] = [(0, "", "")] * count
+    # One aligned buffer per part in flight, reused part after part: a fresh 64 MiB mapping
+    # per part costs page faults on every read and a slow unmap on the event loop.
+    buffers = [
+        aligned_buffer(round_up(min(part, nbytes)) or ALIGN) for _ in range(min(concurrency, count))
+    ]
+    free = list(buffers)
+    limiter = anyio.Semaphore(len(buffers))
+    try:
+        fd = open_direct(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise RetryableError(f"cannot open {path}: {e}") from e
+
+    async def one(index: int) -> None:
+        async with limiter:
+            offset = index * part
+            size = min(part, nbytes - offset)
+            buf = free.pop()
+            try:
+                crc = await anyio.to_thread.run_sync(read_part, fd, buf, offset, size, path)
+                with memoryview(buf) as view:
+                    body = PacedBody(view[:size], throttle)
+                    async with translate_errors(key):
+                        r = await client.upload_part(
+                            Bucket=bucket,
+                            Key=key,
+                            UploadId=upload_id,
+                            PartNumber=index + 1,
+                            Body=body,
+                            ContentLength=size,
+                            ChecksumCRC32C=crc,
+                        )
+                results[index] = (index + 1, r["ETag"].strip('"'), r.get("ChecksumCRC32C", crc))
+            finally:
+                free.append(buf)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(one, i)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from group
+    finally:
+        os.close(fd)
+        await anyio.to_thread.run_sync(close_buffers, buffers)
+    return results
+
+
+async def download_parts(
+    client: Any,
+    bucket: str,
+    key: str,
+    nbytes: int,
+    *,
+    part_size_bytes: int,
+    concurrency: int,
+    hold: Callable[[], AbstractContextManager[object]] | None = None,
+) -> mmap.mmap:
+    """Fetch object `key` with ranged GETs of `part_size_bytes`, at most `concurrency` at a time,
+    into a page-aligned buffer, through `client` (the store's aioboto3 S3 client).
+
+    Args:
+        hold: a context manager factory taken around each GET; entered in a worker thread.
+
+    Raises:
+        ShardMissingError: there is no object at `key`.
+        StorageUnavailableError: the store failed or the object is shorter than `nbytes`.
+        StorageAuthError: the store refused the request (credentials, permissions).
+    """
+    location = f"s3://{bucket}/{key}"
+    part = part_size_bytes
+    buf = aligned_buffer(max(nbytes, 1))
+    limiter = anyio.Semaphore(concurrency)
+
+    async def one(offset: int) -> None:
+        size = min(part, nbytes - offset)
+        async with limiter:
+            guard = hold() if hold is not None else contextlib.nullcontext()
+            await anyio.to_thread.run_sync(guard.__enter__)
+            try:
+                async with translate_errors(key):
+                    r = await client.get_object(
+                        Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
+                    )
+                    got = 0
+                    async for chunk in r["Body"].iter_chunks(1 << 20):
+                        if got + len(chunk) > size:
+                            raise StorageUnavailableError(f"{location}: long read at {offset}")
+                        buf[offset + got : offset + got + len(chunk)] = chunk
+                        got += len(chunk)
+            except NotFound:
+                raise ShardMissingError(location, "no such object") from None
+            finally:
+                guard.__exit__(None, None, None)
+            if got != size:
+                raise StorageUnavailableError(f"{location}: short read at {offset}")
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for offset in range(0, nbytes, part):
+                tg.start_soon(one, offset)
+    except BaseExceptionGroup as group:
+        buf.close()
+        raise download_error(group, location) from group
+    return buf
