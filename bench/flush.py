@@ -195,7 +195,7 @@ class _Flushes:
     def one(self, state: dict[str, Any], *, keep: Path | None = None) -> dict[str, float]:
         """Save `state`, wait for its `flushed` event, delete the object and the NVMe file (or
         move that file to `keep`). Returns the event's seconds and nbytes."""
-        from tierpipe.staging import release
+        from tierpipe.staged_image import release
 
         self.step += 1
         step = self.step

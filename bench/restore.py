@@ -277,7 +277,7 @@ class _Restores:
         self.count = 0
 
     def one(self, tier: str) -> float:
-        from tierpipe.staging import release
+        from tierpipe.staged_image import release
 
         self.count += 1
         restart = f"bench-{tier}-{self.count}"

@@ -15,8 +15,9 @@ agent has not released (it reclaims only markers the stream proves dead: `SlotPo
 Every image begins with a bump of the slot's generation (`Slot.begin`), before any other byte of
 the new image is written; `staged` carries the value. A reader (the agent) reads the generation
 first, copies, and reads it again: the same value proves no reuse of the slot began meanwhile
-(`StagedImage.check`), so an agent that was paused for minutes can never seal another step's
-bytes under this step's header.
+(`tierpipe.staged_image.StagedImage.check`), so an agent that was paused for minutes can never
+seal another step's bytes under this step's header. This module is the trainer's side of the
+slots (and the node-wide `NodeSlots`); `tierpipe.staged_image` is the agent's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -37,19 +37,11 @@ import structlog
 from tierpipe.errors import (
     ConfigError,
     NoSpaceError,
-    ShardFormatError,
     SlotTimeoutError,
-    StagingGoneError,
-    TierpipeError,
 )
 from tierpipe.names import validate_token
-from tierpipe.schemas import ShardStaged
 from tierpipe.shard import (
     GENERATION_OFFSET,
-    PREFIX_NBYTES,
-    Head,
-    parse_head,
-    parse_prefix,
     set_slot_generation,
     slot_generation,
 )
@@ -58,11 +50,9 @@ __all__ = (
     "NodeSlots",
     "Slot",
     "SlotPool",
-    "StagedImage",
-    "open_image",
-    "open_staged",
+    "marker_path",
+    "markers",
     "rank_dir",
-    "release",
     "stale_markers",
 )
 
@@ -70,7 +60,7 @@ log = structlog.get_logger(__name__)
 
 _MARKER = re.compile(r"^slot-(\d+)\.step-(\d{12})$")
 #: End of the generation field in the prefix (a u64 at `GENERATION_OFFSET`).
-_GENERATION_END = GENERATION_OFFSET + 8
+GENERATION_END = GENERATION_OFFSET + 8
 _GROW_ALIGN = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -79,7 +69,7 @@ def rank_dir(root: str | os.PathLike[str], job: str, rank: int) -> Path:
     return Path(root).absolute() / validate_token("job", job) / f"rank-{rank:05d}"
 
 
-def _markers(directory: Path) -> list[tuple[int, int]]:
+def markers(directory: Path) -> list[tuple[int, int]]:
     """(slot, step) of every busy marker in a rank directory."""
     try:
         names = os.listdir(directory)
@@ -88,7 +78,7 @@ def _markers(directory: Path) -> list[tuple[int, int]]:
     return [(int(m[1]), int(m[2])) for m in map(_MARKER.match, names) if m]
 
 
-def _marker(directory: Path, slot: int, step: int) -> Path:
+def marker_path(directory: Path, slot: int, step: int) -> Path:
     return directory / f"slot-{slot}.step-{step:012d}"
 
 
@@ -153,7 +143,7 @@ class Slot:
             generation = slot_generation(view) + 1
             set_slot_generation(view, generation)
             view[:GENERATION_OFFSET] = head[:GENERATION_OFFSET]
-            view[_GENERATION_END : len(head)] = head[_GENERATION_END:]
+            view[GENERATION_END : len(head)] = head[GENERATION_END:]
         self.generation = generation
         return generation
 
@@ -198,7 +188,7 @@ class SlotPool:
 
     def busy(self) -> dict[int, int]:
         """slot index -> unreleased step."""
-        return {slot: step for slot, step in _markers(self.dir)}
+        return {slot: step for slot, step in markers(self.dir)}
 
     def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
         """A free slot; with `wait`, poll until one frees up or `timeout_s` passes.
@@ -223,13 +213,13 @@ class SlotPool:
     def mark(self, slot: Slot, step: int) -> None:
         """Mark `slot` busy with `step` (after the copy, before `staged` is published)."""
         fd = os.open(
-            _marker(self.dir, slot.index, step), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640
+            marker_path(self.dir, slot.index, step), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640
         )
         os.close(fd)
 
     def unmark(self, slot: Slot, step: int) -> None:
         """Give a slot back without the agent (the save failed before the agent saw it)."""
-        _marker(self.dir, slot.index, step).unlink(missing_ok=True)
+        marker_path(self.dir, slot.index, step).unlink(missing_ok=True)
 
     def reclaim(
         self,
@@ -251,9 +241,9 @@ class SlotPool:
             failed=failed,
             pending=pending,
         )
-        for slot, step in _markers(self.dir):
+        for slot, step in markers(self.dir):
             if step in stale:
-                _marker(self.dir, slot, step).unlink(missing_ok=True)
+                marker_path(self.dir, slot, step).unlink(missing_ok=True)
         if stale:
             log.warning(
                 "staging_markers_reclaimed",
@@ -310,172 +300,6 @@ def stale_markers(
         elif failed is not None and step == failed:
             stale[step] = "failed permanently"
     return stale
-
-
-@dataclass(frozen=True, slots=True)
-class StagedImage:
-    """A staged shard image, mapped read-only by the agent."""
-
-    path: Path
-    mm: mmap.mmap
-    head: Head
-    #: The slot's generation, read before any other byte of the image.
-    generation: int
-    slot: int
-    step: int
-
-    def view(self) -> memoryview:
-        return memoryview(self.mm)
-
-    def check(self) -> None:
-        """Prove the slot still holds this image: call after copying it, before trusting the copy.
-
-        Raises:
-            StagingGoneError: the slot was reused (its generation moved on) or released meanwhile.
-        """
-        # The generation first: unchanged means none of a reuse's writes reached our copy
-        # (`Slot.begin`). The marker then proves the save was not released or reclaimed.
-        now = slot_generation(self.mm)
-        if now != self.generation:
-            raise StagingGoneError(
-                str(self.path),
-                f"slot reused while it was copied (generation {self.generation} -> {now})",
-            )
-        if (self.slot, self.step) not in _markers(self.path.parent):
-            raise StagingGoneError(str(self.path), f"step {self.step} was released meanwhile")
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-
-
-def open_image(root: str | os.PathLike[str], event: ShardStaged) -> StagedImage:
-    """Map the slot a `staged` event names and check that it still holds that shard.
-
-    Raises:
-        StagingGoneError: the slot is missing, released, or holds another shard now.
-        ShardFormatError: the image is garbled, or the event points outside the staging root.
-    """
-    directory = rank_dir(root, event.job, event.rank)
-    path = directory / f"slot-{event.slot}"
-    if Path(event.staging_path) != path:
-        raise ShardFormatError(
-            event.staging_path,
-            f"not this agent's staging slot {path}: trainer and agent must share staging_root",
-        )
-    if (event.slot, event.step) not in _markers(directory):
-        raise StagingGoneError(str(path), f"step {event.step} was released or never marked")
-    image = _map(path, event.slot, event.job, event.step, event.rank, event.world_size)
-    if image.generation != event.generation:
-        image.close()
-        raise StagingGoneError(
-            str(path),
-            f"slot is at generation {image.generation}, the event's copy was {event.generation}",
-        )
-    if image.head.file_nbytes != event.nbytes:
-        image.close()
-        raise StagingGoneError(
-            str(path), f"slot holds {image.head.file_nbytes} bytes, event says {event.nbytes}"
-        )
-    return image
-
-
-def open_staged(
-    root: str | os.PathLike[str], job: str, rank: int, step: int, world_size: int
-) -> StagedImage | None:
-    """The staging copy of a shard if a slot still holds it (not yet released), else None."""
-    directory = rank_dir(root, job, rank)
-    for slot, marked in _markers(directory):
-        if marked == step:
-            try:
-                return _map(directory / f"slot-{slot}", slot, job, step, rank, world_size)
-            except StagingGoneError:
-                return None
-    return None
-
-
-def _map(path: Path, slot: int, job: str, step: int, rank: int, world_size: int) -> StagedImage:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise StagingGoneError(str(path), "slot file is missing") from e
-    try:
-        mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    try:
-        # The generation before any other byte: a reuse that began after this read shows as a
-        # new generation in `check()`, whatever else of it the copy may have seen.
-        generation = slot_generation(mm) if len(mm) >= _GENERATION_END else 0
-        head = parse_head(memoryview(mm), str(path), sealed=False)
-        h = head.header
-        if (h.job, h.step, h.rank, h.world_size) != (job, step, rank, world_size):
-            raise StagingGoneError(str(path), f"slot now holds step {h.step} of rank {h.rank}")
-        if head.file_nbytes > len(mm):
-            raise StagingGoneError(
-                str(path), f"slot holds {len(mm)} bytes, image needs {head.file_nbytes}"
-            )
-    except BaseException:
-        mm.close()
-        raise
-    return StagedImage(path, mm, head, generation, slot, step)
-
-
-def release(
-    root: str | os.PathLike[str], job: str, rank: int, step: int, *, epoch: int | None = None
-) -> Path | None:
-    """Free the slot holding `step` of (job, rank); delete the slot file if its trainer is gone.
-
-    Args:
-        epoch: free it only if it holds that save's epoch (after a rewind, a late event about
-            an abandoned save of the same step must not free the new save's slot).
-
-    Returns:
-        The slot path that was released, or None if no slot held that step (already released).
-    """
-    directory = rank_dir(root, job, rank)
-    released = None
-    for slot, marked in _markers(directory):
-        path = directory / f"slot-{slot}"
-        if marked == step and (epoch is None or _image_epoch(path) in (epoch, None)):
-            _marker(directory, slot, step).unlink(missing_ok=True)
-            released = path
-    if released is not None:
-        _delete_if_orphaned(directory, released)
-    return released
-
-
-def _image_epoch(path: Path) -> int | None:
-    """The epoch in the header of the image a slot holds (None: unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(PREFIX_NBYTES)
-            head = prefix + f.read(parse_prefix(prefix, str(path))[0])
-        return parse_head(head, str(path), sealed=False).header.epoch
-    except (OSError, TierpipeError):
-        return None
-
-
-def _delete_if_orphaned(directory: Path, slot_path: Path) -> None:
-    # The trainer holds owner.lock exclusively while it lives. Holding it shared while we delete
-    # means a trainer starting right now waits for us before it maps any slot.
-    try:
-        fd = os.open(directory / "owner.lock", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return
-    try:
-        index = slot_path.name.removeprefix("slot-")
-        if not any(str(s) == index for s, _ in _markers(directory)):
-            slot_path.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
 
 
 class NodeSlots:

@@ -44,7 +44,7 @@ from tierpipe.schemas import (
     decode_event,
 )
 from tierpipe.settings import Settings
-from tierpipe.staging import release
+from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 

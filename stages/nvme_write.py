@@ -25,7 +25,7 @@ from tierpipe.errors import StagingGoneError, TierpipeError
 from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
-from tierpipe.staging import StagedImage, open_image
+from tierpipe.staged_image import StagedImage, open_image
 from tierpipe.storage.nvme import NvmeStore, WriteResult, read_head
 
 __all__ = ("KINDS", "STAGE", "NvmeWrite", "handle", "open")

@@ -23,7 +23,7 @@ from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import Event, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.staging import open_staged
+from tierpipe.staged_image import open_staged
 from tierpipe.storage.nvme import NvmeStore, VerifyResult
 
 __all__ = ("KINDS", "STAGE", "Verify", "handle", "open")

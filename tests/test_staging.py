@@ -11,7 +11,8 @@ import torch
 from tierpipe.errors import ConfigError, ShardFormatError, StagingGoneError
 from tierpipe.schemas import ShardStaged
 from tierpipe.shard import slot_generation
-from tierpipe.staging import SlotPool, open_image, release, stale_markers
+from tierpipe.staged_image import open_image, release
+from tierpipe.staging import SlotPool, stale_markers
 from tierpipe.state import plan_state
 
 

@@ -33,8 +33,9 @@ from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten
 from tierpipe.settings import Settings
+from tierpipe.staged_image import StagedImage, open_image, release
 from tierpipe.stages.snapshot import Snapshot
-from tierpipe.staging import SlotPool, StagedImage, open_image, release
+from tierpipe.staging import SlotPool
 from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
