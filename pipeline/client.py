@@ -7,45 +7,35 @@ daemon thread, publishing events and listening for this rank's progress events.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import contextlib
+import importlib.util
 import os
 import threading
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar, TypeVarTuple
 
 import msgspec
 import structlog
 import torch
+from anyio.from_thread import start_blocking_portal
+from nats.aio.msg import Msg
 from torch.utils.hooks import RemovableHandle
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
-from tierpipe.errors import (
-    BusUnavailableError,
-    ConfigError,
-    ShardFailedError,
-    StaleStepError,
-    TierpipeError,
-)
+from tierpipe.errors import BusUnavailableError, ConfigError, StaleStepError, TierpipeError
+from tierpipe.handle import SaveHandle, SaveStats
 from tierpipe.log import configure_logging
-from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, node_name, shard_subject, validate_token
+from tierpipe.names import flush_control_subject, node_name, shard_subject, validate_token
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
-from tierpipe.schemas import (
-    Event,
-    FlushControl,
-    ShardEvent,
-    ShardStaged,
-    ShardVerified,
-    StageFailed,
-    decode_event,
-)
+from tierpipe.schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
 from tierpipe.settings import Settings, load_settings
-from tierpipe.stages.snapshot import Snapshot, StagedCopy
+from tierpipe.stages.snapshot import Snapshot, StagedCopy, reclaim_slots
 from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan, plan_state
 
@@ -53,162 +43,45 @@ __all__ = ("Checkpointer", "SaveHandle", "SaveStats")
 
 log = structlog.get_logger(__name__)
 
-Milestone = Literal["staged", "written", "verified"]
-_ORDER: dict[str, int] = {"staged": 0, "written": 1, "verified": 2}
-_POLL_S = 1.0
 T = TypeVar("T")
+PosArgsT = TypeVarTuple("PosArgsT")
+#: The bus loop runs on uvloop where it is installed (as the node agent does).
+_LOOP_OPTIONS = {"use_uvloop": True} if importlib.util.find_spec("uvloop") else {}
 
 
-@dataclass(slots=True)
-class SaveStats:
-    """Counters of this Checkpointer's saves."""
-
-    staged: int = 0
-    skipped: int = 0
-    failed: int = 0
-    last_stall_s: float = 0.0
-
-
-class SaveHandle:
-    """The fate of one `save()`: reads like a `concurrent.futures.Future` whose result is the
-    `verified` event, plus `wait(milestone)` and `wait_staged()`."""
-
-    def __init__(self, owner: Checkpointer | None, step: int, *, skipped: bool = False) -> None:
-        self.step = step
-        self.skipped = skipped
-        self._owner = owner
-        self._cond = threading.Condition()
-        self._events: dict[str, Event] = {}
-        self._error: BaseException | None = None
-        self._staged = threading.Event()
-        self._host_copied = threading.Event()
-        self._cuda_events: list[tuple[torch.device, torch.cuda.Event]] = []
-        if skipped:
-            self._staged.set()
-            self._host_copied.set()
-
-    def __repr__(self) -> str:
-        state = (
-            "skipped"
-            if self.skipped
-            else "failed"
-            if self._error
-            else max(self._events, key=_ORDER.__getitem__, default="copying")
-        )
-        return f"<SaveHandle step={self.step} {state}>"
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the copy is complete and `staged` is published (overlapped mode).
-
-        Raises:
-            TimeoutError: not staged within `timeout`.
-            TierpipeError: the copy or the publish failed.
-        """
-        if not self._staged.wait(timeout):
-            raise TimeoutError(f"step {self.step} not staged within {timeout} s")
-        with self._cond:
-            if self._error is not None and "staged" not in self._events:
-                raise self._error
-
-    def wait(self, until: Milestone = "verified", timeout: float | None = None) -> Event | None:
-        """Block until the shard reached `until` (`staged`, `written` or `verified`).
-
-        Returns:
-            The event that proved it (None for a skipped save).
-
-        Raises:
-            TimeoutError: not reached within `timeout`.
-            ShardFailedError: a stage failed permanently for this shard.
-        """
-        if until not in _ORDER:
-            raise ValueError(f"until must be one of {list(_ORDER)} (got {until!r})")
-        if self.skipped:
-            return None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        want = _ORDER[until]
-        while True:
-            with self._cond:
-                reached = [k for k in self._events if _ORDER[k] >= want]
-                if reached:
-                    return self._events[min(reached, key=_ORDER.__getitem__)]
-                if self._error is not None:
-                    raise self._error
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"step {self.step} not {until} within {timeout} s")
-                self._cond.wait(_POLL_S if left is None else min(left, _POLL_S))
-            if self._owner is not None and "staged" in self._events:
-                self._owner._catch_up(self)  # events missed while disconnected
-
-    def done(self) -> bool:
-        with self._cond:
-            return self.skipped or self._error is not None or "verified" in self._events
-
-    def result(self, timeout: float | None = None) -> Event | None:
-        """The `verified` event (None for a skipped save); raises what made the save fail."""
-        return self.wait("verified", timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as e:
-            return e
-        return None
-
-    def _on_event(self, event: Event) -> None:
-        with self._cond:
-            if isinstance(event, StageFailed):
-                if not event.retryable and self._error is None:
-                    self._error = ShardFailedError(event.stage, event.error, event.message)
-            else:
-                kind = type(event).__struct_config__.tag
-                if kind in _ORDER:
-                    self._events.setdefault(kind, event)
-            self._cond.notify_all()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-        self._host_copied.set()
-        self._staged.set()
-
-
-class _BusThread:
-    """A NATS client on its own event loop thread, so the trainer's threads never run it."""
+class _BusPortal:
+    """A NATS client on its own event-loop thread (an anyio blocking portal), so the trainer's
+    threads never run it; every call has a deadline."""
 
     def __init__(self, settings: Settings, name: str) -> None:
-        try:
-            import uvloop
-
-            self.loop = uvloop.new_event_loop()
-        except ImportError:
-            self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="tierpipe-bus", daemon=True
+        self._stack: contextlib.ExitStack | None = contextlib.ExitStack()
+        self.portal = self._stack.enter_context(
+            start_blocking_portal("asyncio", _LOOP_OPTIONS, name="tierpipe-bus")
         )
-        self._thread.start()
         self.bus = Bus(settings, name=name)
         try:
-            self.run(self.bus.connect(), settings.connect_timeout_s + 5)
+            self.run(self.bus.connect, timeout=settings.connect_timeout_s + 5)
         except BaseException:
             self.close()
             raise
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        """Run `coro` on the bus thread and return its result.
+    def run(
+        self,
+        func: Callable[[*PosArgsT], Awaitable[T]],
+        *args: *PosArgsT,
+        timeout: float | None,
+    ) -> T:
+        """Run `func(*args)` on the bus thread and return its result.
 
         Raises:
             BusUnavailableError: no answer within `timeout` (NATS down or unreachable: the
-                client keeps reconnecting meanwhile), with the cause kept.
+                client keeps reconnecting meanwhile), with the cause kept; the call is cancelled.
             TierpipeError: what the coroutine raised.
         """
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self.portal.start_task_soon(func, *args)
         done, _ = concurrent.futures.wait([future], timeout)
         if not done:  # (not `except TimeoutError`: the coroutine may raise a TimeoutError itself)
-            future.cancel()
+            future.cancel()  # cancels the call's task on the bus thread
             nc = self.bus.nc
             state = "connected" if nc is not None and nc.is_connected else "not connected"
             raise BusUnavailableError(
@@ -217,15 +90,18 @@ class _BusThread:
         return future.result()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            try:
-                self.run(self.bus.aclose(), 10)
-            except (TimeoutError, TierpipeError) as e:
-                log.debug("bus_close_failed", error=str(e))
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-        if not self._thread.is_alive():
-            self.loop.close()
+        """Close the client, then stop the loop, cancelling what is left, and join its thread
+        (idempotent). A loop that does not stop within 10 s is left to its daemon thread."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        try:
+            self.run(self.bus.aclose, timeout=10)
+        except (TimeoutError, TierpipeError) as e:
+            log.debug("bus_close_failed", error=str(e))
+        stopped = self.portal.start_task_soon(self.portal.stop, True)
+        if concurrent.futures.wait([stopped], 10).done:
+            stack.close()  # joins the loop's thread
 
 
 class Checkpointer:
@@ -289,22 +165,21 @@ class Checkpointer:
         self._last_step: int | None = None
         self._inflight: tuple[SaveHandle, concurrent.futures.Future[None]] | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
-        self._subject = f"{SUBJECT_ROOT}.{self.job}.{{kind}}.{self.node}.{self.rank}"
         self._pool = SlotPool(
             self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
         )
+        self._snapshot = Snapshot(self._pool, node=self.node)
         try:
-            self._bus = _BusThread(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
+            self._bus = _BusPortal(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
         except BaseException:
             self._pool.close()
             raise
         try:
-            self._bus.run(self._start(), self.settings.request_timeout_s + 5)
+            self._bus.run(self._start, timeout=self.settings.request_timeout_s + 5)
         except BaseException:
             self._bus.close()
             self._pool.close()
             raise
-        self._snapshot = Snapshot(self._pool)
         self._loader = Loader(
             self.settings,
             self._bus.bus,
@@ -318,8 +193,8 @@ class Checkpointer:
     async def _start(self) -> None:
         bus = self._bus.bus
         await bus.ensure_stream(update=False)
-        await bus.subscribe(self._subject.format(kind="*"), self._on_msg)
-        await self._reclaim_slots()
+        await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._on_msg)
+        await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
         self._newest_saved = await self._newest_staged_step()
 
     async def _newest_staged_step(self) -> int | None:
@@ -328,39 +203,6 @@ class Checkpointer:
         found = await self._bus.bus.latest(shard_subject(self.job, "staged", "*", self.rank))
         newest = max(found, default=None, key=lambda item: item[0])
         return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
-
-    async def _reclaim_slots(self) -> None:
-        """Drop staging markers no agent will release: never published, or verified, failed
-        for good or superseded according to the stream. Three direct gets of this rank's
-        newest events on this node, never a replay: a restart reads nothing that grows with
-        the job's history."""
-        bus = self._bus.bus
-        newest: dict[str, tuple[int, Event]] = {}
-        for kind in ("staged", "verified", "failed"):
-            raw = await bus.last_raw(self._subject.format(kind=kind))
-            if raw is None:
-                continue
-            try:
-                newest[kind] = (raw[0], decode_event(raw[1]))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-        staged, verified, failed = (newest.get(k) for k in ("staged", "verified", "failed"))
-        published = _step_of(staged, ShardStaged)
-        failed_step = None
-        if failed is not None and isinstance(failed[1], StageFailed):
-            f = failed[1]
-            if not f.retryable and f.stage in ("nvme-write", "verify"):
-                failed_step = f.step
-        pending = None
-        later = [found[0] for found in (verified, failed) if found is not None]
-        if staged is not None and all(staged[0] > seq for seq in later):
-            pending = published  # staged after both: that save is still on its way
-        self._pool.reclaim(
-            published_up_to=published,
-            verified_up_to=_step_of(verified, ShardVerified),
-            failed=failed_step,
-            pending=pending,
-        )
 
     # --- saving
 
@@ -373,10 +215,7 @@ class Checkpointer:
         plan = plan_state(
             state, job=self.job, step=0, rank=self.rank, world_size=self.world_size, node=self.node
         )
-        busy = self._pool.busy()
-        for slot in self._pool.slots:
-            if slot.index not in busy:
-                self._snapshot.reserve(slot, plan)
+        self._snapshot.reserve(plan)
 
     def save(self, step: int, state: Any, *, blocking: bool = True) -> SaveHandle:
         """Snapshot `state` at `step`; block only for the copy into shared memory.
@@ -422,7 +261,7 @@ class Checkpointer:
             epoch=self.epoch,
         )
         s = self.settings
-        slot = self._pool.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
+        slot = self._snapshot.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
         if slot is None:
             self.stats.skipped += 1
             log.warning(
@@ -433,11 +272,11 @@ class Checkpointer:
                 reason="no free staging slot",
                 busy_steps=sorted(self._pool.busy().values()),
             )
-            return SaveHandle(None, step, skipped=True)
+            return SaveHandle(step, skipped=True)
         # `_last_step` moves only once the save is staged: a save that fails before (staging
         # full, a publish that failed) may be retried with the same step.
         dsts = self._snapshot.prepare(slot, plan)
-        handle = SaveHandle(self, step)
+        handle = SaveHandle(step, catch_up=self._catch_up)
         with self._lock:
             self._handles[step] = handle
         if blocking:
@@ -502,33 +341,20 @@ class Checkpointer:
         raise_errors: bool,
         rewind_to: int | None,
     ) -> None:
-        self._pool.mark(slot, handle.step)
-        event = ShardStaged(
-            job=self.job,
-            node=self.node,
-            ts=time.time(),
-            step=handle.step,
-            rank=self.rank,
-            world_size=self.world_size,
-            staging_path=str(slot.path),
-            slot=slot.index,
-            nbytes=plan.nbytes,
-            tensors=len(plan.header.tensors),
-            stall_s=round(stall_s, 6),
-            blocking=blocking,
-            generation=slot.generation,
-            epoch=self.epoch,
-            rewind_to=rewind_to,
+        event = self._snapshot.mark(
+            slot, plan, stall_s=stall_s, blocking=blocking, rewind_to=rewind_to
         )
         try:
-            published = self._bus.run(self._bus.bus.publish(event), self.settings.publish_timeout_s)
+            published = self._bus.run(
+                self._bus.bus.publish, event, timeout=self.settings.publish_timeout_s
+            )
             if published.duplicate:
                 raise ConfigError(
                     f"step {handle.step} of rank {self.rank} was already staged moments ago "
                     "(duplicate event); this save is void"
                 )
         except (TierpipeError, TimeoutError) as e:
-            self._pool.unmark(slot, handle.step)
+            self._snapshot.unmark(slot, handle.step)
             self._abandon(handle, e)
             if raise_errors:
                 raise
@@ -636,7 +462,9 @@ class Checkpointer:
                 else None
             ),
         )
-        restored = self._bus.run(restorer.run(step=step), self.settings.restore_timeout_s + 60)
+        restored = self._bus.run(
+            partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
+        )
         self._last_step = restored.step
         # Saves from here on branch the job's history at the restored step: this rank's older
         # epochs' saves of later steps are superseded (a normal restart has none that count).
@@ -664,7 +492,7 @@ class Checkpointer:
             catalog = await Catalog.replay(self._bus.bus, self.job)
             return catalog.complete_steps(self.job, ("nvme", "s3"))
 
-        return self._bus.run(fold(), self.settings.request_timeout_s + 30)
+        return self._bus.run(fold, timeout=self.settings.request_timeout_s + 30)
 
     # --- object-storage uploads (the flush stage), e.g. around network-heavy phases
 
@@ -681,18 +509,21 @@ class Checkpointer:
         self._control(control, this_node_only)
 
     def _control(self, control: FlushControl, this_node_only: bool) -> None:
-        subject = f"{CONTROL_FLUSH}.{self.node}" if this_node_only else CONTROL_FLUSH
+        subject = flush_control_subject(self.node if this_node_only else None)
         data = msgspec.json.encode(control)
-        self._bus.run(self._bus.bus.publish_raw(subject, data), self.settings.publish_timeout_s)
+        self._bus.run(
+            self._bus.bus.publish_raw, subject, data, timeout=self.settings.publish_timeout_s
+        )
 
     # --- progress
 
-    async def _on_msg(self, msg: Any) -> None:
+    async def _on_msg(self, msg: Msg) -> None:
         try:
             event = decode_event(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        step = getattr(event, "step", None)
+        # (events without a step, e.g. restore reports, concern no save)
+        step = event.step if isinstance(event, ShardEvent | StageFailed) else None
         if getattr(event, "epoch", self.epoch) != self.epoch:
             return  # another run's save of the same step (a write-back, an older epoch)
         with self._lock:
@@ -706,7 +537,8 @@ class Checkpointer:
         """Look up the newest events of this rank directly (after a reconnect gap)."""
         for kind in ("verified", "written", "failed"):
             try:
-                event = self._bus.run(self._bus.bus.last_event(self._subject.format(kind=kind)), 5)
+                subject = shard_subject(self.job, kind, self.node, self.rank)
+                event = self._bus.run(self._bus.bus.last_event, subject, timeout=5)
             except (TierpipeError, TimeoutError):
                 return
             if (
@@ -739,8 +571,8 @@ class Checkpointer:
         self._closed = True
         try:
             self._await_inflight()
-            self._bus.run(self._loader.written_back(), None)  # a restore's NVMe write-back
-            self._bus.run(self._loader.aclose(), 30)
+            self._bus.run(self._loader.written_back, timeout=None)  # a restore's NVMe write-back
+            self._bus.run(self._loader.aclose, timeout=30)
         finally:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
@@ -753,10 +585,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:
-    return found[1].step if found is not None and isinstance(found[1], kind) else None
 
 
 def _terminal(event: Event) -> bool:

@@ -1,4 +1,9 @@
-"""Snapshot stage (in the trainer): copy a rank's state into a staging slot in shared memory.
+"""Snapshot stage (in the trainer): slot, copy, mark, `staged` event.
+
+`Checkpointer.save()` takes one of the rank's staging slots, copies the state into it, marks it
+busy with the step and publishes the `staged` event built here; a restore's write-back stages a
+shard read from object storage the same way (`stage_image`), with the same event builder. At
+start, `reclaim_slots` drops markers no node agent will release.
 
 This is the only part of tierpipe on the training loop's critical path, so it does nothing but
 the copy: no hashing, no disk or network I/O. CPU tensors are copied with `copy_` into views of
@@ -11,16 +16,31 @@ on a side stream instead and lets the next optimizer step wait for that stream o
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
+import msgspec
 import torch
 
+from tierpipe.bus import Bus
+from tierpipe.names import shard_subject
 from tierpipe.pinned import page_lock, page_unlock
+from tierpipe.schemas import (
+    Event,
+    ShardEvent,
+    ShardHeader,
+    ShardStaged,
+    ShardVerified,
+    StageFailed,
+    decode_event,
+)
+from tierpipe.shard import Head
 from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan
 
-__all__ = ("Snapshot", "StagedCopy")
+__all__ = ("Snapshot", "StagedCopy", "reclaim_slots", "stage_image", "staged_event")
 
 
 @dataclass(slots=True)
@@ -54,17 +74,29 @@ class StagedCopy:
 class Snapshot:
     """Copies states into one rank's staging slots. Owned by a `Checkpointer`."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: SlotPool, *, node: str) -> None:
         self.pool = pool
+        self.node = node
         self._images: dict[int, _Image] = {}
         # slot index -> (layout, image, destination views): a save with the layout of the last
         # one in the same slot reuses its views (building 200 views costs ~1 ms per save).
         self._dsts: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor]]] = {}
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def reserve(self, slot: Slot, plan: StatePlan) -> None:
-        """Allocate, fault in (and for CUDA, page-lock) `slot` for a state like `plan`."""
-        self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
+    def reserve(self, plan: StatePlan) -> None:
+        """Allocate, fault in (and for CUDA, page-lock) every free slot for a state like `plan`."""
+        busy = self.pool.busy()
+        for slot in self.pool.slots:
+            if slot.index not in busy:
+                self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
+
+    def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
+        """A free slot (None: none free and `wait` is False).
+
+        Raises:
+            SlotTimeoutError: `wait` and no slot freed up within `timeout_s`.
+        """
+        return self.pool.acquire(wait=wait, timeout_s=timeout_s)
 
     def prepare(self, slot: Slot, plan: StatePlan) -> list[torch.Tensor]:
         """Map `slot` with room for `plan`, bump its generation, then write the image's head;
@@ -114,6 +146,31 @@ class Snapshot:
             events.append((device, event))
         return StagedCopy(plan, slot, dsts, events)
 
+    def mark(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        *,
+        stall_s: float,
+        blocking: bool,
+        rewind_to: int | None,
+    ) -> ShardStaged:
+        """Mark `slot` busy with the copied save (the agent releases it) and return its
+        `staged` event; `unmark` gives the slot back if that event is never published."""
+        self.pool.mark(slot, plan.header.step)
+        return staged_event(
+            plan.header,
+            slot,
+            node=self.node,
+            nbytes=plan.nbytes,
+            stall_s=stall_s,
+            blocking=blocking,
+            rewind_to=rewind_to,
+        )
+
+    def unmark(self, slot: Slot, step: int) -> None:
+        self.pool.unmark(slot, step)
+
     def close(self) -> None:
         for index in list(self._images):
             self._drop(index)
@@ -136,6 +193,96 @@ class Snapshot:
         image = self._images.pop(index, None)
         if image is not None and image.pinned:
             page_unlock(image.mm, device=image.device)
+
+
+def staged_event(
+    header: ShardHeader,
+    slot: Slot,
+    *,
+    node: str,
+    nbytes: int,
+    stall_s: float = 0.0,
+    blocking: bool = True,
+    origin: Literal["save", "restore"] = "save",
+    rewind_to: int | None = None,
+) -> ShardStaged:
+    """The `staged` event of the image in `slot` (whose header is `header`), as `node`'s.
+
+    The shard's identity and timeline come from the image's own header, so the event cannot
+    disagree with the bytes the agent will read.
+    """
+    return ShardStaged(
+        job=header.job,
+        node=node,
+        ts=time.time(),
+        step=header.step,
+        rank=header.rank,
+        world_size=header.world_size,
+        staging_path=str(slot.path),
+        slot=slot.index,
+        nbytes=nbytes,
+        tensors=len(header.tensors),
+        stall_s=round(stall_s, 6),
+        blocking=blocking,
+        origin=origin,
+        generation=slot.generation,
+        epoch=header.epoch,
+        rewind_to=rewind_to,
+    )
+
+
+def stage_image(pool: SlotPool, image: mmap.mmap, head: Head, *, timeout_s: float) -> Slot | None:
+    """Copy a sealed shard image into a staging slot (waiting for a free one) and mark it.
+
+    Raises:
+        SlotTimeoutError: no slot freed up within `timeout_s`.
+    """
+    slot = pool.acquire(wait=True, timeout_s=timeout_s)
+    if slot is None:
+        return None
+    mm = slot.ensure(head.file_nbytes)
+    with memoryview(image) as src:
+        slot.begin(src[: head.data_offset])  # the generation first, as for every save
+        mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
+    pool.mark(slot, head.header.step)
+    return slot
+
+
+async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: int) -> None:
+    """Drop staging markers no agent will release: never published, or verified, failed
+    for good or superseded according to the stream. Three direct gets of this rank's
+    newest events on this node, never a replay: a restart reads nothing that grows with
+    the job's history."""
+    newest: dict[str, tuple[int, Event]] = {}
+    for kind in ("staged", "verified", "failed"):
+        raw = await bus.last_raw(shard_subject(job, kind, node, rank))
+        if raw is None:
+            continue
+        try:
+            newest[kind] = (raw[0], decode_event(raw[1]))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    staged, verified, failed = (newest.get(k) for k in ("staged", "verified", "failed"))
+    published = _step_of(staged, ShardStaged)
+    failed_step = None
+    if failed is not None and isinstance(failed[1], StageFailed):
+        f = failed[1]
+        if not f.retryable and f.stage in ("nvme-write", "verify"):
+            failed_step = f.step
+    pending = None
+    later = [found[0] for found in (verified, failed) if found is not None]
+    if staged is not None and all(staged[0] > seq for seq in later):
+        pending = published  # staged after both: that save is still on its way
+    pool.reclaim(
+        published_up_to=published,
+        verified_up_to=_step_of(verified, ShardVerified),
+        failed=failed_step,
+        pending=pending,
+    )
+
+
+def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:
+    return found[1].step if found is not None and isinstance(found[1], kind) else None
 
 
 def _first(devices: frozenset[torch.device]) -> torch.device | None:

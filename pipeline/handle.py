@@ -1,0 +1,154 @@
+"""`SaveHandle`: what `Checkpointer.save()` returns, the fate of one save as its events arrive.
+
+The trainer's bus client feeds each handle this rank's progress events (`staged`, `written`,
+`verified`, `failed`); a handle waiting across a reconnect asks its owner to look up the events
+it may have missed. `SaveStats` counts the saves of one `Checkpointer`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tierpipe.errors import ShardFailedError
+from tierpipe.schemas import Event, StageFailed
+
+__all__ = ("Milestone", "SaveHandle", "SaveStats")
+
+Milestone = Literal["staged", "written", "verified"]
+_ORDER: dict[str, int] = {"staged": 0, "written": 1, "verified": 2}
+#: How often a waiting handle asks its owner for events missed while disconnected.
+_POLL_S = 1.0
+
+
+@dataclass(slots=True)
+class SaveStats:
+    """Counters of this Checkpointer's saves."""
+
+    staged: int = 0
+    skipped: int = 0
+    failed: int = 0
+    last_stall_s: float = 0.0
+
+
+class SaveHandle:
+    """The fate of one `save()`: reads like a `concurrent.futures.Future` whose result is the
+    `verified` event, plus `wait(milestone)` and `wait_staged()`.
+
+    Not a `Future` subclass: it passes through milestones before its result, its waits look up
+    events missed across a reconnect (a `Future`'s own waits, and `concurrent.futures.wait()`,
+    would block past them), and a save cannot be cancelled.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        *,
+        catch_up: Callable[[SaveHandle], None] | None = None,
+        skipped: bool = False,
+    ) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._catch_up = catch_up
+        self._cond = threading.Condition()
+        self._events: dict[str, Event] = {}
+        self._error: BaseException | None = None
+        self._staged = threading.Event()
+        self._host_copied = threading.Event()
+        self._cuda_events: list[tuple[torch.device, torch.cuda.Event]] = []
+        if skipped:
+            self._staged.set()
+            self._host_copied.set()
+
+    def __repr__(self) -> str:
+        state = (
+            "skipped"
+            if self.skipped
+            else "failed"
+            if self._error
+            else max(self._events, key=_ORDER.__getitem__, default="copying")
+        )
+        return f"<SaveHandle step={self.step} {state}>"
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the copy is complete and `staged` is published (overlapped mode).
+
+        Raises:
+            TimeoutError: not staged within `timeout`.
+            TierpipeError: the copy or the publish failed.
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"step {self.step} not staged within {timeout} s")
+        with self._cond:
+            if self._error is not None and "staged" not in self._events:
+                raise self._error
+
+    def wait(self, until: Milestone = "verified", timeout: float | None = None) -> Event | None:
+        """Block until the shard reached `until` (`staged`, `written` or `verified`).
+
+        Returns:
+            The event that proved it (None for a skipped save).
+
+        Raises:
+            TimeoutError: not reached within `timeout`.
+            ShardFailedError: a stage failed permanently for this shard.
+        """
+        if until not in _ORDER:
+            raise ValueError(f"until must be one of {list(_ORDER)} (got {until!r})")
+        if self.skipped:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        want = _ORDER[until]
+        while True:
+            with self._cond:
+                reached = [k for k in self._events if _ORDER[k] >= want]
+                if reached:
+                    return self._events[min(reached, key=_ORDER.__getitem__)]
+                if self._error is not None:
+                    raise self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"step {self.step} not {until} within {timeout} s")
+                self._cond.wait(_POLL_S if left is None else min(left, _POLL_S))
+            if self._catch_up is not None and "staged" in self._events:
+                self._catch_up(self)  # events missed while disconnected
+
+    def done(self) -> bool:
+        with self._cond:
+            return self.skipped or self._error is not None or "verified" in self._events
+
+    def result(self, timeout: float | None = None) -> Event | None:
+        """The `verified` event (None for a skipped save); raises what made the save fail."""
+        return self.wait("verified", timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            return e
+        return None
+
+    def _on_event(self, event: Event) -> None:
+        with self._cond:
+            if isinstance(event, StageFailed):
+                if not event.retryable and self._error is None:
+                    self._error = ShardFailedError(event.stage, event.error, event.message)
+            else:
+                kind = type(event).__struct_config__.tag
+                if kind in _ORDER:
+                    self._events.setdefault(kind, event)
+            self._cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+        self._host_copied.set()
+        self._staged.set()
