@@ -35,9 +35,9 @@ from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
 from tierpipe.schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
 from tierpipe.settings import Settings, load_settings
-from tierpipe.stages.snapshot import Snapshot, StagedCopy, reclaim_slots
-from tierpipe.staging import Slot, SlotPool
-from tierpipe.state import StatePlan, plan_state
+from tierpipe.stages.snapshot import Snapshot, reclaim_slots
+from tierpipe.staging import SlotPool
+from tierpipe.state import plan_state
 
 __all__ = ("Checkpointer", "SaveHandle", "SaveStats")
 
@@ -163,8 +163,6 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}
         self._last_step: int | None = None
-        self._inflight: tuple[SaveHandle, concurrent.futures.Future[None]] | None = None
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool = SlotPool(
             self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
         )
@@ -241,7 +239,7 @@ class Checkpointer:
             raise ConfigError("save() on a closed Checkpointer")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
-        self._await_inflight()
+        self._snapshot.wait()
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow the last saved step {self._last_step}")
         rewind_to = self._rewind_to
@@ -281,69 +279,34 @@ class Checkpointer:
             self._handles[step] = handle
         if blocking:
             try:
-                self._snapshot.copy(slot, plan, dsts)
+                event = self._snapshot.copy(slot, plan, dsts, started=t0, rewind_to=rewind_to)
             except BaseException as e:
                 self._abandon(handle, e)
                 raise
-            handle._host_copied.set()
-            self._publish(
-                handle,
-                slot,
-                plan,
-                time.perf_counter() - t0,
-                blocking=True,
-                raise_errors=True,
-                rewind_to=rewind_to,
-            )
+            self._publish(handle, event, raise_errors=True)
             return handle
         try:
-            copy = self._snapshot.start_copy(slot, plan, dsts)
+            self._snapshot.copy_soon(
+                slot,
+                plan,
+                dsts,
+                started=t0,
+                rewind_to=rewind_to,
+                then=partial(self._copied, handle),
+            )
         except BaseException as e:
             self._abandon(handle, e)
             raise
-        handle._cuda_events = copy.cuda_events
-        if self._copier is None:
-            self._copier = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tierpipe-copy"
-            )
-        self._inflight = (
-            handle,
-            self._copier.submit(self._finish_copy, handle, copy, t0, rewind_to),
-        )
         return handle
 
-    def _finish_copy(
-        self, handle: SaveHandle, copy: StagedCopy, t0: float, rewind_to: int | None
-    ) -> None:
-        try:
-            copy.finish(handle._host_copied.set)
-        except BaseException as e:
-            self._abandon(handle, e)
-            return
-        self._publish(
-            handle,
-            copy.slot,
-            copy.plan,
-            time.perf_counter() - t0,
-            blocking=False,
-            raise_errors=False,
-            rewind_to=rewind_to,
-        )
+    def _copied(self, handle: SaveHandle, result: ShardStaged | BaseException) -> None:
+        """The end of an overlapped copy (on the copier thread)."""
+        if isinstance(result, BaseException):
+            self._abandon(handle, result)
+        else:
+            self._publish(handle, result, raise_errors=False)
 
-    def _publish(
-        self,
-        handle: SaveHandle,
-        slot: Slot,
-        plan: StatePlan,
-        stall_s: float,
-        *,
-        blocking: bool,
-        raise_errors: bool,
-        rewind_to: int | None,
-    ) -> None:
-        event = self._snapshot.mark(
-            slot, plan, stall_s=stall_s, blocking=blocking, rewind_to=rewind_to
-        )
+    def _publish(self, handle: SaveHandle, event: ShardStaged, *, raise_errors: bool) -> None:
         try:
             published = self._bus.run(
                 self._bus.bus.publish, event, timeout=self.settings.publish_timeout_s
@@ -354,25 +317,25 @@ class Checkpointer:
                     "(duplicate event); this save is void"
                 )
         except (TierpipeError, TimeoutError) as e:
-            self._snapshot.unmark(slot, handle.step)
+            self._snapshot.unmark(event)
             self._abandon(handle, e)
             if raise_errors:
                 raise
             return
         self._last_step = handle.step
-        self._rewind_to = rewind_to
+        self._rewind_to = event.rewind_to
         handle._on_event(event)
         handle._staged.set()
         self.stats.staged += 1
-        self.stats.last_stall_s = stall_s
+        self.stats.last_stall_s = event.stall_s
         log.debug(
             "shard_staged",
             job=self.job,
             step=handle.step,
             rank=self.rank,
-            nbytes=plan.nbytes,
-            stall_s=round(stall_s, 6),
-            blocking=blocking,
+            nbytes=event.nbytes,
+            stall_s=event.stall_s,
+            blocking=event.blocking,
         )
 
     def _abandon(self, handle: SaveHandle, error: BaseException) -> None:
@@ -388,11 +351,6 @@ class Checkpointer:
         with self._lock:
             self._handles.pop(handle.step, None)
 
-    def _await_inflight(self) -> None:
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight[1].result()  # errors are recorded on the handle
-
     def guard(self, target: torch.optim.Optimizer | torch.nn.Module) -> RemovableHandle:
         """Make `target` wait for an overlapped copy before it may mutate the state.
 
@@ -404,19 +362,10 @@ class Checkpointer:
             A handle whose `remove()` undoes the guard.
         """
         if isinstance(target, torch.optim.Optimizer):
-            return target.register_step_pre_hook(lambda *_: self._barrier())
+            return target.register_step_pre_hook(lambda *_: self._snapshot.barrier())
         if isinstance(target, torch.nn.Module):
-            return target.register_forward_pre_hook(lambda *_: self._barrier())
+            return target.register_forward_pre_hook(lambda *_: self._snapshot.barrier())
         raise TypeError(f"guard() takes an optimizer or a module (got {type(target).__qualname__})")
-
-    def _barrier(self) -> None:
-        inflight = self._inflight
-        if inflight is None:
-            return
-        handle = inflight[0]
-        for device, event in handle._cuda_events:
-            torch.cuda.current_stream(device).wait_event(event)  # ordered on the GPU, no host wait
-        handle._host_copied.wait()
 
     # --- restoring
 
@@ -445,7 +394,7 @@ class Checkpointer:
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
-        self._await_inflight()
+        self._snapshot.wait()
         restorer = Restorer(
             self._bus.bus,
             self.settings,
@@ -550,7 +499,7 @@ class Checkpointer:
 
     def wait_until_finished(self, timeout: float | None = None) -> None:
         """Block until every save so far is verified on NVMe (or failed)."""
-        self._await_inflight()
+        self._snapshot.wait()
         with self._lock:
             pending = list(self._handles.values())
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -570,14 +519,12 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._await_inflight()
+            self._snapshot.wait()
             self._bus.run(self._loader.written_back, timeout=None)  # a restore's NVMe write-back
             self._bus.run(self._loader.aclose, timeout=30)
         finally:
-            if self._copier is not None:
-                self._copier.shutdown(wait=True)
+            self._snapshot.close()  # (an overlapped copy publishes before the bus closes)
             self._bus.close()
-            self._snapshot.close()
             self._pool.close()
 
     def __enter__(self) -> Checkpointer:

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from tierpipe.errors import ShardFailedError
 from tierpipe.schemas import Event, StageFailed
 
@@ -59,11 +57,8 @@ class SaveHandle:
         self._events: dict[str, Event] = {}
         self._error: BaseException | None = None
         self._staged = threading.Event()
-        self._host_copied = threading.Event()
-        self._cuda_events: list[tuple[torch.device, torch.cuda.Event]] = []
         if skipped:
             self._staged.set()
-            self._host_copied.set()
 
     def __repr__(self) -> str:
         state = (
@@ -150,5 +145,4 @@ class SaveHandle:
         with self._cond:
             self._error = error
             self._cond.notify_all()
-        self._host_copied.set()
         self._staged.set()

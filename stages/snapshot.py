@@ -15,10 +15,12 @@ on a side stream instead and lets the next optimizer step wait for that stream o
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -62,13 +64,24 @@ class StagedCopy:
     dsts: list[torch.Tensor]
     #: (device, event recorded on its copy stream after the last device-to-host copy)
     cuda_events: list[tuple[torch.device, torch.cuda.Event]]
+    #: Set once the CPU part is over (done or failed): CPU tensors may change again.
+    host_copied: threading.Event = field(default_factory=threading.Event)
 
-    def finish(self, on_host_done: Callable[[], None]) -> None:
-        """Run the CPU part, report it, then wait for the CUDA part (on a helper thread)."""
-        self.plan.copy_into(self.dsts, device=torch.device("cpu"))
-        on_host_done()
+    def finish(self) -> None:
+        """Run the CPU part, report it, then wait for the CUDA part (on the copier thread)."""
+        try:
+            self.plan.copy_into(self.dsts, device=torch.device("cpu"))
+        finally:
+            self.host_copied.set()
         for _, event in self.cuda_events:
             event.synchronize()
+
+    def barrier(self) -> None:
+        """Make what the caller does next wait for the copy: CUDA work on the GPU (the current
+        streams wait for the copy streams, no host sync), CPU work on the host."""
+        for device, event in self.cuda_events:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.host_copied.wait()
 
 
 class Snapshot:
@@ -82,6 +95,9 @@ class Snapshot:
         # one in the same slot reuses its views (building 200 views costs ~1 ms per save).
         self._dsts: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor]]] = {}
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        #: The overlapped copy in progress and its completion on the copier thread.
+        self._inflight: tuple[StagedCopy, concurrent.futures.Future[None]] | None = None
 
     def reserve(self, plan: StatePlan) -> None:
         """Allocate, fault in (and for CUDA, page-lock) every free slot for a state like `plan`."""
@@ -114,19 +130,81 @@ class Snapshot:
             )
         return cached[2]
 
-    def copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> None:
-        """Copy every tensor and return once the bytes are in the slot (blocking save)."""
+    def copy(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        dsts: list[torch.Tensor],
+        *,
+        started: float,
+        rewind_to: int | None,
+    ) -> ShardStaged:
+        """Copy every tensor into `slot` (`dsts` from `prepare`), mark it and return its
+        `staged` event (blocking save; `started`: `perf_counter()` when the save began)."""
         if not plan.cuda_devices:
             plan.copy_into(dsts)
-            return
-        pinned = self._images[slot.index].pinned
-        plan.copy_into(dsts, device=torch.device("cpu"))
-        for device in plan.cuda_devices:
-            plan.copy_into(dsts, device=device, non_blocking=pinned)
-        for device in plan.cuda_devices:
-            torch.cuda.current_stream(device).synchronize()
+        else:
+            pinned = self._images[slot.index].pinned
+            plan.copy_into(dsts, device=torch.device("cpu"))
+            for device in plan.cuda_devices:
+                plan.copy_into(dsts, device=device, non_blocking=pinned)
+            for device in plan.cuda_devices:
+                torch.cuda.current_stream(device).synchronize()
+        stall_s = time.perf_counter() - started
+        return self.mark(slot, plan, stall_s=stall_s, blocking=True, rewind_to=rewind_to)
 
-    def start_copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> StagedCopy:
+    def copy_soon(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        dsts: list[torch.Tensor],
+        *,
+        started: float,
+        rewind_to: int | None,
+        then: Callable[[ShardStaged | BaseException], None],
+    ) -> None:
+        """Queue the copy and return (overlapped save): CUDA copies on side streams, the rest
+        on the copier thread, which then marks the slot and calls `then` with the `staged`
+        event, or with what made the copy fail. `barrier()` holds back changes to the state
+        until the copy is over; `wait()` waits for `then` to return."""
+        copy = self._start_copy(slot, plan, dsts)
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierpipe-copy"
+            )
+        self._inflight = (copy, self._copier.submit(self._finish, copy, started, rewind_to, then))
+
+    def _finish(
+        self,
+        copy: StagedCopy,
+        started: float,
+        rewind_to: int | None,
+        then: Callable[[ShardStaged | BaseException], None],
+    ) -> None:
+        try:
+            copy.finish()
+            stall_s = time.perf_counter() - started
+            event = self.mark(
+                copy.slot, copy.plan, stall_s=stall_s, blocking=False, rewind_to=rewind_to
+            )
+        except BaseException as e:
+            then(e)
+            return
+        then(event)
+
+    def barrier(self) -> None:
+        """Make the caller's next change to the state wait for an overlapped copy."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight[0].barrier()
+
+    def wait(self) -> None:
+        """Wait until an overlapped copy is over and its `then` returned."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight[1].result()  # `then` reports the copy's errors
+
+    def _start_copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> StagedCopy:
         """Queue the CUDA copies on side streams (ordered after work already queued on the
         current streams) and return; `StagedCopy.finish()` completes the copy."""
         events = []
@@ -168,10 +246,14 @@ class Snapshot:
             rewind_to=rewind_to,
         )
 
-    def unmark(self, slot: Slot, step: int) -> None:
-        self.pool.unmark(slot, step)
+    def unmark(self, event: ShardStaged) -> None:
+        """Give the slot of a save whose `staged` event was not published back."""
+        self.pool.unmark(self.pool.slots[event.slot], event.step)
 
     def close(self) -> None:
+        """Let an overlapped copy finish, then unmap (and unpin) the slots' images."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         for index in list(self._images):
             self._drop(index)
 
