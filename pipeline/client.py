@@ -1,107 +1,42 @@
 """`Checkpointer`: the API training code uses.
 
-`save()` copies the state into a staging slot in shared memory and publishes `staged`; the node
-agent takes it from there. The trainer's only background activity is one small NATS client on a
-daemon thread, publishing events and listening for this rank's progress events.
+`save()` has the snapshot stage (`tierpipe.stages.snapshot`) copy the state into a staging slot
+in shared memory and publishes the `staged` event it returns; the node agent takes it from there,
+and `Saves` (`tierpipe.handle`) hands this rank's progress events to the save's handle. The
+trainer's only background activity is one small NATS client on its own event-loop thread
+(`tierpipe.portal`), and the copier thread of an overlapped save.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import importlib.util
 import os
-import threading
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar, TypeVarTuple
+from typing import Any
 
 import msgspec
 import structlog
 import torch
-from anyio.from_thread import start_blocking_portal
-from nats.aio.msg import Msg
 from torch.utils.hooks import RemovableHandle
 
-from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
-from tierpipe.errors import BusUnavailableError, ConfigError, StaleStepError, TierpipeError
-from tierpipe.handle import SaveHandle, SaveStats
+from tierpipe.errors import ConfigError, StaleStepError, TierpipeError
+from tierpipe.handle import SaveHandle, Saves, SaveStats
 from tierpipe.log import configure_logging
 from tierpipe.names import flush_control_subject, node_name, shard_subject, validate_token
+from tierpipe.portal import BusPortal
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
-from tierpipe.schemas import Event, FlushControl, ShardEvent, ShardStaged, StageFailed, decode_event
+from tierpipe.schemas import Event, FlushControl, ShardStaged
 from tierpipe.settings import Settings, load_settings
-from tierpipe.stages.snapshot import Snapshot, reclaim_slots
+from tierpipe.stages.snapshot import Snapshot, newest_staged_step, reclaim_slots
 from tierpipe.staging import SlotPool
 from tierpipe.state import plan_state
 
 __all__ = ("Checkpointer", "SaveHandle", "SaveStats")
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
-PosArgsT = TypeVarTuple("PosArgsT")
-#: The bus loop runs on uvloop where it is installed (as the node agent does).
-_LOOP_OPTIONS = {"use_uvloop": True} if importlib.util.find_spec("uvloop") else {}
-
-
-class _BusPortal:
-    """A NATS client on its own event-loop thread (an anyio blocking portal), so the trainer's
-    threads never run it; every call has a deadline."""
-
-    def __init__(self, settings: Settings, name: str) -> None:
-        self._stack: contextlib.ExitStack | None = contextlib.ExitStack()
-        self.portal = self._stack.enter_context(
-            start_blocking_portal("asyncio", _LOOP_OPTIONS, name="tierpipe-bus")
-        )
-        self.bus = Bus(settings, name=name)
-        try:
-            self.run(self.bus.connect, timeout=settings.connect_timeout_s + 5)
-        except BaseException:
-            self.close()
-            raise
-
-    def run(
-        self,
-        func: Callable[[*PosArgsT], Awaitable[T]],
-        *args: *PosArgsT,
-        timeout: float | None,
-    ) -> T:
-        """Run `func(*args)` on the bus thread and return its result.
-
-        Raises:
-            BusUnavailableError: no answer within `timeout` (NATS down or unreachable: the
-                client keeps reconnecting meanwhile), with the cause kept; the call is cancelled.
-            TierpipeError: what the coroutine raised.
-        """
-        future = self.portal.start_task_soon(func, *args)
-        done, _ = concurrent.futures.wait([future], timeout)
-        if not done:  # (not `except TimeoutError`: the coroutine may raise a TimeoutError itself)
-            future.cancel()  # cancels the call's task on the bus thread
-            nc = self.bus.nc
-            state = "connected" if nc is not None and nc.is_connected else "not connected"
-            raise BusUnavailableError(
-                f"NATS did not answer within {timeout:g} s ({state})"
-            ) from TimeoutError(f"bus call timed out after {timeout} s")
-        return future.result()
-
-    def close(self) -> None:
-        """Close the client, then stop the loop, cancelling what is left, and join its thread
-        (idempotent). A loop that does not stop within 10 s is left to its daemon thread."""
-        stack, self._stack = self._stack, None
-        if stack is None:
-            return
-        try:
-            self.run(self.bus.aclose, timeout=10)
-        except (TimeoutError, TierpipeError) as e:
-            log.debug("bus_close_failed", error=str(e))
-        stopped = self.portal.start_task_soon(self.portal.stop, True)
-        if concurrent.futures.wait([stopped], 10).done:
-            stack.close()  # joins the loop's thread
 
 
 class Checkpointer:
@@ -150,7 +85,6 @@ class Checkpointer:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} out of range for world_size {self.world_size}")
-        self.stats = SaveStats()
         #: This process's timeline (see the class docstring).
         self.epoch = time.time_ns()
         self._overwrite = overwrite
@@ -160,15 +94,15 @@ class Checkpointer:
         #: The newest step this rank saved in this job before this process (None: none).
         self._newest_saved: int | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        self._handles: dict[int, SaveHandle] = {}
+        self._saves = Saves(job=self.job, rank=self.rank, epoch=self.epoch, newest=self._newest)
+        self.stats: SaveStats = self._saves.stats
         self._last_step: int | None = None
         self._pool = SlotPool(
             self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
         )
         self._snapshot = Snapshot(self._pool, node=self.node)
         try:
-            self._bus = _BusPortal(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
+            self._bus = BusPortal(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
         except BaseException:
             self._pool.close()
             raise
@@ -191,16 +125,9 @@ class Checkpointer:
     async def _start(self) -> None:
         bus = self._bus.bus
         await bus.ensure_stream(update=False)
-        await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._on_msg)
+        await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
         await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
-        self._newest_saved = await self._newest_staged_step()
-
-    async def _newest_staged_step(self) -> int | None:
-        """The step of this rank's most recent `staged` event on any node (the newest message
-        on each node's subject; a handful of messages, never a replay)."""
-        found = await self._bus.bus.latest(shard_subject(self.job, "staged", "*", self.rank))
-        newest = max(found, default=None, key=lambda item: item[0])
-        return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
+        self._newest_saved = await newest_staged_step(bus, job=self.job, rank=self.rank)
 
     # --- saving
 
@@ -261,27 +188,16 @@ class Checkpointer:
         s = self.settings
         slot = self._snapshot.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
         if slot is None:
-            self.stats.skipped += 1
-            log.warning(
-                "save_skipped",
-                job=self.job,
-                step=step,
-                rank=self.rank,
-                reason="no free staging slot",
-                busy_steps=sorted(self._pool.busy().values()),
-            )
-            return SaveHandle(step, skipped=True)
+            return self._saves.skipped(step, sorted(self._pool.busy().values()))
         # `_last_step` moves only once the save is staged: a save that fails before (staging
         # full, a publish that failed) may be retried with the same step.
         dsts = self._snapshot.prepare(slot, plan)
-        handle = SaveHandle(step, catch_up=self._catch_up)
-        with self._lock:
-            self._handles[step] = handle
+        handle = self._saves.start(step)
         if blocking:
             try:
                 event = self._snapshot.copy(slot, plan, dsts, started=t0, rewind_to=rewind_to)
             except BaseException as e:
-                self._abandon(handle, e)
+                self._saves.failed(handle, e)
                 raise
             self._publish(handle, event, raise_errors=True)
             return handle
@@ -295,14 +211,14 @@ class Checkpointer:
                 then=partial(self._copied, handle),
             )
         except BaseException as e:
-            self._abandon(handle, e)
+            self._saves.failed(handle, e)
             raise
         return handle
 
     def _copied(self, handle: SaveHandle, result: ShardStaged | BaseException) -> None:
         """The end of an overlapped copy (on the copier thread)."""
         if isinstance(result, BaseException):
-            self._abandon(handle, result)
+            self._saves.failed(handle, result)
         else:
             self._publish(handle, result, raise_errors=False)
 
@@ -318,38 +234,13 @@ class Checkpointer:
                 )
         except (TierpipeError, TimeoutError) as e:
             self._snapshot.unmark(event)
-            self._abandon(handle, e)
+            self._saves.failed(handle, e)
             if raise_errors:
                 raise
             return
         self._last_step = handle.step
         self._rewind_to = event.rewind_to
-        handle._on_event(event)
-        handle._staged.set()
-        self.stats.staged += 1
-        self.stats.last_stall_s = event.stall_s
-        log.debug(
-            "shard_staged",
-            job=self.job,
-            step=handle.step,
-            rank=self.rank,
-            nbytes=event.nbytes,
-            stall_s=event.stall_s,
-            blocking=event.blocking,
-        )
-
-    def _abandon(self, handle: SaveHandle, error: BaseException) -> None:
-        self.stats.failed += 1
-        log.error(
-            "save_failed",
-            job=self.job,
-            step=handle.step,
-            rank=self.rank,
-            error=str(error) or type(error).__name__,
-        )
-        handle._fail(error)
-        with self._lock:
-            self._handles.pop(handle.step, None)
+        self._saves.staged(handle, event)
 
     def guard(self, target: torch.optim.Optimizer | torch.nn.Module) -> RemovableHandle:
         """Make `target` wait for an overlapped copy before it may mutate the state.
@@ -466,42 +357,15 @@ class Checkpointer:
 
     # --- progress
 
-    async def _on_msg(self, msg: Msg) -> None:
-        try:
-            event = decode_event(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        # (events without a step, e.g. restore reports, concern no save)
-        step = event.step if isinstance(event, ShardEvent | StageFailed) else None
-        if getattr(event, "epoch", self.epoch) != self.epoch:
-            return  # another run's save of the same step (a write-back, an older epoch)
-        with self._lock:
-            handle = self._handles.get(step) if step is not None else None
-            if handle is not None and _terminal(event):
-                self._handles.pop(step, None)
-        if handle is not None:
-            handle._on_event(event)
-
-    def _catch_up(self, handle: SaveHandle) -> None:
-        """Look up the newest events of this rank directly (after a reconnect gap)."""
-        for kind in ("verified", "written", "failed"):
-            try:
-                subject = shard_subject(self.job, kind, self.node, self.rank)
-                event = self._bus.run(self._bus.bus.last_event, subject, timeout=5)
-            except (TierpipeError, TimeoutError):
-                return
-            if (
-                isinstance(event, ShardEvent | StageFailed)
-                and event.step == handle.step
-                and event.epoch == self.epoch
-            ):
-                handle._on_event(event)
+    def _newest(self, kind: str) -> Event | None:
+        """This rank's newest event of `kind` on this node, from the stream."""
+        subject = shard_subject(self.job, kind, self.node, self.rank)
+        return self._bus.run(self._bus.bus.last_event, subject, timeout=5)
 
     def wait_until_finished(self, timeout: float | None = None) -> None:
         """Block until every save so far is verified on NVMe (or failed)."""
         self._snapshot.wait()
-        with self._lock:
-            pending = list(self._handles.values())
+        pending = self._saves.pending()
         deadline = None if timeout is None else time.monotonic() + timeout
         for handle in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -532,9 +396,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _terminal(event: Event) -> bool:
-    return type(event).__struct_config__.tag == "verified" or (
-        isinstance(event, StageFailed) and not event.retryable
-    )

@@ -1,8 +1,9 @@
 """`SaveHandle`: what `Checkpointer.save()` returns, the fate of one save as its events arrive.
 
-The trainer's bus client feeds each handle this rank's progress events (`staged`, `written`,
-`verified`, `failed`); a handle waiting across a reconnect asks its owner to look up the events
-it may have missed. `SaveStats` counts the saves of one `Checkpointer`.
+`Saves` keeps a Checkpointer's saves that are under way by step: it hands each handle this
+rank's progress events (`staged`, `written`, `verified`, `failed`) as the bus client receives
+them, looks up the events a waiting handle may have missed across a reconnect, counts the saves
+(`SaveStats`) and logs how each ended.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tierpipe.errors import ShardFailedError
-from tierpipe.schemas import Event, StageFailed
+import msgspec
+import structlog
+from nats.aio.msg import Msg
 
-__all__ = ("Milestone", "SaveHandle", "SaveStats")
+from tierpipe.errors import ShardFailedError, TierpipeError
+from tierpipe.schemas import Event, ShardEvent, ShardStaged, StageFailed, decode_event
+
+__all__ = ("Milestone", "SaveHandle", "SaveStats", "Saves")
+
+log = structlog.get_logger(__name__)
 
 Milestone = Literal["staged", "written", "verified"]
 _ORDER: dict[str, int] = {"staged": 0, "written": 1, "verified": 2}
@@ -146,3 +153,121 @@ class SaveHandle:
             self._error = error
             self._cond.notify_all()
         self._staged.set()
+
+
+class Saves:
+    """A Checkpointer's saves under way, by step.
+
+    Args:
+        job, rank, epoch: whose saves (events of other epochs are another run's).
+        newest: the newest event of this rank on this node of a kind (`verified`, ...), looked
+            up on the stream; raises `TierpipeError` or `TimeoutError` when it cannot.
+    """
+
+    def __init__(
+        self, *, job: str, rank: int, epoch: int, newest: Callable[[str], Event | None]
+    ) -> None:
+        self.job = job
+        self.rank = rank
+        self.epoch = epoch
+        self.stats = SaveStats()
+        self._newest = newest
+        self._lock = threading.Lock()
+        self._handles: dict[int, SaveHandle] = {}
+
+    def start(self, step: int) -> SaveHandle:
+        """The handle of a save whose copy begins."""
+        handle = SaveHandle(step, catch_up=self.catch_up)
+        with self._lock:
+            self._handles[step] = handle
+        return handle
+
+    def skipped(self, step: int, busy_steps: list[int]) -> SaveHandle:
+        """The handle of a save skipped for want of a free slot (policy `skip`)."""
+        self.stats.skipped += 1
+        log.warning(
+            "save_skipped",
+            job=self.job,
+            step=step,
+            rank=self.rank,
+            reason="no free staging slot",
+            busy_steps=busy_steps,
+        )
+        return SaveHandle(step, skipped=True)
+
+    def staged(self, handle: SaveHandle, event: ShardStaged) -> None:
+        """`handle`'s `staged` event is published."""
+        handle._on_event(event)
+        handle._staged.set()
+        self.stats.staged += 1
+        self.stats.last_stall_s = event.stall_s
+        log.debug(
+            "shard_staged",
+            job=self.job,
+            step=handle.step,
+            rank=self.rank,
+            nbytes=event.nbytes,
+            stall_s=event.stall_s,
+            blocking=event.blocking,
+        )
+
+    def failed(self, handle: SaveHandle, error: BaseException) -> None:
+        """`handle`'s save is void: its copy or its `staged` event failed."""
+        self.stats.failed += 1
+        log.error(
+            "save_failed",
+            job=self.job,
+            step=handle.step,
+            rank=self.rank,
+            error=str(error) or type(error).__name__,
+        )
+        handle._fail(error)
+        with self._lock:
+            self._handles.pop(handle.step, None)
+
+    async def on_msg(self, msg: Msg) -> None:
+        """The bus client's callback for this rank's events on this node."""
+        try:
+            event = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        self.route(event)
+
+    def route(self, event: Event) -> None:
+        """Hand a progress event of this rank to its save's handle (if it is one of ours)."""
+        if not isinstance(event, ShardEvent | StageFailed) or event.step is None:
+            return  # (restore reports and plans concern no save)
+        if event.epoch != self.epoch:
+            return  # another run's save of the same step (a write-back, an older epoch)
+        step = event.step
+        with self._lock:
+            handle = self._handles.get(step)
+            if handle is not None and _terminal(event):
+                self._handles.pop(step, None)
+        if handle is not None:
+            handle._on_event(event)
+
+    def catch_up(self, handle: SaveHandle) -> None:
+        """Look up the newest events of this rank directly (after a reconnect gap)."""
+        for kind in ("verified", "written", "failed"):
+            try:
+                event = self._newest(kind)
+            except (TierpipeError, TimeoutError):
+                return
+            if (
+                isinstance(event, ShardEvent | StageFailed)
+                and event.step == handle.step
+                and event.epoch == self.epoch
+            ):
+                handle._on_event(event)
+
+    def pending(self) -> list[SaveHandle]:
+        """The handles of the saves neither verified nor failed yet."""
+        with self._lock:
+            return list(self._handles.values())
+
+
+def _terminal(event: Event) -> bool:
+    return type(event).__struct_config__.tag == "verified" or (
+        isinstance(event, StageFailed) and not event.retryable
+    )

@@ -1,9 +1,10 @@
 """Snapshot stage (in the trainer): slot, copy, mark, `staged` event.
 
 `Checkpointer.save()` takes one of the rank's staging slots, copies the state into it, marks it
-busy with the step and publishes the `staged` event built here; a restore's write-back stages a
-shard read from object storage the same way (`stage_image`), with the same event builder. At
-start, `reclaim_slots` drops markers no node agent will release.
+busy with the step and publishes the `staged` event built here (`staged_event`); a restore's
+write-back stages a shard read from object storage the same way (`stage_image`), with the same
+builder. At start, `reclaim_slots` drops markers no node agent will release and
+`newest_staged_step` finds where this rank's saves left off.
 
 This is the only part of tierpipe on the training loop's critical path, so it does nothing but
 the copy: no hashing, no disk or network I/O. CPU tensors are copied with `copy_` into views of
@@ -42,7 +43,14 @@ from tierpipe.shard import Head
 from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan
 
-__all__ = ("Snapshot", "StagedCopy", "reclaim_slots", "stage_image", "staged_event")
+__all__ = (
+    "Snapshot",
+    "StagedCopy",
+    "newest_staged_step",
+    "reclaim_slots",
+    "stage_image",
+    "staged_event",
+)
 
 
 @dataclass(slots=True)
@@ -361,6 +369,14 @@ async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: 
         failed=failed_step,
         pending=pending,
     )
+
+
+async def newest_staged_step(bus: Bus, *, job: str, rank: int) -> int | None:
+    """The step of this rank's most recent `staged` event on any node (the newest message
+    on each node's subject; a handful of messages, never a replay)."""
+    found = await bus.latest(shard_subject(job, "staged", "*", rank))
+    newest = max(found, default=None, key=lambda item: item[0])
+    return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
 
 
 def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:
