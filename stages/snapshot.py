@@ -1,7 +1,8 @@
 """Snapshot stage (in the trainer): slot, copy, mark, `staged` event.
 
-`Checkpointer.save()` takes one of the rank's staging slots, copies the state into it, marks it
-busy with the step and publishes the `staged` event built here (`staged_event`); a restore's
+`Checkpointer.save()` has `Snapshot` take one of the rank's staging slots, copy the state into
+it (blocking, or overlapped on the copier thread) and mark it busy with the step, then publishes
+the `staged` event built here (`staged_event`); a restore's
 write-back stages a shard read from object storage the same way (`stage_image`), with the same
 builder. At start, `reclaim_slots` drops markers no node agent will release and
 `newest_staged_step` finds where this rank's saves left off.
@@ -93,7 +94,9 @@ class StagedCopy:
 
 
 class Snapshot:
-    """Copies states into one rank's staging slots. Owned by a `Checkpointer`."""
+    """Copies states into one rank's staging slots and marks them (`node`: the agent's node,
+    named in the `staged` events). Owned by a `Checkpointer`; `save()` calls it from the
+    training thread, one save at a time."""
 
     def __init__(self, pool: SlotPool, *, node: str) -> None:
         self.pool = pool
