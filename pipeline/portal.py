@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib.util
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, TypeVarTuple
 
@@ -80,6 +81,14 @@ class BusPortal:
             self.run(self.bus.aclose, timeout=10)
         except (TimeoutError, TierpipeError) as e:
             log.debug("bus_close_failed", error=str(e))
-        stopped = self.portal.start_task_soon(self.portal.stop, True)
-        if concurrent.futures.wait([stopped], 10).done:
-            stack.close()  # joins the loop's thread
+        # The portal's exit joins the loop's thread without a deadline: it runs on a daemon
+        # thread of its own, so a stuck loop cannot hang the trainer (nor its exit).
+        closer = threading.Thread(target=self._stop, args=(stack,), name="tierpipe-bus-close")
+        closer.daemon = True
+        closer.start()
+        closer.join(10)
+
+    def _stop(self, stack: contextlib.ExitStack) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop is gone already)
+            self.portal.call(self.portal.stop, True)  # cancels the calls still running
+        stack.close()  # joins the loop's thread
