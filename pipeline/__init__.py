@@ -38,14 +38,15 @@ from tierpipe.errors import (
 from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from tierpipe.client import Checkpointer, SaveHandle, SaveStats
+    from tierpipe.client import Checkpointer
+    from tierpipe.handle import SaveHandle, SaveStats
     from tierpipe.recovery.load import load_shard
     from tierpipe.storage.shardfile import write_shard
 
 _LAZY = {
     "Checkpointer": "tierpipe.client",
-    "SaveHandle": "tierpipe.client",
-    "SaveStats": "tierpipe.client",
+    "SaveHandle": "tierpipe.handle",
+    "SaveStats": "tierpipe.handle",
     "load_shard": "tierpipe.recovery.load",
     "write_shard": "tierpipe.storage.shardfile",
 }

@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 import time
+from typing import get_args
 
 import anyio
 import msgspec
@@ -19,8 +20,15 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.errors import BusUnavailableError, ConfigError, TierpipeError
 from tierpipe.log import configure_logging
-from tierpipe.names import CONTROL_FLUSH, SUBJECT_ROOT, consumer_name, node_name, validate_token
-from tierpipe.schemas import FlushControl
+from tierpipe.names import (
+    consumer_name,
+    filter_subject,
+    flush_control_subject,
+    job_subjects,
+    node_name,
+    validate_token,
+)
+from tierpipe.schemas import FlushAction, FlushControl
 from tierpipe.settings import Settings, load_settings
 from tierpipe.status import plan_json, plan_now, shard_json, shard_table
 
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     reindex.add_argument("--no-s3", action="store_true", help="this node's NVMe only")
 
     flush = sub.add_parser("flush", help="change the upload rate to object storage at run time")
-    flush.add_argument("action", choices=["rate", "pause", "resume"])
+    flush.add_argument("action", choices=get_args(FlushAction))
     flush.add_argument(
         "rate",
         nargs="?",
@@ -214,16 +222,19 @@ def parse_rate(text: str) -> int:
 
 
 def _flush(
-    settings: Settings, action: str, rate: str | None, node: str | None, *, force: bool = False
+    settings: Settings,
+    action: FlushAction,
+    rate: str | None,
+    node: str | None,
+    *,
+    force: bool = False,
 ) -> int:
     if (action == "rate") != (rate is not None):
         raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
     control = FlushControl(
-        action=action,
-        rate_bytes_per_s=parse_rate(rate) if rate else 0,  # type: ignore[arg-type]
-        ts=time.time(),
+        action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0, ts=time.time()
     )
-    subject = f"{CONTROL_FLUSH}.{validate_token('node', node)}" if node else CONTROL_FLUSH
+    subject = flush_control_subject(validate_token("node", node) if node else None)
 
     async def send() -> int:
         async with Bus(settings, name="tierpipe-cli") as bus:
@@ -252,7 +263,7 @@ async def _node_known(bus: Bus, node: str) -> bool:
             return True
         except nats.js.errors.NotFoundError:
             pass
-        return await _stream_has(bus, f"{SUBJECT_ROOT}.*.*.{node}.*")
+        return await _stream_has(bus, filter_subject("*", node=node))
     except (nats.errors.Error, TimeoutError) as e:
         raise BusUnavailableError(f"looking up node {node!r}: {e or type(e).__name__}") from e
 
@@ -269,7 +280,7 @@ async def _stream_has(bus: Bus, subject: str) -> bool:
 async def _job_has_events(settings: Settings, job: str) -> bool:
     async with Bus(settings, name="tierpipe-cli") as bus:
         try:
-            return await _stream_has(bus, f"{SUBJECT_ROOT}.{job}.>")
+            return await _stream_has(bus, job_subjects(job))
         except (nats.errors.Error, TimeoutError) as e:
             raise BusUnavailableError(f"looking up job {job!r}: {e or type(e).__name__}") from e
 

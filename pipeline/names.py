@@ -26,7 +26,7 @@ from tierpipe.schemas import (
     StageFailed,
 )
 
-__all__ = [
+__all__ = (
     "ALL_SUBJECTS",
     "CONTROL_FLUSH",
     "SUBJECT_ROOT",
@@ -42,7 +42,7 @@ __all__ = [
     "shard_relpath",
     "shard_subject",
     "validate_token",
-]
+)
 
 SUBJECT_ROOT = "tp"
 #: Every subject of the stream.

@@ -6,6 +6,7 @@ Only msgspec types and their codecs live here; no I/O, no settings.
 from tierpipe.schemas.events import (
     SCHEMA_VERSION,
     Event,
+    FlushAction,
     FlushControl,
     RecoveryPlanned,
     RestoreReport,
@@ -39,6 +40,7 @@ __all__ = (
     "TOKEN_PATTERN",
     "BlobEntry",
     "Event",
+    "FlushAction",
     "FlushControl",
     "RecoveryPlanned",
     "RestoreReport",

@@ -17,6 +17,7 @@ from tierpipe.schemas.names import Token
 __all__ = (
     "SCHEMA_VERSION",
     "Event",
+    "FlushAction",
     "FlushControl",
     "RecoveryPlanned",
     "RestoreReport",
@@ -243,12 +244,16 @@ Event = (
 )
 
 
+#: What a `FlushControl` asks of the flush stage.
+FlushAction = Literal["rate", "pause", "resume"]
+
+
 class FlushControl(msgspec.Struct, frozen=True, kw_only=True):
     """A run-time command for the flush stage, on `tp.ctl.flush` (every node) or
     `tp.ctl.flush.<node>`: change the upload rate, or hold and release uploads."""
 
     v: int = SCHEMA_VERSION
-    action: Literal["rate", "pause", "resume"]
+    action: FlushAction
     #: For `rate`: bytes/s, 0 for unlimited.
     rate_bytes_per_s: NonNegInt = 0
     ts: float = 0.0

@@ -1,4 +1,11 @@
-"""Snapshot stage (in the trainer): copy a rank's state into a staging slot in shared memory.
+"""Snapshot stage (in the trainer): slot, copy, mark, `staged` event.
+
+`Checkpointer.save()` has `Snapshot` take one of the rank's staging slots, copy the state into
+it (blocking, or overlapped on the copier thread) and mark it busy with the step, then publishes
+the `staged` event built here (`staged_event`); a restore's
+write-back stages a shard read from object storage the same way (`stage_image`), with the same
+builder. At start, `reclaim_slots` drops markers no node agent will release and
+`newest_staged_step` finds where this rank's saves left off.
 
 This is the only part of tierpipe on the training loop's critical path, so it does nothing but
 the copy: no hashing, no disk or network I/O. CPU tensors are copied with `copy_` into views of
@@ -10,17 +17,41 @@ on a side stream instead and lets the next optimizer step wait for that stream o
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+import msgspec
 import torch
 
+from tierpipe.bus import Bus
+from tierpipe.names import shard_subject
 from tierpipe.pinned import page_lock, page_unlock
+from tierpipe.schemas import (
+    Event,
+    ShardEvent,
+    ShardHeader,
+    ShardStaged,
+    ShardVerified,
+    StageFailed,
+    decode_event,
+)
+from tierpipe.shard import Head
 from tierpipe.staging import Slot, SlotPool
 from tierpipe.state import StatePlan
 
-__all__ = ("Snapshot", "StagedCopy")
+__all__ = (
+    "Snapshot",
+    "StagedCopy",
+    "newest_staged_step",
+    "reclaim_slots",
+    "stage_image",
+    "staged_event",
+)
 
 
 @dataclass(slots=True)
@@ -42,29 +73,57 @@ class StagedCopy:
     dsts: list[torch.Tensor]
     #: (device, event recorded on its copy stream after the last device-to-host copy)
     cuda_events: list[tuple[torch.device, torch.cuda.Event]]
+    #: Set once the CPU part is over (done or failed): CPU tensors may change again.
+    host_copied: threading.Event = field(default_factory=threading.Event)
 
-    def finish(self, on_host_done: Callable[[], None]) -> None:
-        """Run the CPU part, report it, then wait for the CUDA part (on a helper thread)."""
-        self.plan.copy_into(self.dsts, device=torch.device("cpu"))
-        on_host_done()
+    def finish(self) -> None:
+        """Run the CPU part, report it, then wait for the CUDA part (on the copier thread)."""
+        try:
+            self.plan.copy_into(self.dsts, device=torch.device("cpu"))
+        finally:
+            self.host_copied.set()
         for _, event in self.cuda_events:
             event.synchronize()
 
+    def barrier(self) -> None:
+        """Make what the caller does next wait for the copy: CUDA work on the GPU (the current
+        streams wait for the copy streams, no host sync), CPU work on the host."""
+        for device, event in self.cuda_events:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.host_copied.wait()
+
 
 class Snapshot:
-    """Copies states into one rank's staging slots. Owned by a `Checkpointer`."""
+    """Copies states into one rank's staging slots and marks them (`node`: the agent's node,
+    named in the `staged` events). Owned by a `Checkpointer`; `save()` calls it from the
+    training thread, one save at a time."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: SlotPool, *, node: str) -> None:
         self.pool = pool
+        self.node = node
         self._images: dict[int, _Image] = {}
         # slot index -> (layout, image, destination views): a save with the layout of the last
         # one in the same slot reuses its views (building 200 views costs ~1 ms per save).
         self._dsts: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor]]] = {}
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        #: The overlapped copy in progress and its completion on the copier thread.
+        self._inflight: tuple[StagedCopy, concurrent.futures.Future[None]] | None = None
 
-    def reserve(self, slot: Slot, plan: StatePlan) -> None:
-        """Allocate, fault in (and for CUDA, page-lock) `slot` for a state like `plan`."""
-        self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
+    def reserve(self, plan: StatePlan) -> None:
+        """Allocate, fault in (and for CUDA, page-lock) every free slot for a state like `plan`."""
+        busy = self.pool.busy()
+        for slot in self.pool.slots:
+            if slot.index not in busy:
+                self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
+
+    def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
+        """A free slot (None: none free and `wait` is False).
+
+        Raises:
+            SlotTimeoutError: `wait` and no slot freed up within `timeout_s`.
+        """
+        return self.pool.acquire(wait=wait, timeout_s=timeout_s)
 
     def prepare(self, slot: Slot, plan: StatePlan) -> list[torch.Tensor]:
         """Map `slot` with room for `plan`, bump its generation, then write the image's head;
@@ -82,19 +141,81 @@ class Snapshot:
             )
         return cached[2]
 
-    def copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> None:
-        """Copy every tensor and return once the bytes are in the slot (blocking save)."""
+    def copy(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        dsts: list[torch.Tensor],
+        *,
+        started: float,
+        rewind_to: int | None,
+    ) -> ShardStaged:
+        """Copy every tensor into `slot` (`dsts` from `prepare`), mark it and return its
+        `staged` event (blocking save; `started`: `perf_counter()` when the save began)."""
         if not plan.cuda_devices:
             plan.copy_into(dsts)
-            return
-        pinned = self._images[slot.index].pinned
-        plan.copy_into(dsts, device=torch.device("cpu"))
-        for device in plan.cuda_devices:
-            plan.copy_into(dsts, device=device, non_blocking=pinned)
-        for device in plan.cuda_devices:
-            torch.cuda.current_stream(device).synchronize()
+        else:
+            pinned = self._images[slot.index].pinned
+            plan.copy_into(dsts, device=torch.device("cpu"))
+            for device in plan.cuda_devices:
+                plan.copy_into(dsts, device=device, non_blocking=pinned)
+            for device in plan.cuda_devices:
+                torch.cuda.current_stream(device).synchronize()
+        stall_s = time.perf_counter() - started
+        return self.mark(slot, plan, stall_s=stall_s, blocking=True, rewind_to=rewind_to)
 
-    def start_copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> StagedCopy:
+    def copy_soon(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        dsts: list[torch.Tensor],
+        *,
+        started: float,
+        rewind_to: int | None,
+        then: Callable[[ShardStaged | BaseException], None],
+    ) -> None:
+        """Queue the copy and return (overlapped save): CUDA copies on side streams, the rest
+        on the copier thread, which then marks the slot and calls `then` with the `staged`
+        event, or with what made the copy fail. `barrier()` holds back changes to the state
+        until the copy is over; `wait()` waits for `then` to return."""
+        copy = self._start_copy(slot, plan, dsts)
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierpipe-copy"
+            )
+        self._inflight = (copy, self._copier.submit(self._finish, copy, started, rewind_to, then))
+
+    def _finish(
+        self,
+        copy: StagedCopy,
+        started: float,
+        rewind_to: int | None,
+        then: Callable[[ShardStaged | BaseException], None],
+    ) -> None:
+        try:
+            copy.finish()
+            stall_s = time.perf_counter() - started
+            event = self.mark(
+                copy.slot, copy.plan, stall_s=stall_s, blocking=False, rewind_to=rewind_to
+            )
+        except BaseException as e:
+            then(e)
+            return
+        then(event)
+
+    def barrier(self) -> None:
+        """Make the caller's next change to the state wait for an overlapped copy."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight[0].barrier()
+
+    def wait(self) -> None:
+        """Wait until an overlapped copy is over and its `then` returned."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight[1].result()  # `then` reports the copy's errors
+
+    def _start_copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> StagedCopy:
         """Queue the CUDA copies on side streams (ordered after work already queued on the
         current streams) and return; `StagedCopy.finish()` completes the copy."""
         events = []
@@ -114,7 +235,36 @@ class Snapshot:
             events.append((device, event))
         return StagedCopy(plan, slot, dsts, events)
 
+    def mark(
+        self,
+        slot: Slot,
+        plan: StatePlan,
+        *,
+        stall_s: float,
+        blocking: bool,
+        rewind_to: int | None,
+    ) -> ShardStaged:
+        """Mark `slot` busy with the copied save (the agent releases it) and return its
+        `staged` event; `unmark` gives the slot back if that event is never published."""
+        self.pool.mark(slot, plan.header.step)
+        return staged_event(
+            plan.header,
+            slot,
+            node=self.node,
+            nbytes=plan.nbytes,
+            stall_s=stall_s,
+            blocking=blocking,
+            rewind_to=rewind_to,
+        )
+
+    def unmark(self, event: ShardStaged) -> None:
+        """Give the slot of a save whose `staged` event was not published back."""
+        self.pool.unmark(self.pool.slots[event.slot], event.step)
+
     def close(self) -> None:
+        """Let an overlapped copy finish, then unmap (and unpin) the slots' images."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         for index in list(self._images):
             self._drop(index)
 
@@ -136,6 +286,104 @@ class Snapshot:
         image = self._images.pop(index, None)
         if image is not None and image.pinned:
             page_unlock(image.mm, device=image.device)
+
+
+def staged_event(
+    header: ShardHeader,
+    slot: Slot,
+    *,
+    node: str,
+    nbytes: int,
+    stall_s: float = 0.0,
+    blocking: bool = True,
+    origin: Literal["save", "restore"] = "save",
+    rewind_to: int | None = None,
+) -> ShardStaged:
+    """The `staged` event of the image in `slot` (whose header is `header`), as `node`'s.
+
+    The shard's identity and timeline come from the image's own header, so the event cannot
+    disagree with the bytes the agent will read.
+    """
+    return ShardStaged(
+        job=header.job,
+        node=node,
+        ts=time.time(),
+        step=header.step,
+        rank=header.rank,
+        world_size=header.world_size,
+        staging_path=str(slot.path),
+        slot=slot.index,
+        nbytes=nbytes,
+        tensors=len(header.tensors),
+        stall_s=round(stall_s, 6),
+        blocking=blocking,
+        origin=origin,
+        generation=slot.generation,
+        epoch=header.epoch,
+        rewind_to=rewind_to,
+    )
+
+
+def stage_image(pool: SlotPool, image: mmap.mmap, head: Head, *, timeout_s: float) -> Slot | None:
+    """Copy a sealed shard image into a staging slot (waiting for a free one) and mark it.
+
+    Raises:
+        SlotTimeoutError: no slot freed up within `timeout_s`.
+    """
+    slot = pool.acquire(wait=True, timeout_s=timeout_s)
+    if slot is None:
+        return None
+    mm = slot.ensure(head.file_nbytes)
+    with memoryview(image) as src:
+        slot.begin(src[: head.data_offset])  # the generation first, as for every save
+        mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
+    pool.mark(slot, head.header.step)
+    return slot
+
+
+async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: int) -> None:
+    """Drop staging markers no agent will release: never published, or verified, failed
+    for good or superseded according to the stream. Three direct gets of this rank's
+    newest events on this node, never a replay: a restart reads nothing that grows with
+    the job's history."""
+    newest: dict[str, tuple[int, Event]] = {}
+    for kind in ("staged", "verified", "failed"):
+        raw = await bus.last_raw(shard_subject(job, kind, node, rank))
+        if raw is None:
+            continue
+        try:
+            newest[kind] = (raw[0], decode_event(raw[1]))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    staged, verified, failed = (newest.get(k) for k in ("staged", "verified", "failed"))
+    published = _step_of(staged, ShardStaged)
+    failed_step = None
+    if failed is not None and isinstance(failed[1], StageFailed):
+        f = failed[1]
+        if not f.retryable and f.stage in ("nvme-write", "verify"):
+            failed_step = f.step
+    pending = None
+    later = [found[0] for found in (verified, failed) if found is not None]
+    if staged is not None and all(staged[0] > seq for seq in later):
+        pending = published  # staged after both: that save is still on its way
+    pool.reclaim(
+        published_up_to=published,
+        verified_up_to=_step_of(verified, ShardVerified),
+        failed=failed_step,
+        pending=pending,
+    )
+
+
+async def newest_staged_step(bus: Bus, *, job: str, rank: int) -> int | None:
+    """The step of this rank's most recent `staged` event on any node (the newest message
+    on each node's subject; a handful of messages, never a replay)."""
+    found = await bus.latest(shard_subject(job, "staged", "*", rank))
+    newest = max(found, default=None, key=lambda item: item[0])
+    return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
+
+
+def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:
+    return found[1].step if found is not None and isinstance(found[1], kind) else None
 
 
 def _first(devices: frozenset[torch.device]) -> torch.device | None:

@@ -26,11 +26,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 #: (rule, offender) pairs that are allowed for now. Each names a module that other work is
 #: rewriting (issue 9); remove the entry with the change that fixes it (the tests fail until then).
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    # `__all__` still a list; tuples once these modules move (recovery/, storage/, stages/).
-    ("all-is-tuple", module)
-    for module in ("tierpipe.names",)
-)
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 
 #: Folder names that are import packages only under `tierpipe` (never importable bare).
 BARE_NAMES = frozenset({"pipeline", "stages", "schemas"})

@@ -48,12 +48,13 @@ def final_path(settings: Settings, job: str, step: int) -> Path:
 
 
 class Trainer:
-    """What a trainer does to stage a save (plan, prepare, copy, mark), without a bus."""
+    """What a trainer does to stage a save (plan, prepare, copy and mark: the snapshot stage),
+    without a bus."""
 
     def __init__(self, root: Path, *, slots: int = 1) -> None:
         self.root = root
         self.pool = SlotPool(root, JOB, 0, slots)
-        self.snapshot = Snapshot(self.pool)
+        self.snapshot = Snapshot(self.pool, node="n")
 
     def stage(self, step: int, value: float, *, epoch: int = 0, n: int = 50_000) -> ShardStaged:
         plan = plan_state(
@@ -67,23 +68,8 @@ class Trainer:
         )
         slot = self.pool.acquire(wait=False, timeout_s=0)
         assert slot is not None
-        self.snapshot.copy(slot, plan, self.snapshot.prepare(slot, plan))
-        self.pool.mark(slot, step)
-        return ShardStaged(
-            job=JOB,
-            node="n",
-            ts=time.time(),
-            step=step,
-            rank=0,
-            world_size=1,
-            epoch=epoch,
-            staging_path=str(slot.path),
-            slot=slot.index,
-            nbytes=plan.nbytes,
-            tensors=1,
-            stall_s=0.0,
-            generation=slot.generation,
-        )
+        dsts = self.snapshot.prepare(slot, plan)
+        return self.snapshot.copy(slot, plan, dsts, started=time.perf_counter(), rewind_to=None)
 
     def close(self) -> None:
         self.snapshot.close()
