@@ -70,3 +70,41 @@ def test_refused_registration_falls_back_and_clears_the_cuda_error(
         assert fake_runtime.cudaPeekAtLastError() == 0
     finally:
         mm.close()
+
+
+def test_restore_arena_is_unlocked_on_the_device_that_locked_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With targets on two GPUs the arena is registered in the lowest device's context and must
+    be unregistered in that same context (not in whichever device a loop visited last)."""
+    import os
+
+    from tierpipe.recovery import _read
+    from tierpipe.storage.reader import open_for_read, read_head_fd
+    from tierpipe.storage.shardfile import write_shard
+
+    path = tmp_path / "shard"
+    write_shard(path, {"w": torch.arange(1 << 16, dtype=torch.float32)}, job="j", step=1)
+    calls: list[tuple[str, torch.device | None]] = []
+    monkeypatch.setattr(
+        _read, "page_lock", lambda mm, *, what, device=None: calls.append(("lock", device)) or True
+    )
+    monkeypatch.setattr(
+        _read, "page_unlock", lambda mm, *, device=None: calls.append(("unlock", device))
+    )
+
+    class _Stream:
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    devices = {torch.device("cuda", 0), torch.device("cuda", 1)}
+    fd = open_for_read(path, direct_io=False)
+    try:
+        head = read_head_fd(fd, str(path), os.fstat(fd).st_size)
+        staged = [True] * len(head.header.blobs)
+        for _ in _read.read_blobs(fd, head, str(path), 2, 1 << 20, staged, devices):
+            pass
+    finally:
+        os.close(fd)
+    assert calls == [("lock", torch.device("cuda", 0)), ("unlock", torch.device("cuda", 0))]

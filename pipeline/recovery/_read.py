@@ -206,11 +206,11 @@ def read_blobs(
     layout = _Layout(head, staged, depth, chunk)
     # This runs on a helper thread, whose current device is 0: register in the targets'
     # device context, or every rank of a node would create a context on GPU 0.
-    device = min(devices, key=lambda d: d.index or 0, default=None)
+    lock_device = min(devices, key=lambda d: d.index or 0, default=None)
     pinned = (
-        device is not None
+        lock_device is not None
         and layout.arena is not None
-        and page_lock(layout.arena, what="restore arena", device=device)
+        and page_lock(layout.arena, what="restore arena", device=lock_device)
     )
     hashers = [xxhash.xxh3_128() for _ in blobs]
     done = [0] * len(blobs)
@@ -235,15 +235,15 @@ def read_blobs(
                     yield i, tensor
                     del tensor
                     if staged[i]:
-                        for device in devices:  # the consumer's copies out of the arena
-                            torch.cuda.current_stream(device).synchronize()
+                        for d in devices:  # the consumer's copies out of the arena
+                            torch.cuda.current_stream(d).synchronize()
                         readers.release(layout.frees[i])
     finally:
         readers.close()
         if pinned and layout.arena is not None:
-            for device in devices:
-                torch.cuda.current_stream(device).synchronize()
-            page_unlock(layout.arena, device=device)
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+            page_unlock(layout.arena, device=lock_device)
 
 
 def _round(n: int) -> int:
