@@ -26,7 +26,8 @@ from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
 from tierpipe.staged_image import StagedImage, open_image
-from tierpipe.storage.nvme import NvmeStore, WriteResult, read_head
+from tierpipe.storage.nvme import NvmeStore, WriteResult
+from tierpipe.storage.reader import read_head
 
 __all__ = ("KINDS", "STAGE", "NvmeWrite", "handle", "open")
 

@@ -24,7 +24,8 @@ from tierpipe.errors import TierpipeError
 from tierpipe.names import node_name, shard_relpath, validate_token
 from tierpipe.schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.settings import Settings
-from tierpipe.storage.nvme import NvmeStore, read_head
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
 
 __all__ = ("Reindexed", "reindex")

@@ -50,11 +50,9 @@ from tierpipe.storage.durable import (
 )
 from tierpipe.storage.lock import stage_lock, sweep_dead_temps, temp_path
 from tierpipe.storage.placement import judge, place
-
-# The head readers live in `reader`; re-exported here, where callers have always found them.
 from tierpipe.storage.reader import BlobReader, open_for_read, read_head, read_head_fd
 
-__all__ = ("NvmeStore", "VerifyResult", "WriteResult", "open_for_read", "read_head", "read_head_fd")
+__all__ = ("NvmeStore", "VerifyResult", "WriteResult")
 
 log = structlog.get_logger(__name__)
 
