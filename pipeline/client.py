@@ -34,7 +34,7 @@ from tierpipe.stages.snapshot import Snapshot, newest_staged_step, reclaim_slots
 from tierpipe.staging import SlotPool
 from tierpipe.state import plan_state
 
-__all__ = ("Checkpointer", "SaveHandle", "SaveStats")
+__all__ = ("Checkpointer",)
 
 log = structlog.get_logger(__name__)
 
