@@ -14,8 +14,6 @@ them (POSIX_FADV_DONTNEED) measured as costly as a third of the reads here.
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from tierpipe.pinned import page_lock, page_unlock
 from tierpipe.schemas import ShardHeader
 from tierpipe.shard import Head
 from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
+from tierpipe.storage.aligned import aligned_buffer, pread_into, round_up
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
@@ -64,11 +63,11 @@ class _Layout:
 
     def __init__(self, head: Head, staged: list[bool], depth: int, chunk: int) -> None:
         blobs = head.header.blobs
-        sizes = [_round(b.nbytes) for b in blobs]
+        sizes = [round_up(b.nbytes) for b in blobs]
         largest = max((n for n, a in zip(sizes, staged, strict=True) if a), default=0)
         total = sum(n for n, a in zip(sizes, staged, strict=True) if a)
         self.arena_bytes = min(total, max(ARENA_MIN_BYTES, largest + 2 * depth * chunk))
-        self.arena = mmap.mmap(-1, self.arena_bytes) if self.arena_bytes else None
+        self.arena = aligned_buffer(self.arena_bytes) if self.arena_bytes else None
         self.views: list[torch.Tensor | None] = [None] * len(blobs)
         #: Per staged blob: the virtual position up to which the arena is free once it was
         #: copied out (its end, or past the padding to the next lap when the next one wraps).
@@ -91,7 +90,7 @@ class _Layout:
                 self.views[i] = arena_t[at : at + b.nbytes]
                 self.frees[i] = cursor
             else:
-                vstart, buffer, at = -1, mmap.mmap(-1, sizes[i]), 0
+                vstart, buffer, at = -1, aligned_buffer(sizes[i]), 0
                 self.views[i] = torch.frombuffer(buffer, dtype=torch.uint8, count=b.nbytes)
             for off in range(0, b.nbytes, chunk):
                 n = min(chunk, b.nbytes - off)
@@ -100,9 +99,9 @@ class _Layout:
                         file_offset=head.data_offset + b.offset + off,
                         buffer=buffer,
                         buffer_offset=at + off,
-                        length=_round(n),
+                        length=round_up(n),
                         needed=n,
-                        vend=vstart + off + _round(n) if vstart >= 0 else 0,
+                        vend=vstart + off + round_up(n) if vstart >= 0 else 0,
                         pieces=[(i, at + off, n)],
                     ),
                     chunk,
@@ -180,7 +179,9 @@ class _Readers:
             r = self._reads[k]
             got: int | BaseException
             try:
-                got = _pread(self._fd, r.buffer, r.buffer_offset, r.length, r.file_offset)
+                with memoryview(r.buffer) as view:
+                    end = r.buffer_offset + r.length
+                    got = pread_into(self._fd, view[r.buffer_offset : end], r.file_offset)
             except BaseException as e:  # handed to the consumer
                 got = e
             with self._cond:
@@ -244,21 +245,6 @@ def read_blobs(
             for d in devices:
                 torch.cuda.current_stream(d).synchronize()
             page_unlock(layout.arena, device=lock_device)
-
-
-def _round(n: int) -> int:
-    return -(-n // 4096) * 4096
-
-
-def _pread(fd: int, buf: Any, offset: int, length: int, file_offset: int) -> int:
-    got = 0
-    with memoryview(buf) as view:
-        while got < length:
-            n = os.preadv(fd, [view[offset + got : offset + length]], file_offset + got)
-            if n == 0:
-                break
-            got += n
-    return got
 
 
 def check_blob(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
