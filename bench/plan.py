@@ -59,7 +59,7 @@ def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> lis
 
 def _plan_at_scale() -> dict[str, float]:
     from tierpipe.catalog import Catalog
-    from tierpipe.recovery import plan_recovery
+    from tierpipe.recovery.plan import plan_recovery
 
     job, digest = "plan", "0" * 32
     batches = _events(job, PLAN_RANKS, PLAN_STEPS, PLAN_PER_NODE, digest)

@@ -9,32 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tierpipe.errors import (
-    AgentLockedError,
-    BusAuthError,
-    BusUnavailableError,
-    ConfigError,
-    IntegrityError,
-    InvalidNameError,
-    NoCheckpointError,
-    NoSpaceError,
-    PermanentError,
-    RestoreTimeoutError,
-    RetryableError,
-    ShardFailedError,
-    ShardFormatError,
-    ShardMissingError,
-    SlotTimeoutError,
-    SourceUnreachableError,
-    StaleStepError,
-    StorageAuthError,
-    StorageConflictError,
-    StorageUnavailableError,
-    TierpipeError,
-    UnavailableError,
-    UnsupportedStateError,
-    WorldSizeMismatchError,
-)
+from tierpipe import errors
+from tierpipe.errors import *  # noqa: F403  (the whole error tree is public)
 from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -52,37 +28,14 @@ _LAZY = {
 }
 
 __all__ = (
-    "AgentLockedError",
-    "BusAuthError",
-    "BusUnavailableError",
     "Checkpointer",
-    "ConfigError",
-    "IntegrityError",
-    "InvalidNameError",
-    "NoCheckpointError",
-    "NoSpaceError",
-    "PermanentError",
-    "RestoreTimeoutError",
-    "RetryableError",
     "SaveHandle",
     "SaveStats",
     "Settings",
-    "ShardFailedError",
-    "ShardFormatError",
-    "ShardMissingError",
-    "SlotTimeoutError",
-    "SourceUnreachableError",
-    "StaleStepError",
-    "StorageAuthError",
-    "StorageConflictError",
-    "StorageUnavailableError",
-    "TierpipeError",
-    "UnavailableError",
-    "UnsupportedStateError",
-    "WorldSizeMismatchError",
     "load_settings",
     "load_shard",
     "write_shard",
+    *errors.__all__,
 )
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tierpipe.settings import Settings
 
 __all__ = (
+    "bind_io",
     "configure_logging",
     "register_secrets",
     "scrub",
@@ -144,6 +145,11 @@ def unit_of_work(**fields: Any) -> Iterator[None]:
     finally:
         clear_contextvars()
         bind_contextvars(**outer)
+
+
+def bind_io(nbytes: int, seconds: float, **fields: Any) -> None:
+    """Bind what a unit of work moved (bytes, MiB/s and `fields`) to its canonical line."""
+    bind_contextvars(nbytes=nbytes, mib_s=round(nbytes / 2**20 / max(seconds, 1e-9), 1), **fields)
 
 
 def _console_tracebacks() -> Any:

@@ -11,20 +11,9 @@ import socket
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit, urlunsplit
 
+from tierpipe import schemas as ev
 from tierpipe.errors import InvalidNameError
-from tierpipe.schemas import (
-    TOKEN_PATTERN,
-    Event,
-    RecoveryPlanned,
-    RestoreReport,
-    ShardEvent,
-    ShardEvicted,
-    ShardFlushed,
-    ShardStaged,
-    ShardVerified,
-    ShardWritten,
-    StageFailed,
-)
+from tierpipe.schemas import TOKEN_PATTERN, Event
 
 __all__ = (
     "ALL_SUBJECTS",
@@ -86,7 +75,7 @@ def node_name(configured: str | None) -> str:
 def event_subject(event: Event) -> str:
     """`tp.<job>.<kind>.<node>.<rank>`; `_` stands for an unknown rank; plans go to
     `tp.<job>.plan`."""
-    if isinstance(event, RecoveryPlanned):
+    if isinstance(event, ev.RecoveryPlanned):
         return plan_subject(event.job)
     rank = getattr(event, "rank", None)
     return f"{SUBJECT_ROOT}.{event.job}.{_kind(event)}.{event.node}.{'_' if rank is None else rank}"
@@ -125,15 +114,15 @@ def msg_id(event: Event) -> str:
     its stage, attempt and input message, so every attempt is recorded once.
     """
     # Restore coordination: every attempt is new, even with the same restart id.
-    if isinstance(event, RecoveryPlanned):
+    if isinstance(event, ev.RecoveryPlanned):
         kind = "final" if event.final else "plan"
         return f"{event.job}/plan/{event.restart}/{event.round}/{kind}/{round(event.ts * 1e6)}"
-    if isinstance(event, RestoreReport):
+    if isinstance(event, ev.RestoreReport):
         return (
             f"{event.job}/restore/{event.restart}/{event.rank}/{event.phase}/{event.round}/"
             f"{round(event.ts * 1e6)}"
         )
-    if isinstance(event, StageFailed):
+    if isinstance(event, ev.StageFailed):
         if event.step is None:
             return f"{event.job}/poison/{event.stage}/{event.node}/{event.stream_seq}"
         base = (
@@ -143,15 +132,15 @@ def msg_id(event: Event) -> str:
         # Two messages about one shard (a `verified` and a `failed`) failing in one stage are
         # two reports; a redelivery of the same message at the same attempt is one.
         return base if event.stream_seq is None else f"{base}/{event.stream_seq}"
-    assert isinstance(event, ShardEvent)
+    assert isinstance(event, ev.ShardEvent)
     base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}/{event.node}/{event.epoch}"
-    if isinstance(event, ShardEvicted):
+    if isinstance(event, ev.ShardEvicted):
         return f"{base}/{event.tier}"
-    if isinstance(event, ShardWritten | ShardVerified | ShardFlushed):
+    if isinstance(event, ev.ShardWritten | ev.ShardVerified | ev.ShardFlushed):
         # Another save of the same step is new content, not a duplicate; so is a copy rewritten
         # after a restore found it bad.
         base = f"{base}/{event.header_digest[:12]}"
-    elif isinstance(event, ShardStaged):
+    elif isinstance(event, ev.ShardStaged):
         base = f"{base}/{round(event.ts * 1e6)}"  # each save() is its own event
     origin = getattr(event, "origin", "save")
     return f"{base}/restore" if origin == "restore" else base

@@ -15,7 +15,7 @@ import msgspec
 from tierpipe.catalog import Catalog, Shard
 
 if TYPE_CHECKING:
-    from tierpipe.recovery import Plan
+    from tierpipe.recovery.plan import Plan
 
 __all__ = ("plan_json", "plan_now", "shard_json", "shard_table")
 
@@ -87,7 +87,7 @@ def plan_now(
     Raises:
         WorldSizeMismatchError, NoCheckpointError: as `plan_recovery`.
     """
-    from tierpipe.recovery import plan_recovery  # here: only `tierpipe plan` needs it
+    from tierpipe.recovery.plan import plan_recovery  # here: only `tierpipe plan` needs it
 
     steps = catalog.steps(job)
     # The world size of the newest complete step (a stray event of another size cannot set it).

@@ -32,6 +32,7 @@ __all__ = (
     "Tier",
     "decode_event",
     "encode_event",
+    "shard_event",
 )
 
 #: Bumped when a field changes meaning or a required field is added.
@@ -76,19 +77,26 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
 
     def follow(self, kind: type[E], *, node: str, **fields: Any) -> E:
         """The next event about the same shard (what a stage publishes for its input)."""
-        make: Any = kind  # (mypy sees only the base's fields)
-        event: E = make(
-            job=self.job,
-            node=node,
-            ts=time.time(),
-            step=self.step,
-            rank=self.rank,
-            world_size=self.world_size,
-            epoch=self.epoch,
-            **({"rewind_to": self.rewind_to} if issubclass(kind, ShardEvent) else {}),
-            **fields,
-        )
-        return event
+        if issubclass(kind, ShardEvent):
+            fields = {"rewind_to": self.rewind_to, **fields}
+        return shard_event(kind, self, node=node, **fields)
+
+
+def shard_event(kind: type[E], of: Any, *, node: str, **fields: Any) -> E:
+    """A `kind` event, published by `node` now, about the shard `of` names: anything with `job`,
+    `step`, `rank`, `world_size` and `epoch` (an event, a shard header, a retention decision)."""
+    make: Any = kind  # (mypy sees only the base's fields)
+    event: E = make(
+        job=of.job,
+        node=node,
+        ts=time.time(),
+        step=of.step,
+        rank=of.rank,
+        world_size=of.world_size,
+        epoch=of.epoch,
+        **fields,
+    )
+    return event
 
 
 class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
@@ -112,31 +120,28 @@ class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
     generation: NonNegInt = 0
 
 
-class ShardWritten(ShardEvent, frozen=True, kw_only=True, tag="written"):
-    """The shard file was written, fsynced and renamed into place on the node's NVMe.
-
-    `header_digest` (xxh3-128 of the header, which holds every tensor's digest) commits to the
-    whole file.
-    """
+class _NvmeCopy(ShardEvent, frozen=True, kw_only=True):
+    """What a stage says of the NVMe copy it wrote or re-read: `header_digest` (xxh3-128 of the
+    header, which holds every tensor's digest) commits to the whole file."""
 
     path: str
     nbytes: NonNegInt
     header_digest: Digest
-    tensors: NonNegInt
     seconds: float
     #: "restore": rewritten from a copy read back during a restore (see `ShardStaged.origin`).
     origin: Literal["save", "restore"] = "save"
 
 
-class ShardVerified(ShardEvent, frozen=True, kw_only=True, tag="verified"):
+class ShardWritten(_NvmeCopy, frozen=True, kw_only=True, tag="written"):
+    """The shard file was written, fsynced and renamed into place on the node's NVMe."""
+
+    tensors: NonNegInt
+
+
+class ShardVerified(_NvmeCopy, frozen=True, kw_only=True, tag="verified"):
     """The NVMe copy was re-read from the device and every digest matched."""
 
-    path: str
-    nbytes: NonNegInt
-    header_digest: Digest
-    seconds: float
     rewritten: bool = False
-    origin: Literal["save", "restore"] = "save"
 
 
 class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):

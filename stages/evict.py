@@ -42,6 +42,7 @@ from tierpipe.schemas import (
     ShardVerified,
     StageFailed,
     decode_event,
+    shard_event,
 )
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
@@ -127,20 +128,8 @@ class Evict:
         ):
             if not await self._remove(e):
                 continue  # left in place (a newer save, or not this node's); publish nothing
-            await self._publish(
-                ShardEvicted(
-                    job=e.job,
-                    node=self.node,
-                    ts=time.time(),
-                    step=e.step,
-                    rank=e.rank,
-                    world_size=e.world_size,
-                    epoch=e.epoch,
-                    tier=e.tier,
-                    location=e.location,
-                    reason=e.reason,
-                )
-            )
+            what = {"tier": e.tier, "location": e.location, "reason": e.reason}
+            await self._publish(shard_event(ShardEvicted, e, node=self.node, **what))
             log.info("copy_evicted", job=e.job, step=e.step, rank=e.rank, tier=e.tier,
                      location=e.location, reason=e.reason)  # fmt: skip
 
@@ -253,14 +242,10 @@ def _failed_save(event: Event, node: str) -> ShardEvicted | None:
     ):
         return None
     try:
-        return ShardEvicted(
-            job=event.job,
+        return shard_event(
+            ShardEvicted,
+            event,
             node=node,
-            ts=time.time(),
-            step=event.step,
-            rank=event.rank,
-            world_size=event.world_size,
-            epoch=event.epoch,
             tier="ram",
             location="",
             reason=f"save failed in {event.stage}: {event.error}: {event.message}",

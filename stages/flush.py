@@ -23,11 +23,10 @@ from pathlib import Path, PurePosixPath
 import anyio
 import msgspec
 import structlog
-from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
-from tierpipe.log import unit_of_work
+from tierpipe.log import bind_io, unit_of_work
 from tierpipe.names import filter_subject, flush_control_subject, node_name, shard_relpath
 from tierpipe.schemas import (
     SCHEMA_VERSION,
@@ -98,12 +97,7 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
             step=event.step,
             rewind_to=event.rewind_to,
         )
-    bind_contextvars(
-        key=done.key,
-        nbytes=done.nbytes,
-        existed=done.existed,
-        mib_s=round(done.nbytes / 2**20 / max(done.seconds, 1e-9), 1),
-    )
+    bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
     return event.follow(
         ShardFlushed,
         node=ctx.node,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import TaskGroup
-from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import StagingGoneError, TierpipeError
+from tierpipe.log import bind_io
 from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
@@ -65,12 +65,7 @@ async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritt
     if image is not None:
         # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
         ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
-    bind_contextvars(
-        path=result.path,
-        nbytes=result.nbytes,
-        existed=result.existed,
-        mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-    )
+    bind_io(result.nbytes, result.seconds, path=result.path, existed=result.existed)
     return event.follow(
         ShardWritten,
         node=ctx.node,

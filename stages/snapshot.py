@@ -39,6 +39,7 @@ from tierpipe.schemas import (
     ShardVerified,
     StageFailed,
     decode_event,
+    shard_event,
 )
 from tierpipe.shard import Head
 from tierpipe.staging import Slot, SlotPool
@@ -304,13 +305,10 @@ def staged_event(
     The shard's identity and timeline come from the image's own header, so the event cannot
     disagree with the bytes the agent will read.
     """
-    return ShardStaged(
-        job=header.job,
+    return shard_event(
+        ShardStaged,
+        header,
         node=node,
-        ts=time.time(),
-        step=header.step,
-        rank=header.rank,
-        world_size=header.world_size,
         staging_path=str(slot.path),
         slot=slot.index,
         nbytes=nbytes,
@@ -319,7 +317,6 @@ def staged_event(
         blocking=blocking,
         origin=origin,
         generation=slot.generation,
-        epoch=header.epoch,
         rewind_to=rewind_to,
     )
 

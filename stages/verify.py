@@ -16,10 +16,10 @@ from pathlib import Path
 
 import anyio
 import structlog
-from structlog.contextvars import bind_contextvars
 
 from tierpipe.bus import Bus
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
+from tierpipe.log import bind_io
 from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import Event, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
@@ -77,12 +77,7 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
                 attempt=attempt,
             )
         )
-    bind_contextvars(
-        path=result.path,
-        nbytes=result.nbytes,
-        rewritten=bool(out),
-        mib_s=round(result.nbytes / 2**20 / max(result.seconds, 1e-9), 1),
-    )
+    bind_io(result.nbytes, result.seconds, path=result.path, rewritten=bool(out))
     verified = event.follow(
         ShardVerified,
         node=ctx.node,

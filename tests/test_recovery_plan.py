@@ -6,7 +6,7 @@ import pytest
 
 from tierpipe.catalog import Catalog
 from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
-from tierpipe.recovery import plan_recovery
+from tierpipe.recovery.plan import plan_recovery
 from tierpipe.schemas import (
     Event,
     ShardEvicted,

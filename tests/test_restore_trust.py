@@ -27,8 +27,8 @@ from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
 from tierpipe.names import shard_relpath
-from tierpipe.recovery import plan_recovery
 from tierpipe.recovery.load import Expected, load_into
+from tierpipe.recovery.plan import plan_recovery
 from tierpipe.retention import Policy, plan_evictions
 from tierpipe.schemas import (
     Event,
