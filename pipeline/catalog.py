@@ -124,7 +124,7 @@ class Catalog:
 
     def apply(self, event: Event) -> None:
         if isinstance(event, ShardEvent) and event.rewind_to is not None:
-            self._rewind(event.job, event.rank, event.epoch, event.rewind_to)
+            self.rewind(event.job, event.rank, event.epoch, event.rewind_to)
         match event:
             case RecoveryPlanned():
                 return  # restore coordination, not copies
@@ -232,7 +232,7 @@ class Catalog:
         if copy is not None and copy.verified:
             _clear(copy)
 
-    def _rewind(self, job: str, rank: int, epoch: int, rewind_to: int) -> None:
+    def rewind(self, job: str, rank: int, epoch: int, rewind_to: int) -> None:
         """Record a rewind of (job, rank) and supersede the copies it abandons."""
         known = self._rewinds.setdefault((job, rank), set())
         if (epoch, rewind_to) in known:
@@ -243,6 +243,12 @@ class Catalog:
                 for copy in shard.copies.values():
                     if copy.epoch < epoch:
                         copy.superseded = True
+
+    def forget(self, job: str, step: int) -> None:
+        """Drop every shard of `step` (a fold that keeps only the steps still kept)."""
+        for rank in [r for (j, t, r) in self._shards if j == job and t == step]:
+            shard = self._shards.pop((job, step, rank))
+            self._by_rank[(job, rank)].remove(shard)
 
     def _mark(self, shard: Shard, copy: Copy) -> Copy:
         """`copy`, marked superseded if a known rewind of its rank abandoned it."""

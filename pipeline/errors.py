@@ -16,6 +16,7 @@ __all__ = (
     "ConfigError",
     "IntegrityError",
     "InvalidNameError",
+    "LeaseLostError",
     "NoCheckpointError",
     "NoSpaceError",
     "PermanentError",
@@ -271,3 +272,13 @@ class SourceUnreachableError(UnavailableError):
     def __init__(self, location: str) -> None:
         self.location = location
         super().__init__(f"{location}: no answer within this restore's deadline")
+
+
+class LeaseLostError(BusError):
+    """This agent no longer coordinates the job: another agent took its lease over (this one
+    was paused past the lease's expiry, or cut off), and wrote `key` since."""
+
+    def __init__(self, job: str, key: str) -> None:
+        self.job = job
+        self.key = key
+        super().__init__(f"lost the coordinator lease of job {job!r} ({key} changed under it)")

@@ -10,6 +10,7 @@ in a repr (`SECRET_FIELDS`, and credentials inside `nats_url`).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -55,7 +56,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     nats_tls_cert_file: str | None = None
     nats_tls_key_file: str | None = None
     stream: str = "TIERPIPE"
+    #: Replicas of the stream and of the KV bucket (3 on a 3-server cluster).
     stream_replicas: int = 1
+    #: The JetStream KV bucket of the jobs' compacted state (`tierpipe.kvstate`).
+    kv_bucket: str = "tierpipe-state"
     #: Events older than this leave the stream (0: kept forever). Limits drop the oldest events
     #: first, so what stays is always a suffix of the history: a copy's removal is never lost
     #: while the events that created it remain. Older checkpoints: `tierpipe reindex`.
@@ -124,6 +128,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     evict_unflushed: bool = False
     #: Below this many free bytes on the NVMe filesystem, the oldest flushed copies go first.
     nvme_min_free_bytes: int = 0
+    #: How long a job's retention coordinator holds its lease without renewing it: after this,
+    #: another node's agent takes the job over. It renews at a third of this.
+    lease_ttl_s: float = 15.0
+    #: How often a coordinator stores what the events it folded changed.
+    coordinator_flush_s: float = 0.2
 
     # --- recovery
     #: How long ranks wait for each other (and for rank 0's plan) during a restore.
@@ -176,6 +185,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         _check(self.nvme_keep_latest_k >= 2, "nvme_keep_latest_k", self.nvme_keep_latest_k)
         _check(self.s3_keep_latest_k >= 1, "s3_keep_latest_k", self.s3_keep_latest_k)
         _check(self.s3_keep_period >= 0, "s3_keep_period", self.s3_keep_period)
+        _check(self.lease_ttl_s >= 1, "lease_ttl_s", self.lease_ttl_s)
+        _check(0 < self.coordinator_flush_s <= 10, "coordinator_flush_s", self.coordinator_flush_s)
+        _check(
+            re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.kv_bucket) is not None,
+            "kv_bucket",
+            self.kv_bucket,
+        )
         # S3 multipart parts are 5 MiB .. 5 GiB (the last part may be smaller).
         _check(5 << 20 <= self.part_size_bytes <= 5 << 30, "part_size_bytes", self.part_size_bytes)
         _check(self.part_concurrency >= 1, "part_concurrency", self.part_concurrency)

@@ -1,0 +1,361 @@
+"""One job's compacted state, folded from its events: per step and tier, which ranks have a
+good copy; the newest complete steps; the retention floors.
+
+The retention coordinator (`tierpipe.coordinator`) feeds it the job's events and stores what
+changed in JetStream KV (`tierpipe.kvstate`); restarts, retention and operators read the KV,
+never the history. Pure (no I/O), so property tests can hold it against a fold of the whole
+history (`tierpipe.catalog.Catalog`) on arbitrary event sequences.
+
+Memory stays bounded by what is kept, not by the history: the steps in the window (the NVMe
+retention window and what is in flight) are folded from their events, with the evidence rules
+of the catalog; older steps that are still kept (object storage, the period rule) are known by
+their records alone, and only removals change them. A step below both floors leaves memory and
+the KV. Work per event is O(1) in the number of steps, but when it completes a step or moves a
+floor (O(kept steps)), or rewinds a rank (O(that rank's kept steps)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
+from tierpipe.schemas import Event, ShardEvent, ShardEvicted, StageFailed, Tier
+from tierpipe.schemas.jobstate import Floors, JobHead, Keep, StepRecord
+
+__all__ = ("Changes", "JobState", "bitmap", "has_rank", "is_full", "ranks_of")
+
+_TIERS: tuple[Tier, Tier] = ("nvme", "s3")
+
+
+def bitmap(ranks: Iterable[int], world_size: int) -> bytes:
+    """Rank r in bit `r % 8` of byte `r // 8`; `world_size` bits, rounded up to whole bytes."""
+    out = bytearray((world_size + 7) // 8)
+    for r in ranks:
+        out[r >> 3] |= 1 << (r & 7)
+    return bytes(out)
+
+
+def has_rank(bits: bytes | bytearray, rank: int) -> bool:
+    i = rank >> 3
+    return i < len(bits) and bool(bits[i] >> (rank & 7) & 1)
+
+
+def ranks_of(bits: bytes | bytearray) -> list[int]:
+    return [i * 8 + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
+
+
+def is_full(bits: bytes | bytearray, world_size: int) -> bool:
+    """`bits` holds every rank below `world_size`, and no other."""
+    return len(bits) == (world_size + 7) // 8 and sum(b.bit_count() for b in bits) == world_size
+
+
+class _Step:
+    """One step's bitmaps, mutable, with their counts."""
+
+    __slots__ = ("bits", "count", "either", "epoch", "world_size")
+
+    def __init__(self, world_size: int, epoch: int = 0) -> None:
+        self.world_size = world_size
+        self.epoch = epoch
+        size = (world_size + 7) // 8
+        self.bits: dict[Tier, bytearray] = {"nvme": bytearray(size), "s3": bytearray(size)}
+        self.count: dict[Tier, int] = {"nvme": 0, "s3": 0}
+        #: Ranks with a copy on either tier.
+        self.either = 0
+
+    @classmethod
+    def of(cls, rec: StepRecord) -> _Step:
+        s = cls(rec.world_size, rec.epoch)
+        for tier in _TIERS:
+            for rank in ranks_of(getattr(rec, tier)):
+                if rank < rec.world_size:
+                    s.set(tier, rank, True)
+        return s
+
+    def set(self, tier: Tier, rank: int, on: bool) -> bool:
+        """Set or clear `rank` on `tier`; whether that changed anything."""
+        bits = self.bits[tier]
+        i, mask = rank >> 3, 1 << (rank & 7)
+        if bool(bits[i] & mask) == on:
+            return False
+        before = self._has_either(i, mask)
+        bits[i] ^= mask
+        self.count[tier] += 1 if on else -1
+        self.either += self._has_either(i, mask) - before
+        return True
+
+    def _has_either(self, i: int, mask: int) -> int:
+        return int(bool((self.bits["nvme"][i] | self.bits["s3"][i]) & mask))
+
+    def status(self) -> tuple[bool, bool, bool]:
+        """Complete on NVMe, in object storage, on one or the other."""
+        return self.complete("nvme"), self.complete("s3"), self.complete(None)
+
+    def complete(self, tier: Tier | None) -> bool:
+        """Every rank has a copy on `tier` (None: on one tier or the other)."""
+        return (self.either if tier is None else self.count[tier]) == self.world_size
+
+    def record(self, step: int) -> StepRecord:
+        return StepRecord(
+            step=step,
+            world_size=self.world_size,
+            epoch=self.epoch,
+            nvme=bytes(self.bits["nvme"]),
+            s3=bytes(self.bits["s3"]),
+        )
+
+
+@dataclass
+class Changes:
+    """What the events folded since the last `take_changes()` changed, for the KV writer."""
+
+    #: Steps whose record changed (to put) and steps that left the state (to delete).
+    put: set[int] = field(default_factory=set)
+    deleted: set[int] = field(default_factory=set)
+    #: Steps whose objects are to be removed now (below the object-storage floor).
+    s3_removed: set[int] = field(default_factory=set)
+    head: bool = False
+    floors: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.put or self.deleted or self.s3_removed or self.head or self.floors)
+
+
+class JobState:
+    """The fold. Feed it with `apply()` in stream order; `take_changes()` says what to store.
+
+    Args:
+        head, floors, records: what the KV holds (a coordinator taking over). Records of steps
+            from `head.window` on are not loaded: folding the events from `head.resume_seq` on
+            again rebuilds them, evidence and all.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        keep: Keep,
+        *,
+        head: JobHead | None = None,
+        floors: Floors | None = None,
+        records: Mapping[int, StepRecord] = {},
+    ) -> None:
+        self.job = job
+        self.keep = keep
+        self.catalog = Catalog()
+        self.seq = head.seq if head else 0
+        window = head.window if head else 0
+        self._steps = {t: _Step.of(r) for t, r in records.items() if t < window}
+        #: Steps known by their records alone (older than the window when this fold started).
+        self._record_only = set(self._steps)
+        #: step -> the stream sequence of the first of its events this fold saw.
+        self._first_seq: dict[int, int] = {}
+        self._resume = (head.resume_seq, head.window) if head else (0, 0)
+        self._world_size = head.world_size if head else 0
+        self._floors = floors or Floors()
+        self._pinned: frozenset[int] = frozenset()
+        self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
+        self._s3_removed: set[int] = set()
+        self._changes = Changes()
+        self._recount()
+
+    # --- folding
+
+    def apply(self, seq: int, event: Event) -> None:
+        """Fold one event of this job (stored at stream sequence `seq`)."""
+        step = getattr(event, "step", None)
+        rank = getattr(event, "rank", None)
+        if event.job != self.job or step is None or rank is None:
+            return
+        self.seq = max(self.seq, seq)
+        self._changes.head = True
+        rewind = event.rewind_to if isinstance(event, ShardEvent) else None
+        epoch = getattr(event, "epoch", 0)
+        if step in self._record_only:
+            self._apply_to_record(step, rank, event)
+            if rewind is not None:
+                self.catalog.rewind(self.job, rank, epoch, rewind)
+        elif step in self._steps or not self._gone(step):  # (a late event of a dropped step)
+            self.catalog.apply(event)
+            if isinstance(event, ShardEvent):
+                self._first_seq.setdefault(step, seq)
+                self._refresh(step, rank, event.world_size)
+            elif step in self._steps:
+                self._refresh(step, rank, None)
+        if rewind is not None:
+            self._rewound(rank, epoch, rewind)
+
+    def pin(self, steps: Iterable[int]) -> None:
+        """Steps an in-progress restore reads: kept on every tier while it lasts."""
+        pinned = frozenset(steps)
+        if pinned != self._pinned:
+            self._pinned = pinned
+            self._move_floors()
+
+    def _refresh(self, step: int, rank: int, world_size: int | None) -> None:
+        """Recompute `rank`'s bits in `step` from the catalog."""
+        s = self._steps.get(step)
+        if s is None:
+            if not world_size or self._gone(step):
+                return
+            s = self._steps[step] = _Step(world_size)
+            if step >= max(self._steps):
+                self._world_size = world_size
+            self._changes.put.add(step)
+        shard = self.catalog.shard(self.job, step, rank)
+        if shard is None or shard.world_size != s.world_size or rank >= s.world_size:
+            return
+        epoch = max([s.epoch] + [c.epoch for c in shard.copies.values()])
+        changed = epoch != s.epoch
+        s.epoch = epoch
+        before = s.status()
+        for tier in _TIERS:
+            on = bool(shard.usable(tier)) and not (tier == "s3" and step in self._s3_removed)
+            changed |= s.set(tier, rank, on)
+        if changed:
+            self._changes.put.add(step)
+        if s.status() != before:
+            self._recount()
+
+    def _apply_to_record(self, step: int, rank: int, event: Event) -> None:
+        """An event about a step known by its record alone: only removals count (a copy
+        evicted, or proven bad); nothing else can be checked against evidence any more."""
+        s = self._steps[step]
+        tier: Tier | None = None
+        if isinstance(event, ShardEvicted) and event.epoch >= s.epoch:
+            tier = event.tier
+        elif (
+            isinstance(event, StageFailed)
+            and not event.retryable
+            and (event.error in EVIDENCE_ERRORS or event.stage == "verify")
+        ):
+            tier = event.tier or ("nvme" if event.stage == "verify" else None)
+        if tier in _TIERS and rank < s.world_size:
+            before = s.status()
+            self._clear(step, [rank], (tier,))
+            if s.status() != before:
+                self._recount()
+
+    def _rewound(self, rank: int, epoch: int, rewind_to: int) -> None:
+        """A rewind of `rank` (folded into the catalog already): its older-epoch copies of
+        later steps no longer count."""
+        for step in [t for t in self._steps if t > rewind_to]:
+            if step not in self._record_only:
+                self._refresh(step, rank, None)
+            elif self._steps[step].epoch < epoch:
+                before = self._steps[step].status()
+                self._clear(step, [rank], _TIERS)
+                if self._steps[step].status() != before:
+                    self._recount()
+
+    def _clear(self, step: int, ranks: Iterable[int], tiers: Iterable[Tier]) -> bool:
+        """Clear `ranks` on `tiers` in `step`; whether that changed anything (the caller
+        recounts)."""
+        s = self._steps[step]
+        changed = False
+        for tier in tiers:
+            for rank in ranks:
+                changed |= s.set(tier, rank, False)
+        if changed:
+            self._changes.put.add(step)
+        return changed
+
+    # --- what is complete, what is kept
+
+    def _recount(self, *, move: bool = True) -> None:
+        steps = sorted(self._steps)
+        complete = {
+            tier: [t for t in steps if self._steps[t].complete(tier)] for tier in self._complete
+        }
+        if complete != self._complete:
+            self._complete = complete
+            self._changes.head = True
+            if move:
+                self._move_floors()
+
+    def _kept(self) -> set[int]:
+        """Never removed: the newest complete step of each tier and of both together, and
+        the steps a restore reads."""
+        return {done[-1] for done in self._complete.values() if done} | set(self._pinned)
+
+    def _period_kept(self, step: int) -> bool:
+        period = self.keep.s3_keep_period
+        s = self._steps.get(step)
+        return bool(period) and step % period == 0 and s is not None and s.complete("s3")
+
+    def _move_floors(self) -> None:
+        nvme = _floor(self._complete["nvme"], self.keep.nvme_keep_latest_k)
+        s3 = _floor(self._complete["s3"], self.keep.s3_keep_latest_k)
+        kept = self._kept()
+        floors = Floors(
+            nvme=max(nvme, self._floors.nvme),
+            s3=max(s3, self._floors.s3),
+            keep=sorted(t for t in kept if t < max(nvme, s3, self._floors.nvme, self._floors.s3)),
+        )
+        if floors != self._floors:
+            self._floors = floors
+            self._changes.floors = True
+        for step in sorted(self._steps):
+            if step >= floors.s3:
+                break
+            if step in kept or self._period_kept(step) or step in self._s3_removed:
+                continue
+            self._s3_removed.add(step)
+            self._changes.s3_removed.add(step)
+            self._clear(step, range(self._steps[step].world_size), ("s3",))
+        for step in [t for t in self._steps if self._gone(t)]:
+            self._drop(step)
+        self._recount(move=False)  # (what the removals changed; the floors stay)
+
+    def _gone(self, step: int) -> bool:
+        """Below both floors and kept by no rule: nothing of the step is kept any more."""
+        if step in self._kept() or self._period_kept(step):
+            return False
+        return step < self._floors.nvme and step < self._floors.s3
+
+    def _drop(self, step: int) -> None:
+        del self._steps[step]
+        self._record_only.discard(step)
+        self._first_seq.pop(step, None)
+        self._s3_removed.discard(step)
+        self.catalog.forget(self.job, step)
+        self._changes.put.discard(step)
+        self._changes.deleted.add(step)
+        self._changes.head = True
+
+    # --- views
+
+    def record(self, step: int) -> StepRecord | None:
+        s = self._steps.get(step)
+        return None if s is None else s.record(step)
+
+    def records(self) -> dict[int, StepRecord]:
+        return {t: s.record(t) for t, s in sorted(self._steps.items())}
+
+    def floors(self) -> Floors:
+        return self._floors
+
+    def head(self) -> JobHead:
+        window = [t for t in self._first_seq if t >= self._floors.nvme or t in self._kept()]
+        if window:
+            resume = min(self._first_seq[t] for t in window), min(window)
+            self._resume = max(self._resume, resume)
+        return JobHead(
+            job=self.job,
+            world_size=self._world_size,
+            nvme_steps=list(self._complete["nvme"]),
+            s3_steps=list(self._complete["s3"]),
+            steps=sorted(self._steps),
+            seq=self.seq,
+            resume_seq=self._resume[0],
+            window=self._resume[1],
+        )
+
+    def take_changes(self) -> Changes:
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+
+def _floor(done: list[int], keep: int) -> int:
+    """The oldest step still kept once `keep` complete steps exist, else -1."""
+    return done[-keep] if len(done) >= keep else -1

@@ -1,0 +1,249 @@
+"""The jobs' compacted state in JetStream KV: reading it, and writing it as its one writer.
+
+The bucket (`Settings.kv_bucket`) holds the keys of `tierpipe.schemas.jobstate`. Readers
+(restarts, the CLI, nodes watching their floors) read a few keys; the coordinator of a job
+writes them with compare-and-set on every key it owns, so a paused coordinator that lost its
+lease can never overwrite what its successor wrote: its first write fails, and it stops.
+
+nats-py's errors stop here, as `BusUnavailableError` or `BusError` (`LeaseLostError` for a
+writer that lost its lease).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import api
+from nats.js.kv import KeyValue
+
+from tierpipe.errors import BusError, BusUnavailableError, LeaseLostError
+from tierpipe.jobstate import Changes, JobState
+from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.schemas.jobstate import Floors, JobHead, Keep, Lease, StepRecord
+from tierpipe.settings import Settings
+
+__all__ = ("JobStore", "head_key", "step_key")
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+_json = msgspec.json.Encoder()
+
+#: What `KeyValue.get` raises for a key never written, or deleted.
+_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+
+#: The largest value the bucket takes (a message must stay below 256 KiB at any job size).
+MAX_VALUE_BYTES = 256 * 1024
+
+
+def head_key(job: str) -> str:
+    return f"{job}.head"
+
+
+def floor_key(job: str) -> str:
+    return f"{job}.floor"
+
+
+def keep_key(job: str) -> str:
+    return f"{job}.keep"
+
+
+def lease_key(job: str) -> str:
+    return f"{job}.lease"
+
+
+def step_key(job: str, step: int) -> str:
+    return f"{job}.step.{step}"
+
+
+@contextlib.asynccontextmanager
+async def _translated(what: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except nats.js.errors.ServiceUnavailableError as e:
+        raise BusUnavailableError(f"{what}: JetStream unavailable") from e
+    except (*_ABSENT, nats.js.errors.KeyWrongLastSequenceError):
+        raise
+    except nats.js.errors.APIError as e:
+        raise BusError(f"{what}: {e.description or e}") from e
+    except (*UNAVAILABLE, nats.errors.TimeoutError) as e:
+        raise BusUnavailableError(f"{what}: {e or type(e).__name__}") from e
+
+
+class JobStore:
+    """The KV bucket of job states, over a connected `Bus`'s JetStream context."""
+
+    def __init__(self, js: Any, settings: Settings) -> None:
+        self._js = js
+        self.settings = settings
+        self._kv: KeyValue | None = None
+        #: key -> revision of this writer's last write (compare-and-set on the next).
+        self._revs: dict[str, int] = {}
+
+    async def open(self) -> JobStore:
+        """Bind the bucket, creating it if missing (idempotent)."""
+        s = self.settings
+        async with _translated(f"kv bucket {s.kv_bucket}"):
+            try:
+                self._kv = await self._js.key_value(s.kv_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                config = api.KeyValueConfig(
+                    bucket=s.kv_bucket,
+                    history=1,
+                    replicas=s.stream_replicas,
+                    max_value_size=MAX_VALUE_BYTES,
+                    storage=api.StorageType.FILE,
+                )
+                self._kv = await self._js.create_key_value(config)
+        return self
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise RuntimeError("JobStore.open() first")
+        return self._kv
+
+    # --- reading
+
+    async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
+        async with _translated(f"kv {key}"):
+            try:
+                entry = await self.kv.get(key)
+            except _ABSENT:
+                return None
+        if entry.value is None:
+            return None
+        return msgspec.json.decode(entry.value, type=kind), entry.revision or 0
+
+    async def head(self, job: str) -> JobHead | None:
+        found = await self._get(head_key(job), JobHead)
+        return found[0] if found else None
+
+    async def floors(self, job: str) -> Floors:
+        """The job's floors (none yet: nothing is below them)."""
+        found = await self._get(floor_key(job), Floors)
+        return found[0] if found else Floors()
+
+    async def keep(self, job: str) -> Keep | None:
+        found = await self._get(keep_key(job), Keep)
+        return found[0] if found else None
+
+    async def record(self, job: str, step: int) -> StepRecord | None:
+        found = await self._get(step_key(job, step), StepRecord)
+        return found[0] if found else None
+
+    async def records(self, job: str, steps: Iterable[int]) -> dict[int, StepRecord]:
+        out = {}
+        for step in steps:
+            rec = await self.record(job, step)
+            if rec is not None:
+                out[step] = rec
+        return out
+
+    async def load(self, job: str, keep: Keep) -> JobState:
+        """The job's state as stored, for a coordinator taking over (the records it needs)."""
+        head = await self.head(job)
+        floors = await self.floors(job)
+        window = head.window if head else 0
+        steps = [t for t in head.steps if t < window] if head else []
+        return JobState(job, keep, head=head, floors=floors, records=await self.records(job, steps))
+
+    # --- the trainer's side
+
+    async def set_keep(self, job: str, keep: Keep) -> None:
+        """Store the job's retention policy (the trainer's `keep=`)."""
+        async with _translated(f"kv {keep_key(job)}"):
+            await self.kv.put(keep_key(job), _json.encode(keep))
+
+    # --- the coordinator's side
+
+    async def acquire(self, job: str, holder: str, ttl_s: float) -> Lease | None:
+        """Take the job's lease if it is free or expired; None if another holds it."""
+        key = lease_key(job)
+        now = time.time()
+        async with _translated(f"kv {key}"):
+            try:
+                entry = await self.kv.get(key)
+            except _ABSENT:
+                entry = None
+            current = (
+                msgspec.json.decode(entry.value, type=Lease)
+                if entry is not None and entry.value
+                else None
+            )
+            if current is not None and current.expires > now and current.holder != holder:
+                return None
+            lease = Lease(
+                holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s
+            )
+            try:
+                if entry is None:
+                    rev = await self.kv.create(key, _json.encode(lease))
+                else:
+                    rev = await self.kv.update(key, _json.encode(lease), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None  # another agent took it first
+        self._revs = {key: rev}
+        log.info("lease_acquired", job=job, holder=holder, term=lease.term)
+        return lease
+
+    async def renew(self, job: str, lease: Lease, ttl_s: float) -> Lease:
+        """Extend the lease.
+
+        Raises:
+            LeaseLostError: another agent took it over (this one was paused past its expiry).
+        """
+        renewed = Lease(holder=lease.holder, term=lease.term, expires=time.time() + ttl_s)
+        await self._cas(job, lease_key(job), _json.encode(renewed))
+        return renewed
+
+    async def release(self, job: str, lease: Lease) -> None:
+        """Give the lease up (a clean stop): another agent may take it at once."""
+        with contextlib.suppress(LeaseLostError, BusError):
+            await self._cas(job, lease_key(job), _json.encode(
+                Lease(holder=lease.holder, term=lease.term, expires=0.0)
+            ))  # fmt: skip
+
+    async def write(self, state: JobState, changes: Changes) -> None:
+        """Store what `changes` says changed: records, then floors, then the head (a reader
+        that sees a head finds every record it names).
+
+        Raises:
+            LeaseLostError: a key changed under this writer (another coordinator wrote it).
+        """
+        job = state.job
+        for step in sorted(changes.put):
+            rec = state.record(step)
+            if rec is not None:
+                await self._cas(job, step_key(job, step), _json.encode(rec))
+        if changes.floors:
+            await self._cas(job, floor_key(job), _json.encode(state.floors()))
+        await self._cas(job, head_key(job), _json.encode(state.head()))
+        for step in sorted(changes.deleted):
+            key = step_key(job, step)
+            async with _translated(f"kv {key}"):
+                await self.kv.delete(key)
+            self._revs.pop(key, None)
+
+    async def _cas(self, job: str, key: str, value: bytes) -> None:
+        """Put `value` if the key is as this writer left it (or, the first time, as it is)."""
+        async with _translated(f"kv {key}"):
+            last = self._revs.get(key)
+            if last is None:
+                try:
+                    last = (await self.kv.get(key)).revision or 0
+                except nats.js.errors.KeyDeletedError as e:
+                    last = e.entry.revision
+                except nats.js.errors.KeyNotFoundError:
+                    last = 0
+            try:
+                self._revs[key] = await self.kv.update(key, value, last=last)
+            except nats.js.errors.KeyWrongLastSequenceError as e:
+                raise LeaseLostError(job, key) from e

@@ -1,0 +1,112 @@
+"""A job's compacted state, as kept in the JetStream KV bucket (`tierpipe.kvstate`).
+
+The event stream is the audit log and the stages' trigger; these records are what restarts,
+retention and operators read instead of replaying it. One writer (the job's retention
+coordinator, holding the `Lease`) folds the job's events into them; every value stays far below
+the 256 KiB message limit at any job size (a step's two rank bitmaps take 20 KiB at 80,000
+ranks).
+
+Keys (job names are tokens, so a key's parts never contain a dot):
+- `<job>.head`: `JobHead`, the newest complete steps and what is kept;
+- `<job>.floor`: `Floors`, the retention floors nodes watch to remove their own NVMe copies;
+- `<job>.step.<step>`: `StepRecord`, which ranks have a good copy on each tier;
+- `<job>.keep`: `Keep`, the job's retention policy (set by the trainer);
+- `<job>.lease`: `Lease`, who coordinates the job.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from tierpipe.schemas.names import Token
+
+__all__ = ("Floors", "JobHead", "Keep", "Lease", "StepRecord")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+#: A step, or -1 for none.
+StepOrNone = Annotated[int, msgspec.Meta(ge=-1)]
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Which ranks of one step have a good copy on each tier.
+
+    A bitmap holds rank r in bit `r % 8` of byte `r // 8` (`tierpipe.jobstate.Bitmap`); a
+    step is complete on a tier when its bitmap holds every rank below `world_size`.
+    """
+
+    step: NonNegInt
+    world_size: PosInt
+    #: The save's timeline (`ShardEvent.epoch`): the newest epoch whose copies the bitmaps count.
+    epoch: NonNegInt = 0
+    #: Ranks with a verified, intact NVMe copy on at least one node.
+    nvme: bytes = b""
+    #: Ranks whose object is confirmed in the store (size and checksum, after the upload).
+    s3: bytes = b""
+
+
+class JobHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The job at a glance: what a restart reads first."""
+
+    job: Token
+    #: The world size of the newest step seen.
+    world_size: NonNegInt = 0
+    #: Complete steps still kept, ascending, per tier.
+    nvme_steps: list[NonNegInt] = []
+    s3_steps: list[NonNegInt] = []
+    #: Steps with a record (complete or not) that are not below both floors, ascending.
+    steps: list[NonNegInt] = []
+    #: The stream sequence of the last event folded in.
+    seq: NonNegInt = 0
+    #: What a new coordinator folds again to rebuild what it keeps in memory: the events from
+    #: `resume_seq` on, which hold every event of the steps from `window` on (the steps still in
+    #: NVMe retention or in flight); older steps are known from their records alone.
+    resume_seq: NonNegInt = 0
+    window: NonNegInt = 0
+
+    @property
+    def newest_nvme(self) -> int | None:
+        return self.nvme_steps[-1] if self.nvme_steps else None
+
+    @property
+    def newest_s3(self) -> int | None:
+        return self.s3_steps[-1] if self.s3_steps else None
+
+
+class Floors(msgspec.Struct, frozen=True, kw_only=True):
+    """Retention floors: each node removes its own NVMe copies of steps below `nvme` (once
+    they are in object storage, unless the job keeps unflushed copies); the coordinator removes
+    the objects of steps below `s3` (but for `Keep.s3_keep_period` steps). Floors never go
+    down; the steps in `keep` stay on every tier whatever the floors say (the newest complete
+    step of each tier and of both together, and the steps a restore is reading)."""
+
+    nvme: StepOrNone = -1
+    s3: StepOrNone = -1
+    keep: list[NonNegInt] = []
+
+
+class Keep(msgspec.Struct, frozen=True, kw_only=True):
+    """A job's retention policy (`Checkpointer(keep=...)`; the agent's settings are defaults).
+    The newest complete step of each tier, and of both together, is kept whatever it says."""
+
+    #: Complete steps kept on NVMe (torchtitan's keep_latest_k).
+    nvme_keep_latest_k: Annotated[int, msgspec.Meta(ge=2)] = 3
+    #: Complete steps kept in object storage.
+    s3_keep_latest_k: PosInt = 10
+    #: Also keep every step divisible by this in object storage (0: off; Orbax's keep_period).
+    s3_keep_period: NonNegInt = 0
+    #: Remove NVMe copies below the floor even when they never reached object storage.
+    evict_unflushed: bool = False
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    """Who coordinates a job until when. A holder renews it well before `expires`; another
+    agent takes it over (compare-and-set on the key's revision) once it has expired."""
+
+    holder: str
+    #: Bumped at every takeover: a holder that finds a newer term has lost the lease.
+    term: PosInt
+    #: Wall-clock time (s since the epoch) after which the lease is free.
+    expires: float

@@ -1,0 +1,221 @@
+"""The compacted job state: the same verdicts as a fold of the whole history, in bounded memory."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierpipe.catalog import Catalog
+from tierpipe.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
+from tierpipe.schemas import (
+    Event,
+    ShardEvicted,
+    ShardFlushed,
+    ShardStaged,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+)
+from tierpipe.schemas.jobstate import Keep
+
+NODES = ("a", "b", "c")
+WORLD = 3
+EVERYTHING = Keep(nvme_keep_latest_k=1000, s3_keep_latest_k=1000)
+
+
+def digest(step: int, rank: int, salt: int = 0) -> str:
+    return f"{step:010x}{rank:06x}{salt:016x}"
+
+
+def ident(step: int, rank: int, node: str, epoch: int = 0) -> dict[str, object]:
+    return dict(job="j", node=node, ts=0.0, step=step, rank=rank, world_size=WORLD, epoch=epoch)
+
+
+def path(step: int, rank: int, node: str) -> str:
+    return f"/nvme/{node}/j/step-{step}/rank-{rank}.shard"
+
+
+def lifecycle(step: int, rank: int, node: str | None = None, *, salt: int = 0) -> list[Event]:
+    node = node or NODES[rank % len(NODES)]
+    d, p = digest(step, rank, salt), path(step, rank, node)
+    return [
+        ShardWritten(**ident(step, rank, node), path=p, nbytes=4096, header_digest=d, tensors=1,
+                     seconds=0),
+        ShardVerified(**ident(step, rank, node), path=p, nbytes=4096, header_digest=d, seconds=0),
+        ShardFlushed(**ident(step, rank, node), bucket="b", key=f"j/{step}/{rank}", etag="e",
+                     checksum="c", header_digest=d, nbytes=4096, seconds=0),
+    ]  # fmt: skip
+
+
+def fold(events: list[Event], keep: Keep = EVERYTHING) -> JobState:
+    state = JobState("j", keep)
+    for seq, event in enumerate(events, 1):
+        state.apply(seq, event)
+    return state
+
+
+def test_bitmaps() -> None:
+    bits = bitmap([0, 3, 9], 10)
+    assert len(bits) == 2 and ranks_of(bits) == [0, 3, 9]
+    assert has_rank(bits, 3) and not has_rank(bits, 4) and not has_rank(bits, 100)
+    assert is_full(bitmap(range(10), 10), 10) and not is_full(bits, 10)
+    assert not is_full(bitmap(range(10), 16), 16)
+
+
+def test_a_step_completes_tier_by_tier() -> None:
+    events = [e for rank in range(WORLD) for e in lifecycle(5, rank)[:2]]
+    state = fold(events)
+    head = state.head()
+    assert head.nvme_steps == [5] and head.s3_steps == [] and head.world_size == WORLD
+    rec = state.record(5)
+    assert rec is not None and is_full(rec.nvme, WORLD) and ranks_of(rec.s3) == []
+    for rank in range(WORLD):
+        state.apply(100 + rank, lifecycle(5, rank)[2])
+    assert state.head().s3_steps == [5]
+
+
+def test_forged_verified_and_flushed_count_for_nothing() -> None:
+    node = "a"
+    forged = [
+        ShardVerified(**ident(7, r, node), path=path(7, r, node), nbytes=1,
+                      header_digest=digest(7, r), seconds=0)
+        for r in range(WORLD)
+    ] + [
+        ShardFlushed(**ident(7, r, node), bucket="b", key="k", etag="e", checksum="c",
+                     header_digest=digest(7, r), nbytes=1, seconds=0)
+        for r in range(WORLD)
+    ]  # fmt: skip
+    state = fold(forged)
+    assert state.head().nvme_steps == [] and state.head().s3_steps == []
+
+
+def test_floors_follow_the_policy_and_drop_what_no_tier_keeps() -> None:
+    keep = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=3, s3_keep_period=4)
+    state = JobState("j", keep)
+    seq = 0
+    removed: set[int] = set()
+    for step in range(1, 11):
+        for rank in range(WORLD):
+            for event in lifecycle(step, rank):
+                seq += 1
+                state.apply(seq, event)
+        changes = state.take_changes()
+        removed |= changes.s3_removed
+    floors = state.floors()
+    assert (floors.nvme, floors.s3) == (9, 8)
+    # Objects of steps below the floor go, but for the period's steps (4, 8).
+    assert removed == {1, 2, 3, 5, 6, 7}
+    head = state.head()
+    # (no node removed its NVMe copies yet: every step still held counts there too)
+    assert head.s3_steps == [4, 8, 9, 10] and head.nvme_steps == [4, 8, 9, 10]
+    # Steps below both floors leave memory and the KV; the period's steps stay.
+    assert head.steps == [4, 8, 9, 10]
+    assert all(shard.step in (4, 8, 9, 10) for shard in state.catalog.shards("j"))
+
+
+def test_the_newest_complete_step_of_a_tier_is_kept_below_the_floor() -> None:
+    """NVMe complete up to step 6, object storage only up to step 2: step 2 stays everywhere."""
+    keep = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=1)
+    events: list[Event] = []
+    for step in range(1, 7):
+        for rank in range(WORLD):
+            events += lifecycle(step, rank)[: 3 if step <= 2 else 2]
+    state = fold(events, keep)
+    floors = state.floors()
+    assert (floors.nvme, floors.s3) == (5, 2) and 2 in floors.keep
+    assert 2 in state.head().steps and state.head().s3_steps == [2]
+
+
+# --- property: the compact state says what the whole-history catalog says
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Event]:
+    events: list[Event] = []
+    for _ in range(draw(st.integers(1, 40))):
+        step = draw(st.integers(0, 4))
+        rank = draw(st.integers(0, WORLD - 1))
+        node = draw(st.sampled_from(NODES))
+        salt = draw(st.integers(0, 1))
+        epoch = draw(st.sampled_from([0, 0, 0, 5]))
+        kind = draw(st.sampled_from(["life", "life", "w", "v", "f", "evict", "bad", "rewind"]))
+        d, p = digest(step, rank, salt), path(step, rank, node)
+        i = ident(step, rank, node, epoch)
+        if kind == "life":
+            events += [e for e in lifecycle(step, rank, node, salt=salt)
+                       if draw(st.booleans()) or not isinstance(e, ShardFlushed)]  # fmt: skip
+        elif kind == "w":
+            events.append(ShardWritten(**i, path=p, nbytes=4096, header_digest=d, tensors=1,
+                                       seconds=0))  # fmt: skip
+        elif kind == "v":
+            events.append(ShardVerified(**i, path=p, nbytes=4096, header_digest=d, seconds=0))
+        elif kind == "f":
+            events.append(ShardFlushed(**i, bucket="b", key="k", etag="e", checksum="c",
+                                       header_digest=d, nbytes=4096, seconds=0))  # fmt: skip
+        elif kind == "evict":
+            tier = draw(st.sampled_from(["nvme", "s3"]))
+            events.append(ShardEvicted(**i, tier=tier, location=p, reason="test"))
+        elif kind == "bad":
+            tier = draw(st.sampled_from(["nvme", "s3"]))
+            events.append(StageFailed(job="j", node=node, ts=0.0, stage="restore",
+                                      error="IntegrityError", message="x", retryable=False,
+                                      attempt=1, step=step, rank=rank, world_size=WORLD,
+                                      tier=tier, epoch=epoch))  # fmt: skip
+        else:
+            events.append(ShardStaged(**ident(step, rank, node, 9), staging_path="/s",
+                                      slot=0, nbytes=1, tensors=1, stall_s=0,
+                                      rewind_to=step - 1))  # fmt: skip
+    return events
+
+
+def catalog_bits(catalog: Catalog, step: int, tier: str) -> list[int]:
+    return [
+        r for r in range(WORLD)
+        if (s := catalog.shard("j", step, r)) is not None and s.world_size == WORLD
+        and s.usable(tier)  # type: ignore[arg-type]
+    ]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(histories())
+def test_the_state_agrees_with_a_fold_of_the_whole_history(events: list[Event]) -> None:
+    catalog = Catalog()
+    for event in events:
+        catalog.apply(event)
+    state = fold(events)
+    for step in range(5):
+        rec = state.record(step)
+        for tier in ("nvme", "s3"):
+            want = catalog_bits(catalog, step, tier)
+            got = ranks_of(getattr(rec, tier)) if rec is not None else []
+            assert got == want, (step, tier)
+    head = state.head()
+    assert head.nvme_steps == catalog.complete_steps("j", ("nvme",))
+    assert head.s3_steps == catalog.complete_steps("j", ("s3",))
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.data())
+def test_a_coordinator_taking_over_never_claims_more_than_the_history(
+    events: list[Event], data: st.DataObject
+) -> None:
+    """A new coordinator starts from the stored state and folds again from `resume_seq`: it
+    agrees with the fold of everything on the window, and never claims a copy it would not."""
+    keep = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
+    cut = data.draw(st.integers(0, len(events)))
+    first = fold(events[:cut], keep)
+    head, floors, records = first.head(), first.floors(), first.records()
+    second = JobState("j", keep, head=head, floors=floors, records=records)
+    for seq in range(max(head.resume_seq, 1), len(events) + 1):
+        second.apply(seq, events[seq - 1])
+    whole = fold(events, keep)
+    assert second.floors().nvme <= whole.floors().nvme or second.floors() == floors
+    for step, rec in second.records().items():
+        full = whole.record(step)
+        for tier in ("nvme", "s3"):
+            got = set(ranks_of(getattr(rec, tier)))
+            want = set(ranks_of(getattr(full, tier))) if full is not None else set()
+            if step >= head.window:
+                assert got == want, (step, tier)
+            else:
+                assert got <= want or full is None, (step, tier)

@@ -1,0 +1,122 @@
+"""The job state in JetStream KV (a real nats-server): what is stored equals the fold of the
+events, whatever batches it was written in; one writer at a time, fenced by its lease."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_jobstate import WORLD, histories, lifecycle
+from tierpipe.bus import Bus
+from tierpipe.dev import NatsServer
+from tierpipe.errors import LeaseLostError
+from tierpipe.jobstate import JobState
+from tierpipe.kvstate import JobStore
+from tierpipe.schemas import Event
+from tierpipe.schemas.jobstate import Keep
+from tierpipe.settings import Settings, load_settings
+
+KEEP = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
+
+
+def kv_settings(server: NatsServer, bucket: str) -> Settings:
+    return load_settings(env={}, nats_url=server.url, kv_bucket=bucket)
+
+
+async def stored(store: JobStore, job: str) -> tuple[object, object, dict[int, object]]:
+    head = await store.head(job)
+    return head, await store.floors(job), await store.records(job, range(0, 10))
+
+
+async def write_in_batches(
+    store: JobStore, job: str, events: list[Event], cuts: set[int]
+) -> JobState:
+    state = JobState(job, KEEP)
+    lease = await store.acquire(job, "node-a", 30)
+    assert lease is not None
+    for seq, event in enumerate(events, 1):
+        state.apply(seq, event.__class__(**{**_fields(event), "job": job}))
+        if seq in cuts:
+            await store.write(state, state.take_changes())
+    await store.write(state, state.take_changes())
+    return state
+
+
+def _fields(event: Event) -> dict[str, object]:
+    return {f: getattr(event, f) for f in event.__struct_fields__}
+
+
+@pytest.mark.anyio
+async def test_what_is_stored_is_the_fold(nats_server: NatsServer, uid: str) -> None:
+    events = [e for step in range(1, 6) for rank in range(WORLD) for e in lifecycle(step, rank)]
+    async with Bus(kv_settings(nats_server, f"kv-{uid}")) as bus:
+        store = await JobStore(bus.js, bus.settings).open()
+        state = await write_in_batches(store, "j", events, {4, 9, 20})
+        head, floors, records = await stored(store, "j")
+        assert head == state.head() and floors == state.floors()
+        assert records == state.records() and sorted(records) == head.steps
+        assert head.nvme_steps == [4, 5] and head.s3_steps == [4, 5]
+        # A coordinator taking over rebuilds the same state from the KV and the events.
+        again = await store.load("j", KEEP)
+        for seq in range(head.resume_seq, len(events) + 1):
+            again.apply(seq, events[seq - 1])
+        assert again.records() == state.records() and again.floors() == state.floors()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(histories(), st.sets(st.integers(1, 40), max_size=5))
+def test_the_kv_always_agrees_with_the_fold(
+    nats_server: NatsServer, uid: str, events: list[Event], cuts: set[int]
+) -> None:
+    job = f"j{time.monotonic_ns()}"
+
+    async def main() -> None:
+        async with Bus(kv_settings(nats_server, f"kv-{uid}")) as bus:
+            store = await JobStore(bus.js, bus.settings).open()
+            state = await write_in_batches(store, job, events, cuts)
+            head, floors, records = await stored(store, job)
+            assert head == state.head()
+            assert floors == state.floors()
+            assert records == state.records()
+
+    anyio.run(main)
+
+
+@pytest.mark.anyio
+async def test_one_writer_at_a_time_fenced_by_the_lease(nats_server: NatsServer, uid: str) -> None:
+    """B cannot take a live lease; once A's expires B takes it (a new term), and A, paused
+    past its expiry, can neither renew nor write over B."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus_a, Bus(s) as bus_b:
+        a = await JobStore(bus_a.js, s).open()
+        b = await JobStore(bus_b.js, s).open()
+        lease_a = await a.acquire("j", "node-a", 1.0)
+        assert lease_a is not None and lease_a.term == 1
+        assert await b.acquire("j", "node-b", 1.0) is None
+        state_a = JobState("j", KEEP)
+        for seq, event in enumerate(lifecycle(1, 0), 1):
+            state_a.apply(seq, event)
+        await a.write(state_a, state_a.take_changes())
+
+        await anyio.sleep(1.2)  # A is paused past its lease
+        lease_b = await b.acquire("j", "node-b", 30.0)
+        assert lease_b is not None and lease_b.term == 2
+        state_b = await b.load("j", KEEP)
+        for seq, event in enumerate(lifecycle(1, 0) + lifecycle(1, 1), 1):
+            state_b.apply(seq, event)
+        await b.write(state_b, state_b.take_changes())
+
+        with pytest.raises(LeaseLostError):
+            await a.renew("j", lease_a, 1.0)
+        state_a.apply(10, lifecycle(2, 0)[0])
+        with pytest.raises(LeaseLostError):
+            await a.write(state_a, state_a.take_changes())
+        assert (await b.head("j")) == state_b.head()
