@@ -438,13 +438,15 @@ class Bus:
         return await self._collect(subject, api.DeliverPolicy.LAST_PER_SUBJECT, seqs=True)
 
     def watch(
-        self, subject: str, *, each_subject: bool = True
+        self, subject: str, *, each_subject: bool = True, start_seq: int | None = None
     ) -> contextlib.AbstractAsyncContextManager[Watch]:
         """The newest stored message on each subject matching `subject` (the newest of them
-        all with `each_subject=False`), then every later one as the stream stores it, in stream
-        order (see `tierpipe.history.watch`). Open it before publishing what its messages
-        answer."""
-        return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
+        all with `each_subject=False`; every one from `start_seq` on, if given), then every
+        later one as the stream stores it, in stream order (see `tierpipe.history.watch`).
+        Open it before publishing what its messages answer."""
+        return history.watch(
+            self.js, self.settings.stream, subject, each_subject=each_subject, start_seq=start_seq
+        )
 
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool

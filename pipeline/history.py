@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats
@@ -61,12 +62,17 @@ class Watch:
 
 @contextlib.asynccontextmanager
 async def watch(
-    js: JetStreamContext, stream: str, subject: str, *, each_subject: bool = True
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    each_subject: bool = True,
+    start_seq: int | None = None,
 ) -> AsyncIterator[Watch]:
     """The newest stored message on each subject matching `subject` (the newest of them
-    all with `each_subject=False`), then every later one as the stream stores it, in stream
-    order: what `latest` reads, kept current without polling. Open it before publishing
-    what its messages answer.
+    all with `each_subject=False`; every one from stream sequence `start_seq` on, if given),
+    then every later one as the stream stores it, in stream order: what `latest` reads, kept
+    current without polling. Open it before publishing what its messages answer.
 
     An ordered push consumer: after a gap (a reconnect, missed heartbeats, a consumer the
     server lost) nats-py recreates it from the next stream sequence, so no stored message is
@@ -77,6 +83,10 @@ async def watch(
         BusError: the server refused the consumer.
     """
     policy = api.DeliverPolicy.LAST_PER_SUBJECT if each_subject else api.DeliverPolicy.LAST
+    start: dict[str, Any] = {}
+    if start_seq is not None:
+        policy = api.DeliverPolicy.BY_START_SEQUENCE
+        start = {"config": api.ConsumerConfig(opt_start_seq=max(start_seq, 1))}
     try:
         sub = await js.subscribe(
             subject,
@@ -84,6 +94,7 @@ async def watch(
             ordered_consumer=True,
             deliver_policy=policy,
             idle_heartbeat=1.0,
+            **start,
         )
     except nats.js.errors.APIError as e:
         raise BusError(f"watch {subject}: {e.description or e}") from e

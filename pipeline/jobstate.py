@@ -113,8 +113,9 @@ class Changes:
     #: Steps whose record changed (to put) and steps that left the state (to delete).
     put: set[int] = field(default_factory=set)
     deleted: set[int] = field(default_factory=set)
-    #: Steps whose objects are to be removed now (below the object-storage floor).
-    s3_removed: set[int] = field(default_factory=set)
+    #: Steps whose objects are to be removed now (below the object-storage floor), with their
+    #: world size.
+    s3_removed: dict[int, int] = field(default_factory=dict)
     head: bool = False
     floors: bool = False
 
@@ -301,7 +302,7 @@ class JobState:
             if step in kept or self._period_kept(step) or step in self._s3_removed:
                 continue
             self._s3_removed.add(step)
-            self._changes.s3_removed.add(step)
+            self._changes.s3_removed[step] = self._steps[step].world_size
             self._clear(step, range(self._steps[step].world_size), ("s3",))
         for step in [t for t in self._steps if self._gone(t)]:
             self._drop(step)

@@ -155,6 +155,31 @@ class JobStore:
         steps = [t for t in head.steps if t < window] if head else []
         return JobState(job, keep, head=head, floors=floors, records=await self.records(job, steps))
 
+    async def _watch(self, pattern: str) -> AsyncIterator[tuple[str, bytes]]:
+        """(job, value) of every key matching `pattern` as stored now, then of each change."""
+        async with _translated(f"kv watch {pattern}"):
+            watcher = await self.kv.watch(pattern, ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    yield entry.key.split(".", 1)[0], entry.value
+        finally:
+            with contextlib.suppress(Exception):  # (a closed connection has nothing to stop)
+                await watcher.stop()
+
+    async def jobs(self) -> AsyncIterator[str]:
+        """Every job with a stored policy, then each new one (a trainer starting)."""
+        async for job, _ in self._watch("*.keep"):
+            yield job
+
+    async def watch_floors(self) -> AsyncIterator[tuple[str, Floors]]:
+        """(job, floors) of every job as stored now, then at each change."""
+        async for job, value in self._watch("*.floor"):
+            try:
+                yield job, msgspec.json.decode(value, type=Floors)
+            except msgspec.ValidationError as e:
+                log.warning("kv_value_ignored", key=f"{job}.floor", error=str(e))
+
     # --- the trainer's side
 
     async def set_keep(self, job: str, keep: Keep) -> None:
@@ -206,7 +231,7 @@ class JobStore:
 
     async def release(self, job: str, lease: Lease) -> None:
         """Give the lease up (a clean stop): another agent may take it at once."""
-        with contextlib.suppress(LeaseLostError, BusError):
+        with contextlib.suppress(BusError, BusUnavailableError):
             await self._cas(job, lease_key(job), _json.encode(
                 Lease(holder=lease.holder, term=lease.term, expires=0.0)
             ))  # fmt: skip

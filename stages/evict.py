@@ -1,60 +1,52 @@
-"""Evict stage: retention on every tier, without ever losing the last good copy.
+"""Evict stage: this node's side of retention, and the host of the jobs' coordinators.
 
-Each node's evict worker folds every node's events into one catalog (rebuilt by replaying the
-stream at start), so it knows when a step is complete on a tier. After each event it asks
-`retention.plan_evictions` what this node may remove, removes it (its own NVMe files, and the
-objects it uploaded), and publishes `evicted` for each removal.
+- The RAM tier: a staging slot is released once the shard's NVMe copy is verified (never
+  earlier: verify rewrites a corrupt file from the staging copy), or once nvme-write or verify
+  failed for good (nothing will ever need the copy again; the trainer's handle reports the
+  failure). These are the only events the stage consumes, and only this node's: slot releases
+  never wait behind retention work.
+- The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.kvstate`) and
+  removes its own copies below the NVMe floor once they are in object storage (the object's
+  header digest is the file's), or at once when nothing keeps the step any more (below both
+  floors) or the job keeps unflushed copies out (`Keep.evict_unflushed`). The steps the floors
+  keep (the newest complete ones, those a restore reads) stay whatever the floors say. Below
+  `nvme_min_free_bytes` free, the oldest flushed copies go first, kept steps excepted.
+- Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
+  by a lease; every agent runs one here, and any may hold a job's lease.
 
-The RAM tier's rule lives here too: a staging slot is released once the shard's NVMe copy is
-verified (never earlier: verify rewrites a corrupt file from the staging copy), or once nvme-write
-or verify failed for good (nothing will ever need the copy again; the trainer's handle reports the
-failure); a slot whose trainer has exited is deleted. Holds the node's evict lock.
-
-A step that an in-progress restore planned is pinned: its copies stay while the ranks read
-them, until the restore ends (rank 0's final plan, or its error) or times out (the plan's time
-plus `restore_timeout_s`). The pins come from the newest plan of each job, read at start and
-then followed live on `tp.*.plan`.
+Every removal is published as an `evicted` event. Holds the node's evict lock.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog
-from tierpipe.errors import StorageAuthError, UnavailableError
+from tierpipe.coordinator import Coordinator, default_keep
+from tierpipe.errors import ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.faults import maybe_fail
-from tierpipe.names import filter_subject, node_name, plan_subject, shard_relpath
-from tierpipe.retention import Eviction, Policy, plan_evictions
-from tierpipe.schemas import (
-    Event,
-    RecoveryPlanned,
-    ShardEvicted,
-    ShardVerified,
-    StageFailed,
-    decode_event,
-    shard_event,
-)
+from tierpipe.kvstate import JobStore
+from tierpipe.names import node_name, shard_relpath
+from tierpipe.schemas import Event, ShardEvicted, ShardVerified, StageFailed, shard_event
+from tierpipe.schemas.jobstate import Floors
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ("EVERY_NODE", "KINDS", "STAGE", "Evict", "RestorePins", "handle", "open")
+__all__ = ("KINDS", "STAGE", "Evict", "LocalCopy", "handle", "open")
 
 STAGE = "evict"
-KINDS = ("written", "verified", "flushed", "evicted", "failed")
-#: Every node's events: completeness of a step on a tier is a fact about the whole job.
-EVERY_NODE = True
+KINDS = ("verified", "failed")
 #: Stages whose permanent failure ends a save on this node: its staging slot is released.
 _SAVE_STAGES = ("nvme-write", "verify")
 log = structlog.get_logger(__name__)
@@ -62,161 +54,206 @@ log = structlog.get_logger(__name__)
 
 @asynccontextmanager
 async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
-    """Hold the node's evict lock, fold the stream into the catalog, follow restore plans."""
+    """Hold the node's evict lock; follow the floors and coordinate jobs in the background."""
     async with AsyncExitStack() as stack:
         nvme = stack.enter_context(NvmeStore.from_settings(settings))
         await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
-        evict = Evict(settings, bus, nvme, stack)
-        for event in await bus.history(filter_subject("*", node="*")):
-            evict.catalog.apply(event)
-        log.info("catalog_rebuilt", jobs=len(evict.catalog.jobs()))
-        # Subscribed before the read: no plan falls between the two.
-        await bus.subscribe(plan_subject("*"), evict.pins.on_msg)
-        for _, plan in await bus.latest(plan_subject("*")):
-            evict.pins.note(plan)
-        yield evict
+        store = await JobStore(bus.js, settings).open()
+        evict = Evict(settings, bus, nvme, store, stack)
+        coordinator = Coordinator(settings, bus, store, evict.node, evict.remove_objects)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(evict.follow_floors)
+            tg.start_soon(coordinator.run)
+            yield evict
+            tg.cancel_scope.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """One shard file on this node's NVMe."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    epoch: int
+    header_digest: str
+    nbytes: int
+    path: Path
 
 
 class Evict:
-    """The evict worker's state: the catalog of every node's copies, the restore pins, and
-    the object store (connected on first use, backed off from while it is down)."""
+    """The evict worker's state: the floors of every job, and the object store (connected
+    on first use)."""
 
     def __init__(
-        self, settings: Settings, bus: Bus, nvme: NvmeStore, stack: AsyncExitStack
+        self, settings: Settings, bus: Bus, nvme: NvmeStore, store: JobStore, stack: AsyncExitStack
     ) -> None:
-        self.settings, self.bus, self.nvme = settings, bus, nvme
+        self.settings, self.bus, self.nvme, self.store = settings, bus, nvme, store
         self.node = node_name(settings.node)
-        self.policy = Policy.from_settings(settings)
-        self.catalog = Catalog()
-        self.pins = RestorePins(settings.restore_timeout_s)
+        self.floors: dict[str, Floors] = {}
         self._stack = stack
         self._s3: S3Store | None = None
-        #: Until when the object store is left alone after it was found down.
-        self._store_down_until = 0.0
-        #: Objects and files left alone (not this node's copy), logged once each.
-        self._refused: set[tuple[str, str | None]] = set()
+        self._lock = anyio.Lock()
 
     async def handle(self, event: Event, attempt: int) -> None:
-        """Fold `event` in, release the staging slot it frees, and remove what retention
-        allows. Each removal is published as soon as it is done (not returned for the runner
-        to publish), so the catalog folds it before the next removal is planned."""
+        """Release the staging slot `event` frees (this node's `verified`, or a save that
+        failed for good), then check the disk's free space."""
         if isinstance(event, StageFailed):
             maybe_fail("evict:on-failed", self.settings.fault_point)
-        self.catalog.apply(event)
         if isinstance(event, ShardVerified) and event.node == self.node:
             await self._release_slot(
                 event.follow(
-                    ShardEvicted,
-                    node=self.node,
-                    tier="ram",
-                    location="",
+                    ShardEvicted, node=self.node, tier="ram", location="",
                     reason="nvme copy verified",
                 )
-            )
+            )  # fmt: skip
+            if self.settings.nvme_min_free_bytes:
+                await self.relieve_pressure()
         elif (failed := _failed_save(event, self.node)) is not None:
             await self._release_slot(failed)
-        free = None
-        if self.policy.nvme_min_free_bytes:
-            free = await anyio.to_thread.run_sync(self.nvme.free_bytes)
-        for e in plan_evictions(
-            self.catalog,
-            event.job,
-            self.policy,
-            node=self.node,
-            nvme_free_bytes=free,
-            pinned=self.pins.steps(event.job),
-        ):
-            if not await self._remove(e):
-                continue  # left in place (a newer save, or not this node's); publish nothing
-            what = {"tier": e.tier, "location": e.location, "reason": e.reason}
-            await self._publish(shard_event(ShardEvicted, e, node=self.node, **what))
-            log.info("copy_evicted", job=e.job, step=e.step, rank=e.rank, tier=e.tier,
-                     location=e.location, reason=e.reason)  # fmt: skip
 
-    async def _publish(self, evicted: ShardEvicted) -> None:
-        await self.bus.publish(evicted)
-        self.catalog.apply(evicted)
+    # --- the RAM tier
 
     async def _release_slot(self, evicted: ShardEvicted) -> None:
         """Release the slot of `evicted`'s step and publish it (location: the slot)."""
         slot = await anyio.to_thread.run_sync(
             functools.partial(
-                release,
-                self.settings.staging_root,
-                evicted.job,
-                evicted.rank,
-                evicted.step,
+                release, self.settings.staging_root, evicted.job, evicted.rank, evicted.step,
                 epoch=evicted.epoch,
             )
-        )
+        )  # fmt: skip
         if slot is not None:
-            await self._publish(msgspec.structs.replace(evicted, location=str(slot)))
+            await self.bus.publish(msgspec.structs.replace(evicted, location=str(slot)))
             log.info("staging_released", slot=str(slot), reason=evicted.reason)
 
-    async def _remove(self, e: Eviction) -> bool:
-        """Remove one copy; False if it was left in place: an NVMe file now holds another
-        save, the copy is not this node's (a forged or stale event: logged once), or the
-        object store is down or refuses (retried with a later event). Never raises for one
-        copy: retention of every other copy, and slot releases, go on regardless."""
-        if e.tier == "nvme":
-            return await self._remove_file(e)
-        if anyio.current_time() < self._store_down_until:
-            return False  # the store was down moments ago: don't wait on it per copy
+    # --- the NVMe tier
+
+    async def follow_floors(self) -> None:
+        """Apply every job's floors as stored now, then at each change (until cancelled)."""
+        while True:
+            try:
+                async for job, floors in self.store.watch_floors():
+                    self.floors[job] = floors
+                    await self.apply_floors(job)
+            except TierpipeError as e:
+                log.warning("floor_watch_interrupted", error=str(e))
+            await anyio.sleep(self.settings.retry_max_s / 10)
+
+    async def apply_floors(self, job: str) -> list[LocalCopy]:
+        """Remove this node's copies of `job` that its floors no longer keep; what was
+        removed. A copy that cannot be checked now (object storage down) stays for the next
+        change; nothing here raises for one copy."""
+        floors = self.floors.get(job)
+        if floors is None:
+            return []
+        keep = await self.store.keep(job) or default_keep(self.settings)
+        removed = []
+        async with self._lock:
+            for copy in await anyio.to_thread.run_sync(self.local_copies, job):
+                if copy.step >= floors.nvme or copy.step in floors.keep:
+                    continue
+                if copy.step < floors.s3:
+                    reason = "retention (below both floors)"
+                elif keep.evict_unflushed:
+                    reason = "retention (unflushed copies are not kept)"
+                elif await self._flushed(copy):
+                    reason = "retention"
+                else:
+                    continue  # not in object storage yet: the next floor change looks again
+                if await self._remove(copy, reason):
+                    removed.append(copy)
+        return removed
+
+    async def relieve_pressure(self) -> list[LocalCopy]:
+        """Below `nvme_min_free_bytes` free: remove the oldest flushed copies of any job,
+        the steps the floors keep excepted, until there is room."""
+        need = self.settings.nvme_min_free_bytes
+        removed: list[LocalCopy] = []
+        async with self._lock:
+            free = await anyio.to_thread.run_sync(self.nvme.free_bytes)
+            if free >= need:
+                return removed
+            copies = []
+            for job in await anyio.to_thread.run_sync(self._local_jobs):
+                copies += await anyio.to_thread.run_sync(self.local_copies, job)
+            for copy in sorted(copies, key=lambda c: (c.step, c.job, c.rank)):
+                if free >= need:
+                    break
+                floors = self.floors.get(copy.job, Floors())
+                newest = max((c.step for c in copies if c.job == copy.job), default=-1)
+                if copy.step in floors.keep or copy.step == newest:
+                    continue
+                if await self._flushed(copy) and await self._remove(copy, "disk pressure"):
+                    removed.append(copy)
+                    free += copy.nbytes
+        return removed
+
+    def _local_jobs(self) -> list[str]:
+        root = self.nvme.root
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+    def local_copies(self, job: str) -> list[LocalCopy]:
+        """This node's shard files of `job`, oldest step first (unreadable ones skipped: the
+        verify stage deals with those)."""
+        out = []
+        for path in sorted((self.nvme.root / job).glob("step-*/rank-*.shard")):
+            try:
+                head = read_head(path)
+            except (OSError, ShardFormatError, TierpipeError):
+                continue
+            h = head.header
+            if h.job != job or path != self.nvme.path_for(
+                shard_relpath(h.job, h.step, h.rank, h.world_size)
+            ):
+                continue  # not at its own path: never this node's copy of that shard
+            out.append(
+                LocalCopy(
+                    h.job, h.step, h.rank, h.world_size, h.epoch, head.header_digest.hex(),
+                    path.stat().st_size, path,
+                )
+            )  # fmt: skip
+        return out
+
+    async def _flushed(self, copy: LocalCopy) -> bool:
+        """The copy's save is in object storage (its object holds the same header digest)."""
         try:
-            return await self._remove_object(e)
-        except UnavailableError as err:
-            # Back off before the next try, so a down or hung store does not make every
-            # event (and the slot releases behind it) wait out a timeout per copy.
-            retry_s = self.settings.retry_max_s
-            self._store_down_until = anyio.current_time() + retry_s
-            log.warning("object_eviction_deferred", location=e.location, error=str(err),
-                        retry_s=retry_s)  # fmt: skip
-        except StorageAuthError as err:
-            log.error("object_eviction_refused_by_store", location=e.location, error=str(err))
-        return False
-
-    async def _remove_file(self, e: Eviction) -> bool:
-        path = self.nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-        if Path(e.location) != path:
-            if (e.location, e.header_digest) not in self._refused:
-                self._refused.add((e.location, e.header_digest))
-                log.warning("nvme_eviction_refused", location=e.location, expected=str(path),
-                            reason="not this node's shard path")  # fmt: skip
+            store = await self._object_store()
+            key = store.key_for(shard_relpath(copy.job, copy.step, copy.rank, copy.world_size))
+            head = await store.head(key)
+        except UnavailableError as e:
+            log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
             return False
+        except TierpipeError as e:
+            log.error("nvme_eviction_check_refused", path=str(copy.path), error=str(e))
+            return False
+        meta = head.get("Metadata", {}) if head is not None else {}
+        return meta.get("tp-header-digest") == copy.header_digest
+
+    async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await anyio.to_thread.run_sync(
-            functools.partial(self.nvme.remove, path, header_digest=e.header_digest)
+            functools.partial(self.nvme.remove, copy.path, header_digest=copy.header_digest)
         )
-        return removed or not await anyio.Path(path).exists()
+        if removed:
+            await self.bus.publish(
+                shard_event(
+                    ShardEvicted, copy, node=self.node, tier="nvme", location=str(copy.path),
+                    reason=reason,
+                )
+            )  # fmt: skip
+            log.info("copy_evicted", job=copy.job, step=copy.step, rank=copy.rank, tier="nvme",
+                     location=str(copy.path), reason=reason)  # fmt: skip
+        return removed
 
-    async def _remove_object(self, e: Eviction) -> bool:
-        """Delete the object an eviction names, only if it is this node's copy of that shard:
-        at the shard's own key in the configured bucket, uploaded by this node with the header
-        digest the catalog holds. Anything else (a forged or stale `flushed` event naming some
-        other object) stays where it is; it is logged once and the eviction is skipped.
+    # --- object storage (the coordinator's removals)
 
-        Returns:
-            True if the object is gone; False if it was left in place.
-        """
+    async def remove_objects(self, job: str, step: int, world_size: int) -> None:
+        """Remove every rank's object of one step (DeleteObjects, 1,000 keys a request)."""
         store = await self._object_store()
-        shard = self.catalog.shard(e.job, e.step, e.rank)
-        copy = shard.copy("s3") if shard is not None else None
-        digest = copy.header_digest if copy is not None else None
-        if (e.location, digest) in self._refused:
-            return False
-        key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-        if e.location != f"s3://{store.bucket}/{key}" or digest is None:
-            log.warning(
-                "object_eviction_refused",
-                location=e.location,
-                expected=f"s3://{store.bucket}/{key}",
-                reason="not this shard's key in the configured bucket",
-            )
-            self._refused.add((e.location, digest))
-            return False
-        if not await store.delete_owned(key, node=self.node, header_digest=digest):
-            self._refused.add((e.location, digest))
-            return False
-        return True
+        keys = [
+            store.key_for(shard_relpath(job, step, rank, world_size)) for rank in range(world_size)
+        ]
+        await store.delete_many(keys)
 
     async def _object_store(self) -> S3Store:
         # Connected on first use: a node without object storage never needs it.
@@ -252,34 +289,3 @@ def _failed_save(event: Event, node: str) -> ShardEvicted | None:
         )
     except ValueError:  # an identity no save can have (rank >= world size): nothing to release
         return None
-
-
-class RestorePins:
-    """Per job, the step its in-progress restore reads (from the job's newest recovery plan)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._plans: dict[str, RecoveryPlanned] = {}
-
-    def note(self, event: Event) -> None:
-        """Take a plan into account (anything else, or an older plan, changes nothing)."""
-        if not isinstance(event, RecoveryPlanned):
-            return
-        known = self._plans.get(event.job)
-        if known is None or event.ts >= known.ts:
-            self._plans[event.job] = event
-
-    async def on_msg(self, msg: Any) -> None:
-        try:
-            self.note(decode_event(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-
-    def steps(self, job: str, *, now: float | None = None) -> set[int]:
-        """Steps of `job` no copy of which may go now."""
-        plan = self._plans.get(job)
-        if plan is None or plan.final or plan.error:
-            return set()
-        if (time.time() if now is None else now) > plan.ts + self._timeout_s:
-            return set()  # the restore timed out
-        return {plan.step}

@@ -100,7 +100,7 @@ def test_floors_follow_the_policy_and_drop_what_no_tier_keeps() -> None:
                 seq += 1
                 state.apply(seq, event)
         changes = state.take_changes()
-        removed |= changes.s3_removed
+        removed |= set(changes.s3_removed)
     floors = state.floors()
     assert (floors.nvme, floors.s3) == (9, 8)
     # Objects of steps below the floor go, but for the period's steps (4, 8).

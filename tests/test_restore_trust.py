@@ -24,6 +24,7 @@ from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.client import Checkpointer
+from tierpipe.coordinator import RestorePins
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
 from tierpipe.names import shard_relpath
@@ -41,7 +42,6 @@ from tierpipe.schemas import (
     StageFailed,
 )
 from tierpipe.settings import Settings
-from tierpipe.stages.evict import RestorePins
 from tierpipe.staging import NodeSlots
 from tierpipe.storage.s3 import S3Store
 from tierpipe.storage.shardfile import write_shard

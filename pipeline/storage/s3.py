@@ -32,6 +32,7 @@ from aiobotocore.config import AioConfig
 from tierpipe.errors import (
     StorageAuthError,
     StorageConflictError,
+    StorageUnavailableError,
     StorageUnsupportedError,
     TierpipeError,
 )
@@ -370,3 +371,25 @@ class S3Store:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"
             ) from None
+
+    async def delete_many(self, keys: list[str]) -> None:
+        """Remove objects, 1,000 keys a request (DeleteObjects); absent ones count as removed.
+
+        Raises:
+            StorageUnavailableError, StorageAuthError: as for any request; or the store
+                refused some keys (the first one's error, naming how many).
+        """
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            async with translate_errors(batch[0]):
+                reply = await self.client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                )
+            errors = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageUnavailableError(
+                    f"s3://{self.bucket}/{first.get('Key')}: {first.get('Code')}: "
+                    f"{first.get('Message')} ({len(errors)} of {len(batch)} keys not removed)"
+                )

@@ -1,0 +1,178 @@
+"""The retention coordinator: one per job, elected with a lease in KV.
+
+Every agent runs one (inside its evict worker); for each job it learns of (the trainer stores
+the job's retention policy, `<job>.keep`, when it starts), it takes the job's lease if it is free
+and then, until it loses it:
+- folds the job's events into `JobState`, read from the stream with an ordered consumer from
+  the stored `resume_seq` (a bounded suffix, not the history);
+- every `coordinator_flush_s`, stores what changed (compare-and-set, fenced by the lease);
+- removes the objects of the steps below the object-storage floor (DeleteObjects, 1,000 keys a
+  request) once it stored the records that say they are gone;
+- pins the step an in-progress restore reads (the job's recovery plans are in its stream).
+
+Nodes watch the floors and remove their own NVMe copies (`tierpipe.stages.evict`). No node
+keeps a catalog of the whole job; the work per event is O(1) in the number of steps kept.
+A coordinator that is paused past its lease's expiry finds its next write refused
+(`LeaseLostError`) and goes back to waiting for the lease.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
+from tierpipe.jobstate import Changes, JobState
+from tierpipe.kvstate import JobStore
+from tierpipe.names import job_subjects, plan_subject
+from tierpipe.schemas import Event, RecoveryPlanned
+from tierpipe.schemas.jobstate import Keep, Lease
+from tierpipe.settings import Settings
+
+if TYPE_CHECKING:
+    from tierpipe.bus import Bus
+
+__all__ = ("Coordinator", "RestorePins", "default_keep")
+
+log = structlog.get_logger(__name__)
+
+#: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
+RemoveObjects = Callable[[str, int, int], Awaitable[None]]
+
+
+def default_keep(settings: Settings) -> Keep:
+    """The retention policy of a job that did not set its own: the agent's settings."""
+    return Keep(
+        nvme_keep_latest_k=settings.nvme_keep_latest_k,
+        s3_keep_latest_k=settings.s3_keep_latest_k,
+        s3_keep_period=settings.s3_keep_period,
+        evict_unflushed=settings.evict_unflushed,
+    )
+
+
+class Coordinator:
+    """This agent's bid to coordinate every job: `run()` until cancelled."""
+
+    def __init__(
+        self, settings: Settings, bus: Bus, store: JobStore, node: str, remove: RemoveObjects
+    ) -> None:
+        self.settings, self.bus, self.store, self.node = settings, bus, store, node
+        self._remove = remove
+        #: (job, step) -> world size: objects to remove, not removed yet.
+        self._removals: dict[tuple[str, int], int] = {}
+        #: Jobs this agent leads now (for tests and the status line).
+        self.leading: set[str] = set()
+
+    async def run(self) -> None:
+        """Follow every job the KV knows, and every one that appears later."""
+        async with anyio.create_task_group() as tg:
+            seen: set[str] = set()
+            async for job in self.store.jobs():
+                if job not in seen:
+                    seen.add(job)
+                    tg.start_soon(self.follow, job)
+
+    async def follow(self, job: str) -> None:
+        """Take the job's lease whenever it is free, and lead the job while it is held."""
+        ttl = self.settings.lease_ttl_s
+        while True:
+            try:
+                lease = await self.store.acquire(job, self.node, ttl)
+                if lease is not None:
+                    await self._lead(job, lease)
+            except (LeaseLostError, UnavailableError) as e:
+                log.warning("coordinator_stepped_down", job=job, error=str(e))
+            finally:
+                self.leading.discard(job)
+            await anyio.sleep(ttl / 3)
+
+    async def _lead(self, job: str, lease: Lease) -> None:
+        s = self.settings
+        keep = await self.store.keep(job) or default_keep(s)
+        state = await self.store.load(job, keep)
+        head = state.head()
+        start = head.resume_seq or 1
+        self.leading.add(job)
+        log.info("coordinator_leading", job=job, term=lease.term, resume_seq=start, seq=head.seq)
+        pins = RestorePins(s.restore_timeout_s)
+        newest_plan = await self.bus.last_event(plan_subject(job))  # (it may predate resume_seq)
+        if newest_plan is not None:
+            pins.note(newest_plan)
+        renew_at = time.monotonic() + s.lease_ttl_s / 3
+        keep_at = time.monotonic() + 5.0
+        try:
+            async with self.bus.watch(job_subjects(job), start_seq=start) as watch:
+                while True:
+                    deadline = time.monotonic() + s.coordinator_flush_s
+                    while (left := deadline - time.monotonic()) > 0:
+                        stored = await watch.next(left)
+                        if stored is None:
+                            break
+                        if stored.event is None:
+                            continue  # (not an event this version reads: skipped, as replays do)
+                        pins.note(stored.event)
+                        state.apply(stored.seq, stored.event)
+                    state.pin(pins.steps(job))
+                    if time.monotonic() >= renew_at:
+                        lease = await self.store.renew(job, lease, s.lease_ttl_s)
+                        renew_at = time.monotonic() + s.lease_ttl_s / 3
+                    if time.monotonic() >= keep_at:
+                        state.keep = await self.store.keep(job) or state.keep
+                        keep_at = time.monotonic() + 5.0
+                    changes = state.take_changes()
+                    if changes:
+                        await self._store(state, changes)
+        finally:
+            with anyio.move_on_after(2, shield=True):  # (a clean stop hands the job on at once)
+                await self.store.release(job, lease)
+
+    async def _store(self, state: JobState, changes: Changes) -> None:
+        """Store what changed, and remove the objects of the steps it drops below the
+        object-storage floor (their records say no rank has a copy there any more, so no
+        restore plans to read them). A removal the store refuses now is retried at the next
+        flush while this coordinator leads; one it never gets to leaves orphaned objects,
+        never a missing copy."""
+        for step, world in changes.s3_removed.items():
+            self._removals[(state.job, step)] = world
+        await self.store.write(state, changes)
+        for (job, step), world in sorted(self._removals.items()):
+            if job != state.job:
+                continue
+            try:
+                await self._remove(job, step, world)
+            except TierpipeError as e:
+                log.warning("object_removal_deferred", job=job, step=step, error=str(e))
+                return
+            del self._removals[(job, step)]
+            log.info("objects_removed", job=job, step=step, ranks=world)
+
+
+class RestorePins:
+    """Per job, the step its in-progress restore reads (from the job's newest recovery plan),
+    until the restore ends (rank 0's final plan, or its error) or times out (the plan's time
+    plus `timeout_s`)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._plans: dict[str, RecoveryPlanned] = {}
+
+    def note(self, event: Event) -> None:
+        """Take a plan into account (anything else, or an older plan, changes nothing)."""
+        if not isinstance(event, RecoveryPlanned):
+            return
+        known = self._plans.get(event.job)
+        if known is None or event.ts >= known.ts:
+            self._plans[event.job] = event
+
+    def steps(self, job: str, *, now: float | None = None) -> set[int]:
+        """Steps of `job` no copy of which may go now."""
+        plan = self._plans.get(job)
+        if plan is None or plan.final or plan.error:
+            return set()
+        if (time.time() if now is None else now) > plan.ts + self._timeout_s:
+            return set()  # the restore timed out
+        return {plan.step}
