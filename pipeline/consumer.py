@@ -24,7 +24,7 @@ from nats.js import api
 
 from tierpipe.bus import Bus
 from tierpipe.errors import BusError, BusUnavailableError
-from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.settings import Settings
 
 __all__ = (
@@ -78,20 +78,15 @@ async def missing(bus: Bus, durable: str) -> Missing | None:
     Raises:
         BusUnavailableError: JetStream did not answer (an outage says nothing about them).
     """
-    try:
-        await bus.js.consumer_info(bus.settings.stream, durable)
-    except nats.js.errors.NotFoundError as e:
-        if e.err_code == _STREAM_NOT_FOUND:
-            return "stream"
-        if e.err_code == _CONSUMER_NOT_FOUND:
-            return "consumer"
-        raise BusError(f"consumer {durable}: {e.description or e}") from e
-    except nats.js.errors.APIError as e:
-        if isinstance(e, nats.js.errors.ServiceUnavailableError):
-            raise BusUnavailableError(f"consumer {durable}: JetStream unavailable") from e
-        raise BusError(f"consumer {durable}: {e.description or e}") from e
-    except UNAVAILABLE as e:
-        raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
+    with translate(f"consumer {durable}"):
+        try:
+            await bus.js.consumer_info(bus.settings.stream, durable)
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == _STREAM_NOT_FOUND:
+                return "stream"
+            if e.err_code == _CONSUMER_NOT_FOUND:
+                return "consumer"
+            raise  # another "not found": a refusal (BusError)
     return None
 
 

@@ -7,9 +7,8 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext, api
 
-from tierpipe.errors import BusError, BusUnavailableError
 from tierpipe.names import ALL_SUBJECTS
-from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.nats_conn import translate
 from tierpipe.settings import Settings
 
 __all__ = ("STREAM_FIELDS", "ensure_stream", "stream_config")
@@ -62,7 +61,7 @@ async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = Tru
         BusError: the server refused the config (e.g. a change it cannot apply in place).
     """
     want = stream_config(s)
-    try:
+    with translate(f"stream {want.name}"):
         try:
             info = await js.stream_info(s.stream)
         except nats.js.errors.NotFoundError:
@@ -73,9 +72,3 @@ async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = Tru
         if update and any(getattr(have, f) != getattr(want, f) for f in STREAM_FIELDS):
             await js.update_stream(want)
             log.info("stream_updated", stream=want.name)
-    except nats.js.errors.APIError as e:
-        if isinstance(e, nats.js.errors.ServiceUnavailableError):
-            raise BusUnavailableError(f"JetStream unavailable: {e}") from e
-        raise BusError(f"stream {want.name}: {e.description or e}") from e
-    except UNAVAILABLE as e:
-        raise BusUnavailableError(f"stream {want.name}: {e or type(e).__name__}") from e
