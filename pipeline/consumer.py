@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from tierpipe.bus import Bus
-from tierpipe.errors import BusError, BusUnavailableError
+from tierpipe.errors import BusUnavailableError
 from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.settings import Settings
 
@@ -63,12 +63,8 @@ async def ensure_consumer(bus: Bus, durable: str, filters: list[str]) -> None:
         max_deliver=s.max_deliver,
         max_ack_pending=s.max_ack_pending,
     )
-    try:
+    with translate(f"consumer {durable}"):
         await bus.js.add_consumer(s.stream, config)
-    except nats.js.errors.APIError as e:
-        raise BusError(f"consumer {durable}: {e.description or e}") from e
-    except UNAVAILABLE as e:
-        raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
 
 
 async def missing(bus: Bus, durable: str) -> Missing | None:
