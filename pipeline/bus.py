@@ -285,7 +285,7 @@ class Bus:
                 last = e
                 if not checked:
                     checked = True
-                    await self._recreate_if_missing(min(left, per_try))
+                    await stream.recreate_if_missing(self.js, self.settings, min(left, per_try))
                 elif isinstance(e, nats.js.errors.NoStreamResponseError):
                     await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
@@ -297,19 +297,6 @@ class Bus:
                     ack.duplicate = False
                 return ack
             tried = True
-
-    async def _recreate_if_missing(self, timeout: float) -> None:
-        """Create the stream (with the settings at hand) if JetStream says it does not exist."""
-        try:
-            await asyncio.wait_for(self.js.stream_info(self.settings.stream), timeout)
-        except nats.js.errors.NotFoundError:
-            log.warning("publish_found_no_stream", stream=self.settings.stream)
-            try:
-                await self.ensure_stream(update=False)
-            except BusUnavailableError as e:
-                log.debug("stream_not_recreated", error=str(e))
-        except Exception as e:  # unknown (an outage, an election): keep trying the publish
-            log.debug("stream_check_failed", error=str(e) or type(e).__name__)
 
     async def _until_connected(self, subject: str, deadline: float) -> None:
         if self.nc is None or self.nc.is_closed:

@@ -1,17 +1,20 @@
 """The `TIERPIPE` stream: its configuration from the settings, created or brought up to date
-in place (`Bus.ensure_stream`)."""
+in place (`Bus.ensure_stream`), and created again when a publish finds it gone."""
 
 from __future__ import annotations
+
+import asyncio
 
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext, api
 
+from tierpipe.errors import BusUnavailableError
 from tierpipe.names import ALL_SUBJECTS
 from tierpipe.nats_conn import translate
 from tierpipe.settings import Settings
 
-__all__ = ("STREAM_FIELDS", "ensure_stream", "stream_config")
+__all__ = ("STREAM_FIELDS", "ensure_stream", "recreate_if_missing", "stream_config")
 
 log = structlog.get_logger(__name__)
 
@@ -72,3 +75,17 @@ async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = Tru
         if update and any(getattr(have, f) != getattr(want, f) for f in STREAM_FIELDS):
             await js.update_stream(want)
             log.info("stream_updated", stream=want.name)
+
+
+async def recreate_if_missing(js: JetStreamContext, s: Settings, timeout: float) -> None:
+    """Create the stream (with the settings at hand) if JetStream says it does not exist."""
+    try:
+        await asyncio.wait_for(js.stream_info(s.stream), timeout)
+    except nats.js.errors.NotFoundError:
+        log.warning("publish_found_no_stream", stream=s.stream)
+        try:
+            await ensure_stream(js, s, update=False)
+        except BusUnavailableError as e:
+            log.debug("stream_not_recreated", error=str(e))
+    except Exception as e:  # unknown (an outage, an election): keep trying the publish
+        log.debug("stream_check_failed", error=str(e) or type(e).__name__)
