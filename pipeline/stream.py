@@ -18,20 +18,6 @@ __all__ = ("STREAM_FIELDS", "ensure_stream", "recreate_if_missing", "stream_conf
 
 log = structlog.get_logger(__name__)
 
-#: The stream settings compared to decide whether the stream needs an update.
-STREAM_FIELDS = (
-    "subjects",
-    "max_msgs_per_subject",
-    "max_age",
-    "max_bytes",
-    "duplicate_window",
-    "num_replicas",
-    "allow_direct",
-    "deny_delete",
-    "discard",
-    "description",
-)
-
 
 def stream_config(s: Settings) -> api.StreamConfig:
     """The `TIERPIPE` stream as the settings want it."""
@@ -53,6 +39,21 @@ def stream_config(s: Settings) -> api.StreamConfig:
         allow_direct=True,
         deny_delete=True,
     )
+
+
+#: The stream settings compared to decide whether the stream needs an update.
+STREAM_FIELDS = (
+    "subjects",
+    "max_msgs_per_subject",
+    "max_age",
+    "max_bytes",
+    "duplicate_window",
+    "num_replicas",
+    "allow_direct",
+    "deny_delete",
+    "discard",
+    "description",
+)
 
 
 async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = True) -> None:
