@@ -1,12 +1,12 @@
-"""The event bus: one NATS connection, the `TIERPIPE` stream, durable consumers, publishing.
+"""The event bus: one NATS connection, the `TIERPIPE` stream, publishing and watching events.
 
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
 config, API error). Credentials and TLS come from the settings (user/password, token, creds
 file, nkey seed, CA and client certificate; `tierpipe.nats_conn`). The stream's configuration is
-`tierpipe.stream`'s; reading its history and watching it, `tierpipe.history`'s. A stream that
-vanished (deleted by an operator, lost by the server) is recreated by the next publish that finds
-it missing.
+`tierpipe.stream`'s; reading its history and watching it, `tierpipe.history`'s; the stages'
+durable pull consumers, `tierpipe.consumer`'s. A stream that vanished (deleted by an operator,
+lost by the server) is recreated by the next publish that finds it missing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import nats
@@ -36,20 +36,15 @@ from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.settings import Settings
 
-__all__ = ("Bus", "Missing", "Published", "redact_url")
+__all__ = ("Bus", "Published", "redact_url")
 
 log = structlog.get_logger(__name__)
 
 KIND_HEADER = "Tp-Kind"
 SCHEMA_HEADER = "Tp-Schema"
 
-#: JetStream API error codes: the stream, or the consumer, does not exist.
-_STREAM_NOT_FOUND = 10059
-_CONSUMER_NOT_FOUND = 10014
 #: A permissions violation as nats-py reports it: `... for Publish to "<subject>"`.
 _DENIED = re.compile(r"Permissions Violation for (Publish|Subscription) to \"?([^\"']+)\"?", re.I)
-#: What `Bus.missing` found gone.
-Missing = Literal["stream", "consumer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +202,7 @@ class Bus:
         with contextlib.suppress(Exception):
             log.info("bus_reconnected", name=self.name)
 
-    # --- stream and consumers
+    # --- the stream
 
     async def ensure_stream(self, *, update: bool = True) -> None:
         """Create the stream, or update it if its settings changed (idempotent).
@@ -218,65 +213,6 @@ class Bus:
             BusError: the server refused the config (e.g. a change it cannot apply in place).
         """
         await stream.ensure_stream(self.js, self.settings, update=update)
-
-    async def ensure_consumer(self, durable: str, filters: list[str]) -> None:
-        """Create or update a durable pull consumer with explicit acks (idempotent)."""
-        s = self.settings
-        config = api.ConsumerConfig(
-            name=durable,
-            durable_name=durable,
-            filter_subjects=filters if len(filters) > 1 else None,
-            filter_subject=filters[0] if len(filters) == 1 else None,
-            deliver_policy=api.DeliverPolicy.ALL,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=s.ack_wait_s,
-            max_deliver=s.max_deliver,
-            max_ack_pending=s.max_ack_pending,
-        )
-        try:
-            await self.js.add_consumer(s.stream, config)
-        except nats.js.errors.APIError as e:
-            raise BusError(f"consumer {durable}: {e.description or e}") from e
-        except UNAVAILABLE as e:
-            raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
-
-    async def missing(self, durable: str) -> Missing | None:
-        """What of the stream and `durable` is gone: "stream" (and with it every consumer),
-        "consumer", or None when both exist.
-
-        Raises:
-            BusUnavailableError: JetStream did not answer (an outage says nothing about them).
-        """
-        try:
-            await self.js.consumer_info(self.settings.stream, durable)
-        except nats.js.errors.NotFoundError as e:
-            if e.err_code == _STREAM_NOT_FOUND:
-                return "stream"
-            if e.err_code == _CONSUMER_NOT_FOUND:
-                return "consumer"
-            raise BusError(f"consumer {durable}: {e.description or e}") from e
-        except nats.js.errors.APIError as e:
-            if isinstance(e, nats.js.errors.ServiceUnavailableError):
-                raise BusUnavailableError(f"consumer {durable}: JetStream unavailable") from e
-            raise BusError(f"consumer {durable}: {e.description or e}") from e
-        except UNAVAILABLE as e:
-            raise BusUnavailableError(f"consumer {durable}: {e or type(e).__name__}") from e
-        return None
-
-    async def pull(self, durable: str) -> Any:
-        """A pull subscription bound to an existing durable consumer."""
-        return await self.js.pull_subscribe_bind(durable=durable, stream=self.settings.stream)
-
-    async def fetch(self, sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
-        """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
-        try:
-            return await sub.fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
-            return []
-        except UNAVAILABLE as e:
-            raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
-        except nats.errors.Error as e:
-            raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
 
     # --- events
 
@@ -349,7 +285,7 @@ class Bus:
                 last = e
                 if not checked:
                     checked = True
-                    await self._recreate_if_missing(min(left, per_try))
+                    await stream.recreate_if_missing(self.js, self.settings, min(left, per_try))
                 elif isinstance(e, nats.js.errors.NoStreamResponseError):
                     await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
@@ -361,19 +297,6 @@ class Bus:
                     ack.duplicate = False
                 return ack
             tried = True
-
-    async def _recreate_if_missing(self, timeout: float) -> None:
-        """Create the stream (with the settings at hand) if JetStream says it does not exist."""
-        try:
-            await asyncio.wait_for(self.js.stream_info(self.settings.stream), timeout)
-        except nats.js.errors.NotFoundError:
-            log.warning("publish_found_no_stream", stream=self.settings.stream)
-            try:
-                await self.ensure_stream(update=False)
-            except BusUnavailableError as e:
-                log.debug("stream_not_recreated", error=str(e))
-        except Exception as e:  # unknown (an outage, an election): keep trying the publish
-            log.debug("stream_check_failed", error=str(e) or type(e).__name__)
 
     async def _until_connected(self, subject: str, deadline: float) -> None:
         if self.nc is None or self.nc.is_closed:

@@ -1,9 +1,11 @@
 """How messages reach a stage's worker, and how the worker stops taking them.
 
-`StageConsumer` is the stage's durable pull consumer: bound at start, rebuilt when it or its
-stream is gone. `Drain` tracks the process's in-flight work, so a stop lets it finish in time.
-Plus what the runner and the consumer share: the retry delay (`backoff`) and best-effort acks
-(`quietly`).
+The durable pull consumers on the bus's stream: created or updated (`ensure_consumer`), bound
+(`pull`), read (`fetch`) and told apart from an outage when gone (`missing`), with nats-py's
+exceptions raised as `BusError` / `BusUnavailableError`. `StageConsumer` is the stage's own:
+bound at start, rebuilt when it or its stream is gone. `Drain` tracks the process's in-flight
+work, so a stop lets it finish in time. Plus what the runner and the consumer share: the retry
+delay (`backoff`) and best-effort acks (`quietly`).
 """
 
 from __future__ import annotations
@@ -11,18 +13,94 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import anyio
+import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js import api
 
 from tierpipe.bus import Bus
+from tierpipe.errors import BusUnavailableError
+from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.settings import Settings
 
-__all__ = ("Drain", "StageConsumer", "backoff", "quietly", "text")
+__all__ = (
+    "Drain",
+    "Missing",
+    "StageConsumer",
+    "backoff",
+    "ensure_consumer",
+    "fetch",
+    "missing",
+    "pull",
+    "quietly",
+    "text",
+)
 
 log = structlog.get_logger(__name__)
+
+#: JetStream API error codes: the stream, or the consumer, does not exist.
+_STREAM_NOT_FOUND = 10059
+_CONSUMER_NOT_FOUND = 10014
+#: What `missing` found gone.
+Missing = Literal["stream", "consumer"]
+
+
+async def ensure_consumer(bus: Bus, durable: str, filters: list[str]) -> None:
+    """Create or update a durable pull consumer with explicit acks (idempotent)."""
+    s = bus.settings
+    config = api.ConsumerConfig(
+        name=durable,
+        durable_name=durable,
+        filter_subjects=filters if len(filters) > 1 else None,
+        filter_subject=filters[0] if len(filters) == 1 else None,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=s.ack_wait_s,
+        max_deliver=s.max_deliver,
+        max_ack_pending=s.max_ack_pending,
+    )
+    with translate(f"consumer {durable}"):
+        await bus.js.add_consumer(s.stream, config)
+
+
+async def missing(bus: Bus, durable: str) -> Missing | None:
+    """What of the stream and `durable` is gone: "stream" (and with it every consumer),
+    "consumer", or None when both exist.
+
+    Raises:
+        BusUnavailableError: JetStream did not answer (an outage says nothing about them).
+    """
+    with translate(f"consumer {durable}"):
+        try:
+            await bus.js.consumer_info(bus.settings.stream, durable)
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == _STREAM_NOT_FOUND:
+                return "stream"
+            if e.err_code == _CONSUMER_NOT_FOUND:
+                return "consumer"
+            raise  # another "not found": a refusal (BusError)
+    return None
+
+
+async def pull(bus: Bus, durable: str) -> Any:
+    """A pull subscription bound to an existing durable consumer."""
+    return await bus.js.pull_subscribe_bind(durable=durable, stream=bus.settings.stream)
+
+
+async def fetch(sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+    """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
+    try:
+        return await sub.fetch(batch, timeout=timeout)
+    except nats.errors.TimeoutError:
+        return []
+    except UNAVAILABLE as e:
+        raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
+    except nats.errors.Error as e:
+        raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
 
 
 class StageConsumer:
@@ -40,13 +118,13 @@ class StageConsumer:
         cls, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str]
     ) -> StageConsumer:
         """Create (or update) the durable consumer and subscribe to it."""
-        await bus.ensure_consumer(durable, filters)
-        return cls(bus, settings, stage, durable, filters, await bus.pull(durable))
+        await ensure_consumer(bus, durable, filters)
+        return cls(bus, settings, stage, durable, filters, await pull(bus, durable))
 
     async def fetch(self, drain: Drain) -> list[Msg]:
         """The next message, or none (after a failure has been dealt with)."""
         try:
-            msgs = await self.bus.fetch(self.sub, batch=1, timeout=1.0)
+            msgs = await fetch(self.sub, batch=1, timeout=1.0)
         except Exception as e:  # whatever it is, the stage must go on fetching
             await self._recover(e, drain)
             return []
@@ -62,7 +140,7 @@ class StageConsumer:
         try:
             # A pull from a consumer that no longer exists fails at once, every time: find out
             # whether that is why, rather than waiting for an outage that is not there.
-            gone = await self.bus.missing(self.durable)
+            gone = await missing(self.bus, self.durable)
             if gone is not None:
                 await self._recreate(gone)
                 return
@@ -71,11 +149,11 @@ class StageConsumer:
         # Fetching is cheap: retry soon after an outage ends, whatever retry_max_s says.
         await drain.sleep(backoff(self.settings, self.failures, cap_s=5.0))
 
-    async def _recreate(self, gone: str) -> None:
+    async def _recreate(self, gone: Missing) -> None:
         if gone == "stream":
             await self.bus.ensure_stream()
-        await self.bus.ensure_consumer(self.durable, self.filters)
-        old, self.sub = self.sub, await self.bus.pull(self.durable)
+        await ensure_consumer(self.bus, self.durable, self.filters)
+        old, self.sub = self.sub, await pull(self.bus, self.durable)
         await quietly(old.unsubscribe())
         # One line per recreation (at warning: events published meanwhile may be lost).
         if gone == "stream":

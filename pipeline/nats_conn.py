@@ -1,20 +1,23 @@
 """Connecting to NATS: nats-py connect options from the settings (credentials, TLS), what a
-refusal means, and which nats-py exceptions mean an outage rather than a refusal."""
+refusal means, and which nats-py exceptions mean an outage rather than a refusal (`translate`
+raises JetStream's as the bus's errors)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
+from collections.abc import Iterator
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
 
-from tierpipe.errors import ConfigError
+from tierpipe.errors import BusError, BusUnavailableError, ConfigError
 from tierpipe.settings import Settings
 
-__all__ = ("UNAVAILABLE", "connect_options", "refusal")
+__all__ = ("UNAVAILABLE", "connect_options", "refusal", "translate")
 
 #: nats-py exceptions that mean NATS is down, unreachable or not answering (retry later).
 UNAVAILABLE = (
@@ -29,6 +32,21 @@ UNAVAILABLE = (
     asyncio.TimeoutError,
     OSError,
 )
+
+
+@contextlib.contextmanager
+def translate(what: str) -> Iterator[None]:
+    """Raise nats-py's errors from a JetStream request about `what` (named first in the message)
+    as the bus's: an outage, JetStream's "unavailable" (503) included, as `BusUnavailableError`;
+    any other API error (a refusal) as `BusError`."""
+    try:
+        yield
+    except nats.js.errors.APIError as e:
+        if isinstance(e, nats.js.errors.ServiceUnavailableError):
+            raise BusUnavailableError(f"{what}: JetStream unavailable") from e
+        raise BusError(f"{what}: {e.description or e}") from e
+    except UNAVAILABLE as e:
+        raise BusUnavailableError(f"{what}: {e or type(e).__name__}") from e
 
 
 def connect_options(s: Settings) -> dict[str, Any]:

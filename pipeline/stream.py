@@ -1,34 +1,22 @@
 """The `TIERPIPE` stream: its configuration from the settings, created or brought up to date
-in place (`Bus.ensure_stream`)."""
+in place (`Bus.ensure_stream`), and created again when a publish finds it gone."""
 
 from __future__ import annotations
+
+import asyncio
 
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext, api
 
-from tierpipe.errors import BusError, BusUnavailableError
+from tierpipe.errors import BusUnavailableError
 from tierpipe.names import ALL_SUBJECTS
-from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.nats_conn import translate
 from tierpipe.settings import Settings
 
-__all__ = ("STREAM_FIELDS", "ensure_stream", "stream_config")
+__all__ = ("STREAM_FIELDS", "ensure_stream", "recreate_if_missing", "stream_config")
 
 log = structlog.get_logger(__name__)
-
-#: The stream settings compared to decide whether the stream needs an update.
-STREAM_FIELDS = (
-    "subjects",
-    "max_msgs_per_subject",
-    "max_age",
-    "max_bytes",
-    "duplicate_window",
-    "num_replicas",
-    "allow_direct",
-    "deny_delete",
-    "discard",
-    "description",
-)
 
 
 def stream_config(s: Settings) -> api.StreamConfig:
@@ -53,6 +41,21 @@ def stream_config(s: Settings) -> api.StreamConfig:
     )
 
 
+#: The stream settings compared to decide whether the stream needs an update.
+STREAM_FIELDS = (
+    "subjects",
+    "max_msgs_per_subject",
+    "max_age",
+    "max_bytes",
+    "duplicate_window",
+    "num_replicas",
+    "allow_direct",
+    "deny_delete",
+    "discard",
+    "description",
+)
+
+
 async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = True) -> None:
     """Create the stream, or update it if its settings changed (idempotent).
 
@@ -62,7 +65,7 @@ async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = Tru
         BusError: the server refused the config (e.g. a change it cannot apply in place).
     """
     want = stream_config(s)
-    try:
+    with translate(f"stream {want.name}"):
         try:
             info = await js.stream_info(s.stream)
         except nats.js.errors.NotFoundError:
@@ -73,9 +76,17 @@ async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = Tru
         if update and any(getattr(have, f) != getattr(want, f) for f in STREAM_FIELDS):
             await js.update_stream(want)
             log.info("stream_updated", stream=want.name)
-    except nats.js.errors.APIError as e:
-        if isinstance(e, nats.js.errors.ServiceUnavailableError):
-            raise BusUnavailableError(f"JetStream unavailable: {e}") from e
-        raise BusError(f"stream {want.name}: {e.description or e}") from e
-    except UNAVAILABLE as e:
-        raise BusUnavailableError(f"stream {want.name}: {e or type(e).__name__}") from e
+
+
+async def recreate_if_missing(js: JetStreamContext, s: Settings, timeout: float) -> None:
+    """Create the stream (with the settings at hand) if JetStream says it does not exist."""
+    try:
+        await asyncio.wait_for(js.stream_info(s.stream), timeout)
+    except nats.js.errors.NotFoundError:
+        log.warning("publish_found_no_stream", stream=s.stream)
+        try:
+            await ensure_stream(js, s, update=False)
+        except BusUnavailableError as e:
+            log.debug("stream_not_recreated", error=str(e))
+    except Exception as e:  # unknown (an outage, an election): keep trying the publish
+        log.debug("stream_check_failed", error=str(e) or type(e).__name__)

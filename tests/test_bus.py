@@ -1,4 +1,5 @@
-"""The bus against a real nats-server: stream and consumer management, dedup, readable events."""
+"""The bus against a real nats-server: stream and consumer management (`tierpipe.consumer`),
+dedup, readable events."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import make_staged as staged
 from tierpipe.bus import Bus, redact_url
+from tierpipe.consumer import ensure_consumer, fetch, missing, pull
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
 from tierpipe.schemas import decode_event
@@ -58,10 +60,10 @@ async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) ->
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
         await bus.ensure_stream()
-        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
-        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
+        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
         bus.settings = s.replace(ack_wait_s=12.0, max_deliver=3)
-        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
+        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
         info = await bus.js.consumer_info(s.stream, "verify_n1")
         assert info.config.ack_wait == 12.0 and info.config.max_deliver == 3
 
@@ -118,15 +120,15 @@ async def test_a_deleted_consumer_or_stream_is_told_apart_from_an_outage(
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
         await bus.ensure_stream()
-        await bus.ensure_consumer("verify_n1", ["tp.*.written.n1.*"])
-        sub = await bus.pull("verify_n1")
-        assert await bus.fetch(sub, timeout=0.2) == [] and await bus.missing("verify_n1") is None
+        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
+        sub = await pull(bus, "verify_n1")
+        assert await fetch(sub, timeout=0.2) == [] and await missing(bus, "verify_n1") is None
         await bus.js.delete_consumer(s.stream, "verify_n1")
         with pytest.raises(BusUnavailableError):
-            await bus.fetch(sub, timeout=0.5)
-        assert await bus.missing("verify_n1") == "consumer"
+            await fetch(sub, timeout=0.5)
+        assert await missing(bus, "verify_n1") == "consumer"
         await bus.js.delete_stream(s.stream)
-        assert await bus.missing("verify_n1") == "stream"
+        assert await missing(bus, "verify_n1") == "stream"
 
 
 @pytest.mark.parametrize("listener", [False, True])
