@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierpipe import errors
 from tierpipe.errors import *  # noqa: F403  (the whole error tree is public)
+from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ _LAZY = {
 
 __all__ = (
     "Checkpointer",
+    "Keep",
     "SaveHandle",
     "SaveStats",
     "Settings",

@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from tierpipe.catalog import Catalog
 from tierpipe.errors import ConfigError, StaleStepError, TierpipeError
 from tierpipe.handle import SaveHandle, Saves, SaveStats
+from tierpipe.kvstate import JobStore
 from tierpipe.log import configure_logging
 from tierpipe.names import flush_control_subject, node_name, shard_subject, validate_token
 from tierpipe.portal import BusPortal
@@ -29,6 +30,7 @@ from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
 from tierpipe.schemas import Event, FlushControl, ShardStaged
+from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
 from tierpipe.stages.snapshot import Snapshot, newest_staged_step, reclaim_slots
 from tierpipe.staging import SlotPool
@@ -53,6 +55,9 @@ class Checkpointer:
             (or an older one) supersedes that step and every later one saved before, on every
             tier (they are no longer restorable, and retention removes them). Without it, a
             process that did not `restore()` first may not save such a step (`StaleStepError`).
+        keep: the job's retention policy (complete steps kept on NVMe and in object storage,
+            the period rule); rank 0 stores it for the job's coordinator. Default: the node
+            agents' settings.
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
@@ -74,6 +79,7 @@ class Checkpointer:
         node: str | None = None,
         settings: Settings | None = None,
         overwrite: bool = False,
+        keep: Keep | None = None,
     ) -> None:
         self.settings = settings or load_settings()
         configure_logging(
@@ -88,6 +94,7 @@ class Checkpointer:
         #: This process's timeline (see the class docstring).
         self.epoch = time.time_ns()
         self._overwrite = overwrite
+        self._keep = keep
         #: Set by `restore()` or the first `overwrite` save that goes back in the job's history:
         #: this rank's older epochs' saves after it are superseded.
         self._rewind_to: int | None = None
@@ -127,6 +134,8 @@ class Checkpointer:
         await bus.ensure_stream(update=False)
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
         await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
+        if self.rank == 0:  # the job's coordinators learn of it, with its retention policy
+            await (await JobStore(bus.js, self.settings).open()).register(self.job, self._keep)
         self._newest_saved = await newest_staged_step(bus, job=self.job, rank=self.rank)
 
     # --- saving

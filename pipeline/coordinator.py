@@ -18,6 +18,7 @@ A coordinator that is paused past its lease's expiry finds its next write refuse
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -26,32 +27,25 @@ import anyio
 import structlog
 
 from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
-from tierpipe.jobstate import Changes, JobState
-from tierpipe.kvstate import JobStore
+from tierpipe.jobstate import Changes, JobState, ranks_of
+from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import job_subjects, plan_subject
-from tierpipe.schemas import Event, RecoveryPlanned
-from tierpipe.schemas.jobstate import Keep, Lease
+from tierpipe.schemas import Event, RecoveryPlanned, ShardEvicted
+from tierpipe.schemas.jobstate import Lease, StepRecord
 from tierpipe.settings import Settings
 
 if TYPE_CHECKING:
     from tierpipe.bus import Bus
 
-__all__ = ("Coordinator", "RestorePins", "default_keep")
+__all__ = ("Coordinator", "RestorePins")
 
 log = structlog.get_logger(__name__)
 
+#: The agents of the nodes that host a rank below this bid for a job's lease at once.
+CANDIDATE_RANKS = 32
+
 #: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
 RemoveObjects = Callable[[str, int, int], Awaitable[None]]
-
-
-def default_keep(settings: Settings) -> Keep:
-    """The retention policy of a job that did not set its own: the agent's settings."""
-    return Keep(
-        nvme_keep_latest_k=settings.nvme_keep_latest_k,
-        s3_keep_latest_k=settings.s3_keep_latest_k,
-        s3_keep_period=settings.s3_keep_period,
-        evict_unflushed=settings.evict_unflushed,
-    )
 
 
 class Coordinator:
@@ -62,10 +56,12 @@ class Coordinator:
     ) -> None:
         self.settings, self.bus, self.store, self.node = settings, bus, store, node
         self._remove = remove
-        #: (job, step) -> world size: objects to remove, not removed yet.
-        self._removals: dict[tuple[str, int], int] = {}
+        #: (job, step) -> its record: objects to remove, not removed yet.
+        self._removals: dict[tuple[str, int], StepRecord] = {}
         #: Jobs this agent leads now (for tests and the status line).
         self.leading: set[str] = set()
+        #: job -> the lowest rank this node hosts a shard of.
+        self._ranks: dict[str, int] = {}
 
     async def run(self) -> None:
         """Follow every job the KV knows, and every one that appears later."""
@@ -76,19 +72,31 @@ class Coordinator:
                     seen.add(job)
                     tg.start_soon(self.follow, job)
 
+    def hosts(self, job: str, rank: int) -> None:
+        """This node holds a shard of `rank` of `job` (its evict stage saw it verified)."""
+        self._ranks[job] = min(rank, self._ranks.get(job, rank))
+
     async def follow(self, job: str) -> None:
-        """Take the job's lease whenever it is free, and lead the job while it is held."""
+        """Take the job's lease whenever it is free, and lead the job while it is held.
+
+        Candidates are the agents of the nodes that host one of the job's lowest ranks
+        (`CANDIDATE_RANKS`): they bid as soon as the lease is free. Every other agent looks
+        rarely, with jitter, and bids only for a lease expired long ago (every candidate is
+        gone), so thousands of agents do not poll one key."""
         ttl = self.settings.lease_ttl_s
         while True:
+            candidate = self._ranks.get(job, CANDIDATE_RANKS) < CANDIDATE_RANKS
             try:
-                lease = await self.store.acquire(job, self.node, ttl)
+                lease = await self.store.acquire(
+                    job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl
+                )
                 if lease is not None:
                     await self._lead(job, lease)
             except (LeaseLostError, UnavailableError) as e:
                 log.warning("coordinator_stepped_down", job=job, error=str(e))
             finally:
                 self.leading.discard(job)
-            await anyio.sleep(ttl / 3)
+            await anyio.sleep(ttl / 3 if candidate else ttl * random.uniform(2, 4))  # noqa: S311
 
     async def _lead(self, job: str, lease: Lease) -> None:
         s = self.settings
@@ -133,22 +141,30 @@ class Coordinator:
     async def _store(self, state: JobState, changes: Changes) -> None:
         """Store what changed, and remove the objects of the steps it drops below the
         object-storage floor (their records say no rank has a copy there any more, so no
-        restore plans to read them). A removal the store refuses now is retried at the next
-        flush while this coordinator leads; one it never gets to leaves orphaned objects,
-        never a missing copy."""
-        for step, world in changes.s3_removed.items():
-            self._removals[(state.job, step)] = world
+        restore plans to read them); each removal is published as `evicted`. A removal the
+        store refuses now is retried at the next flush while this coordinator leads; one it
+        never gets to leaves orphaned objects, never a missing copy."""
+        for step, rec in changes.s3_removed.items():
+            self._removals[(state.job, step)] = rec
         await self.store.write(state, changes)
-        for (job, step), world in sorted(self._removals.items()):
+        for (job, step), rec in sorted(self._removals.items()):
             if job != state.job:
                 continue
             try:
-                await self._remove(job, step, world)
+                await self._remove(job, step, rec.world_size)
             except TierpipeError as e:
                 log.warning("object_removal_deferred", job=job, step=step, error=str(e))
                 return
             del self._removals[(job, step)]
-            log.info("objects_removed", job=job, step=step, ranks=world)
+            for rank in ranks_of(rec.s3):
+                await self.bus.publish(
+                    ShardEvicted(
+                        job=job, node=self.node, ts=time.time(), step=step, rank=rank,
+                        world_size=rec.world_size, epoch=rec.epoch, tier="s3", location="",
+                        reason="retention",
+                    )
+                )  # fmt: skip
+            log.info("objects_removed", job=job, step=step, ranks=rec.world_size)
 
 
 class RestorePins:

@@ -114,8 +114,8 @@ class Changes:
     put: set[int] = field(default_factory=set)
     deleted: set[int] = field(default_factory=set)
     #: Steps whose objects are to be removed now (below the object-storage floor), with their
-    #: world size.
-    s3_removed: dict[int, int] = field(default_factory=dict)
+    #: record as it was (the ranks whose objects were confirmed in `s3`).
+    s3_removed: dict[int, StepRecord] = field(default_factory=dict)
     head: bool = False
     floors: bool = False
 
@@ -302,7 +302,7 @@ class JobState:
             if step in kept or self._period_kept(step) or step in self._s3_removed:
                 continue
             self._s3_removed.add(step)
-            self._changes.s3_removed[step] = self._steps[step].world_size
+            self._changes.s3_removed[step] = self._steps[step].record(step)
             self._clear(step, range(self._steps[step].world_size), ("s3",))
         for step in [t for t in self._steps if self._gone(t)]:
             self._drop(step)

@@ -25,11 +25,11 @@ from nats.js.kv import KeyValue
 
 from tierpipe.errors import BusError, BusUnavailableError, LeaseLostError
 from tierpipe.jobstate import Changes, JobState
-from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.nats_conn import translate
 from tierpipe.schemas.jobstate import Floors, JobHead, Keep, Lease, StepRecord
 from tierpipe.settings import Settings
 
-__all__ = ("JobStore", "head_key", "step_key")
+__all__ = ("JobStore", "default_keep", "head_key", "step_key")
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +41,16 @@ _ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
 
 #: The largest value the bucket takes (a message must stay below 256 KiB at any job size).
 MAX_VALUE_BYTES = 256 * 1024
+
+
+def default_keep(settings: Settings) -> Keep:
+    """The retention policy of a job that did not set its own: the agent's settings."""
+    return Keep(
+        nvme_keep_latest_k=settings.nvme_keep_latest_k,
+        s3_keep_latest_k=settings.s3_keep_latest_k,
+        s3_keep_period=settings.s3_keep_period,
+        evict_unflushed=settings.evict_unflushed,
+    )
 
 
 def head_key(job: str) -> str:
@@ -63,18 +73,8 @@ def step_key(job: str, step: int) -> str:
     return f"{job}.step.{step}"
 
 
-@contextlib.asynccontextmanager
-async def _translated(what: str) -> AsyncIterator[None]:
-    try:
-        yield
-    except nats.js.errors.ServiceUnavailableError as e:
-        raise BusUnavailableError(f"{what}: JetStream unavailable") from e
-    except (*_ABSENT, nats.js.errors.KeyWrongLastSequenceError):
-        raise
-    except nats.js.errors.APIError as e:
-        raise BusError(f"{what}: {e.description or e}") from e
-    except (*UNAVAILABLE, nats.errors.TimeoutError) as e:
-        raise BusUnavailableError(f"{what}: {e or type(e).__name__}") from e
+def _translated(what: str) -> contextlib.AbstractContextManager[None]:
+    return translate(what, keep=(*_ABSENT, nats.js.errors.KeyWrongLastSequenceError))
 
 
 class JobStore:
@@ -90,7 +90,7 @@ class JobStore:
     async def open(self) -> JobStore:
         """Bind the bucket, creating it if missing (idempotent)."""
         s = self.settings
-        async with _translated(f"kv bucket {s.kv_bucket}"):
+        with _translated(f"kv bucket {s.kv_bucket}"):
             try:
                 self._kv = await self._js.key_value(s.kv_bucket)
             except nats.js.errors.BucketNotFoundError:
@@ -113,7 +113,7 @@ class JobStore:
     # --- reading
 
     async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
-        async with _translated(f"kv {key}"):
+        with _translated(f"kv {key}"):
             try:
                 entry = await self.kv.get(key)
             except _ABSENT:
@@ -157,7 +157,7 @@ class JobStore:
 
     async def _watch(self, pattern: str) -> AsyncIterator[tuple[str, bytes]]:
         """(job, value) of every key matching `pattern` as stored now, then of each change."""
-        async with _translated(f"kv watch {pattern}"):
+        with _translated(f"kv watch {pattern}"):
             watcher = await self.kv.watch(pattern, ignore_deletes=True)
         try:
             async for entry in watcher:
@@ -182,18 +182,29 @@ class JobStore:
 
     # --- the trainer's side
 
-    async def set_keep(self, job: str, keep: Keep) -> None:
-        """Store the job's retention policy (the trainer's `keep=`)."""
-        async with _translated(f"kv {keep_key(job)}"):
-            await self.kv.put(keep_key(job), _json.encode(keep))
+    async def register(self, job: str, keep: Keep | None = None) -> None:
+        """Make the job known to the coordinators: with its retention policy `keep` (the
+        trainer's), or with the settings' defaults unless it has one already."""
+        key = keep_key(job)
+        with (
+            _translated(f"kv {key}"),
+            contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError),
+        ):
+            if keep is not None:
+                await self.kv.put(key, _json.encode(keep))
+            else:
+                await self.kv.create(key, _json.encode(default_keep(self.settings)))
 
     # --- the coordinator's side
 
-    async def acquire(self, job: str, holder: str, ttl_s: float) -> Lease | None:
-        """Take the job's lease if it is free or expired; None if another holds it."""
+    async def acquire(
+        self, job: str, holder: str, ttl_s: float, *, expired_for_s: float = 0.0
+    ) -> Lease | None:
+        """Take the job's lease if it is free, or expired `expired_for_s` ago; None if another
+        holds it."""
         key = lease_key(job)
         now = time.time()
-        async with _translated(f"kv {key}"):
+        with _translated(f"kv {key}"):
             try:
                 entry = await self.kv.get(key)
             except _ABSENT:
@@ -203,7 +214,11 @@ class JobStore:
                 if entry is not None and entry.value
                 else None
             )
-            if current is not None and current.expires > now and current.holder != holder:
+            if (
+                current is not None
+                and current.holder != holder
+                and current.expires > now - expired_for_s
+            ):
                 return None
             lease = Lease(
                 holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s
@@ -253,13 +268,13 @@ class JobStore:
         await self._cas(job, head_key(job), _json.encode(state.head()))
         for step in sorted(changes.deleted):
             key = step_key(job, step)
-            async with _translated(f"kv {key}"):
+            with _translated(f"kv {key}"):
                 await self.kv.delete(key)
             self._revs.pop(key, None)
 
     async def _cas(self, job: str, key: str, value: bytes) -> None:
         """Put `value` if the key is as this writer left it (or, the first time, as it is)."""
-        async with _translated(f"kv {key}"):
+        with _translated(f"kv {key}"):
             last = self._revs.get(key)
             if last is None:
                 try:

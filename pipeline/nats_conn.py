@@ -35,12 +35,15 @@ UNAVAILABLE = (
 
 
 @contextlib.contextmanager
-def translate(what: str) -> Iterator[None]:
+def translate(what: str, *, keep: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     """Raise nats-py's errors from a JetStream request about `what` (named first in the message)
     as the bus's: an outage, JetStream's "unavailable" (503) included, as `BusUnavailableError`;
-    any other API error (a refusal) as `BusError`."""
+    any other API error (a refusal) as `BusError`. Errors in `keep` (a caller's answers, e.g. a
+    missing key) pass through as they are."""
     try:
         yield
+    except keep:
+        raise
     except nats.js.errors.APIError as e:
         if isinstance(e, nats.js.errors.ServiceUnavailableError):
             raise BusUnavailableError(f"{what}: JetStream unavailable") from e

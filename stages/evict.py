@@ -7,8 +7,8 @@
   never wait behind retention work.
 - The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.kvstate`) and
   removes its own copies below the NVMe floor once they are in object storage (the object's
-  header digest is the file's), or at once when nothing keeps the step any more (below both
-  floors) or the job keeps unflushed copies out (`Keep.evict_unflushed`). The steps the floors
+  header digest is the file's; `floor_verdict`), or at once when the job keeps no unflushed
+  copies (`Keep.evict_unflushed`). A copy never flushed stays otherwise. The steps the floors
   keep (the newest complete ones, those a restore reads) stay whatever the floors say. Below
   `nvme_min_free_bytes` free, the oldest flushed copies go first, kept steps excepted.
 - Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
@@ -24,32 +24,35 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import anyio
 import msgspec
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator, default_keep
+from tierpipe.coordinator import Coordinator
 from tierpipe.errors import ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.faults import maybe_fail
-from tierpipe.kvstate import JobStore
+from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import node_name, shard_relpath
 from tierpipe.schemas import Event, ShardEvicted, ShardVerified, StageFailed, shard_event
-from tierpipe.schemas.jobstate import Floors
+from tierpipe.schemas.jobstate import Floors, Keep
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ("KINDS", "STAGE", "Evict", "LocalCopy", "handle", "open")
+__all__ = ("KINDS", "STAGE", "Evict", "LocalCopy", "Verdict", "floor_verdict", "handle", "open")
 
 STAGE = "evict"
 KINDS = ("verified", "failed")
 #: Stages whose permanent failure ends a save on this node: its staging slot is released.
 _SAVE_STAGES = ("nvme-write", "verify")
 log = structlog.get_logger(__name__)
+
+Verdict = Literal["keep", "if-flushed", "unflushed"]
 
 
 @asynccontextmanager
@@ -60,10 +63,9 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
         await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
         store = await JobStore(bus.js, settings).open()
         evict = Evict(settings, bus, nvme, store, stack)
-        coordinator = Coordinator(settings, bus, store, evict.node, evict.remove_objects)
         async with anyio.create_task_group() as tg:
             tg.start_soon(evict.follow_floors)
-            tg.start_soon(coordinator.run)
+            tg.start_soon(evict.coordinator.run)
             yield evict
             tg.cancel_scope.cancel()
 
@@ -95,6 +97,8 @@ class Evict:
         self._stack = stack
         self._s3: S3Store | None = None
         self._lock = anyio.Lock()
+        self._registered: set[str] = set()
+        self.coordinator = Coordinator(settings, bus, store, self.node, self.remove_objects)
 
     async def handle(self, event: Event, attempt: int) -> None:
         """Release the staging slot `event` frees (this node's `verified`, or a save that
@@ -102,6 +106,10 @@ class Evict:
         if isinstance(event, StageFailed):
             maybe_fail("evict:on-failed", self.settings.fault_point)
         if isinstance(event, ShardVerified) and event.node == self.node:
+            if event.job not in self._registered:  # (a trainer registers its job itself too)
+                await self.store.register(event.job)
+                self._registered.add(event.job)
+            self.coordinator.hosts(event.job, event.rank)
             await self._release_slot(
                 event.follow(
                     ShardEvicted, node=self.node, tier="ram", location="",
@@ -151,17 +159,12 @@ class Evict:
         removed = []
         async with self._lock:
             for copy in await anyio.to_thread.run_sync(self.local_copies, job):
-                if copy.step >= floors.nvme or copy.step in floors.keep:
+                verdict = floor_verdict(copy.step, floors, keep)
+                if verdict == "keep":
                     continue
-                if copy.step < floors.s3:
-                    reason = "retention (below both floors)"
-                elif keep.evict_unflushed:
-                    reason = "retention (unflushed copies are not kept)"
-                elif await self._flushed(copy):
-                    reason = "retention"
-                else:
+                if verdict == "if-flushed" and not await self._flushed(copy):
                     continue  # not in object storage yet: the next floor change looks again
-                if await self._remove(copy, reason):
+                if await self._remove(copy, f"retention ({verdict})"):
                     removed.append(copy)
         return removed
 
@@ -263,6 +266,16 @@ class Evict:
 
 
 handle = Evict.handle
+
+
+def floor_verdict(step: int, floors: Floors, keep: Keep) -> Verdict:
+    """What a node does with its NVMe copy of `step` under the job's floors: "keep" it (at
+    or above the NVMe floor, or a step the floors keep), remove it "if-flushed" (once the same
+    save is in object storage), or remove it as "unflushed" (the job keeps none below the
+    floor)."""
+    if step >= floors.nvme or step in floors.keep:
+        return "keep"
+    return "unflushed" if keep.evict_unflushed else "if-flushed"
 
 
 def _failed_save(event: Event, node: str) -> ShardEvicted | None:

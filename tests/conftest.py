@@ -111,6 +111,7 @@ def settings(
         s3_read_timeout_s=10.0,
         part_size_bytes=8 << 20,
         node=f"node-{uid}",
+        kv_bucket=f"kv-{uid}",
         nvme_root=str(tmp_path / "nvme"),
         staging_root=str(staging),
         ack_wait_s=5.0,

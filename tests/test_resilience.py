@@ -113,9 +113,14 @@ def test_an_unexpected_error_on_a_failed_event_does_not_stop_the_agent(
 def test_copies_outside_the_node_root_never_stop_retention(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
-    """Forged copies whose paths lie outside this node's NVMe root are refused (logged once),
-    never fail a message, and retention goes on removing the job's real copies."""
+    """Forged copies whose paths lie outside this node's NVMe root are never touched (a node
+    removes only files under its own root, found there, never paths an event names), never fail
+    a message, and retention goes on removing the job's real copies."""
     s = settings.replace(nvme_keep_latest_k=2, evict_unflushed=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2, 3):
+        (elsewhere / f"{step}.shard").write_bytes(b"not ours")
     a = agent("nvme-write", "verify", "evict", settings=s).wait_ready()
     node = s.node or ""
     forged: list[Any] = [
@@ -147,7 +152,7 @@ def test_copies_outside_the_node_root_never_stop_retention(
             kind="evicted",
         )
     assert not [e for e in events.all("failed") if getattr(e, "stage", "") == "evict"]
-    assert a.log().count("nvme_eviction_refused") == 3  # once per forged copy
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["1.shard", "2.shard", "3.shard"]
     assert a.proc is not None and a.proc.poll() is None
 
 

@@ -27,10 +27,10 @@ from tierpipe.client import Checkpointer
 from tierpipe.coordinator import RestorePins
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
+from tierpipe.jobstate import JobState
 from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected, load_into
 from tierpipe.recovery.plan import plan_recovery
-from tierpipe.retention import Policy, plan_evictions
 from tierpipe.schemas import (
     Event,
     RecoveryPlanned,
@@ -41,6 +41,7 @@ from tierpipe.schemas import (
     ShardWritten,
     StageFailed,
 )
+from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings
 from tierpipe.staging import NodeSlots
 from tierpipe.storage.s3 import S3Store
@@ -338,13 +339,20 @@ def test_never_saved_step_says_so_and_lists_the_newest() -> None:
 
 
 def test_retention_keeps_a_pinned_step() -> None:
-    """A step pinned by a restore keeps its NVMe and S3 copies, though the policy would evict."""
-    catalog = fold(*[e for s in range(1, 7) for e in saved(s)])
-    policy = Policy(nvme_keep_latest_k=2, s3_keep_latest_k=2)
-    unpinned = {(e.step, e.tier) for e in plan_evictions(catalog, "j", policy, node=NODE)}
-    assert {(2, "nvme"), (2, "s3")} <= unpinned
-    pinned = plan_evictions(catalog, "j", policy, node=NODE, pinned={2})
-    assert {(e.step, e.tier) for e in pinned} == unpinned - {(2, "nvme"), (2, "s3")}
+    """A step pinned by a restore keeps its NVMe and S3 copies, though the policy would
+    remove them: the floors keep it until the pin goes."""
+    keep = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
+    pinned, unpinned = JobState("j", keep), JobState("j", keep)
+    pinned.pin({2})
+    for seq, event in enumerate([e for s in range(1, 7) for e in saved(s)], 1):
+        pinned.apply(seq, event)
+        unpinned.apply(seq, event)
+    floors = unpinned.floors()
+    assert floors.nvme > 2 and floors.s3 > 2 and 2 not in floors.keep
+    assert 2 not in unpinned.head().steps
+    assert 2 in pinned.floors().keep and 2 in pinned.head().steps
+    pinned.pin(())
+    assert 2 not in pinned.floors().keep and 2 not in pinned.head().steps
 
 
 def test_restore_pins_hold_until_the_final_plan_or_the_timeout() -> None:

@@ -1,20 +1,16 @@
-"""Retention decisions from the catalog: the policy, and the last good copy always survives."""
+"""Retention as the coordinator and the nodes run it: the job state's floors (`JobState`), the
+coordinator's object removals and each node's verdict on its own NVMe copies
+(`floor_verdict`), simulated together; the last good copy of every tier always survives."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierpipe.catalog import Catalog
-from tierpipe.retention import Policy, plan_evictions
-from tierpipe.schemas import (
-    Event,
-    ShardEvicted,
-    ShardFlushed,
-    ShardVerified,
-    ShardWritten,
-    StageFailed,
-)
+from tierpipe.jobstate import JobState
+from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.schemas.jobstate import Floors, Keep
+from tierpipe.stages.evict import floor_verdict
 
 NODES = ("a", "b")  # rank r lives on node NODES[r]
 
@@ -41,79 +37,96 @@ def lifecycle(step: int, rank: int, *, flushed: bool = True) -> list[Event]:
     return events
 
 
-def apply_evictions(catalog: Catalog, policy: Policy, node: str) -> list[ShardEvicted]:
-    out = []
-    for e in plan_evictions(catalog, "j", policy, node=node):
-        ev = ShardEvicted(job="j", node=node, ts=0.0, step=e.step, rank=e.rank, world_size=2,
-                          tier=e.tier, location=e.location, reason=e.reason)  # fmt: skip
-        catalog.apply(ev)
-        out.append(ev)
-    return out
+class Job:
+    """The coordinator's fold, the bucket and every node's NVMe, driven by the same events."""
 
+    def __init__(self, keep: Keep) -> None:
+        self.keep = keep
+        self.state = JobState("j", keep)
+        self.seq = 0
+        #: (step, rank) -> header digest: the NVMe files (rank r on node NODES[r]) and objects.
+        self.nvme: dict[tuple[int, int], str] = {}
+        self.s3: dict[tuple[int, int], str] = {}
+        self.removed_unflushed: list[tuple[int, int]] = []
 
-def kept(catalog: Catalog, tier: str) -> list[int]:
-    return sorted({s.step for s in catalog.shards("j") if s.usable(tier)})  # type: ignore[arg-type]
+    def feed(self, event: Event) -> None:
+        self.seq += 1
+        self.state.apply(self.seq, event)
+        if isinstance(event, ShardWritten):
+            self.nvme[(event.step, event.rank)] = event.header_digest
+        elif isinstance(event, ShardFlushed):
+            self.s3[(event.step, event.rank)] = event.header_digest
+        changes = self.state.take_changes()
+        for step in changes.s3_removed:  # the coordinator's DeleteObjects
+            for rank in range(2):
+                self.s3.pop((step, rank), None)
+        if changes.floors or changes.s3_removed:
+            self.apply_floors(self.state.floors())
+
+    def apply_floors(self, floors: Floors) -> None:
+        """Every node removes its own copies its verdict allows, and says so."""
+        for (step, rank), held in sorted(self.nvme.items()):
+            verdict = floor_verdict(step, floors, self.keep)
+            flushed = self.s3.get((step, rank)) == held
+            if verdict == "keep" or (verdict == "if-flushed" and not flushed):
+                continue
+            if not flushed:
+                self.removed_unflushed.append((step, rank))
+            del self.nvme[(step, rank)]
+            where = dict(tier="nvme", location="", reason=verdict)
+            self.feed(ShardEvicted(job="j", node=NODES[rank], ts=0.0, step=step, rank=rank,
+                                   world_size=2, **where))  # fmt: skip
+
+    def kept(self, tier: str) -> list[int]:
+        held = self.nvme if tier == "nvme" else self.s3
+        return sorted({step for step, _ in held})
 
 
 def test_policy_tier_by_tier_over_twelve_steps() -> None:
     """12 steps x 2 ranks with K=3, M=4, keep_period=5: exactly the policy's steps remain."""
-    policy = Policy(nvme_keep_latest_k=3, s3_keep_latest_k=4, s3_keep_period=5)
-    catalog = Catalog()
+    job = Job(Keep(nvme_keep_latest_k=3, s3_keep_latest_k=4, s3_keep_period=5))
     for step in range(1, 13):
         for rank in (0, 1):
             for event in lifecycle(step, rank):
-                catalog.apply(event)
-                for node in NODES:
-                    apply_evictions(catalog, policy, node)
-    assert kept(catalog, "nvme") == [10, 11, 12]
-    assert kept(catalog, "s3") == [5, 9, 10, 11, 12]
+                job.feed(event)
+    assert job.kept("nvme") == [10, 11, 12]
+    assert job.kept("s3") == [5, 9, 10, 11, 12]
+    assert job.state.head().steps == [5, 9, 10, 11, 12]
 
 
 def test_unflushed_nvme_copies_stay_and_newer_in_flight_steps_are_kept() -> None:
     """NVMe copies never flushed are not removed; a newer incomplete step is not counted."""
-    policy = Policy(nvme_keep_latest_k=2, s3_keep_latest_k=2)
-    catalog = Catalog()
+    job = Job(Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2))
     for step in range(1, 6):
         for rank in (0, 1):
             for event in lifecycle(step, rank, flushed=step != 2):
-                catalog.apply(event)
+                job.feed(event)
     for event in lifecycle(6, 0):  # step 6: only rank 0 so far
-        catalog.apply(event)
-    for node in NODES:
-        apply_evictions(catalog, policy, node)
-    assert kept(catalog, "nvme") == [2, 4, 5, 6]  # 2 was never flushed
-    assert kept(catalog, "s3") == [4, 5, 6]
+        job.feed(event)
+    assert job.kept("nvme") == [2, 4, 5, 6]  # 2 was never flushed
+    assert job.kept("s3") == [4, 5, 6]
+    assert job.removed_unflushed == []
 
 
-def test_disk_pressure_takes_oldest_flushed_copies_but_not_the_newest_step() -> None:
-    """Under pressure even kept copies go, oldest first, never the newest complete step."""
-    policy = Policy(nvme_keep_latest_k=3, s3_keep_latest_k=10, nvme_min_free_bytes=1 << 40)
-    catalog = Catalog()
-    for step in (1, 2, 3):
-        for rank in (0, 1):
-            for event in lifecycle(step, rank):
-                catalog.apply(event)
-    plan = plan_evictions(catalog, "j", policy, node="a", nvme_free_bytes=0)
-    assert [(e.step, e.tier, e.reason) for e in plan] == [
-        (1, "nvme", "disk pressure"),
-        (2, "nvme", "disk pressure"),
-    ]
-
-
-def test_corrupt_copies_go_without_a_flush() -> None:
-    """A copy verify found corrupt is removed once old enough, flushed or not."""
-    policy = Policy(nvme_keep_latest_k=2)
-    catalog = Catalog()
-    catalog.apply(lifecycle(1, 0)[0])
-    catalog.apply(StageFailed(job="j", node="a", ts=0, stage="verify", error="IntegrityError",
-                              message="m", retryable=False, attempt=1, step=1, rank=0,
-                              world_size=2))  # fmt: skip
-    for step in (2, 3):
+def test_unflushed_copies_go_when_the_job_keeps_none() -> None:
+    job = Job(Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2, evict_unflushed=True))
+    for step in range(1, 5):
         for rank in (0, 1):
             for event in lifecycle(step, rank, flushed=False):
-                catalog.apply(event)
-    (e,) = plan_evictions(catalog, "j", policy, node="a")
-    assert (e.step, e.tier, e.reason) == (1, "nvme", "corrupt copy")
+                job.feed(event)
+    assert job.kept("nvme") == [3, 4] and job.kept("s3") == []
+
+
+def test_the_newest_step_complete_in_object_storage_keeps_its_nvme_copies_too() -> None:
+    """Object storage lags (only step 1 is complete there): NVMe keeps step 1 as well, since it
+    is the newest complete step of a tier."""
+    job = Job(Keep(nvme_keep_latest_k=2, s3_keep_latest_k=1))
+    for step in range(1, 6):
+        for rank in (0, 1):
+            for event in lifecycle(step, rank, flushed=step == 1):
+                job.feed(event)
+    assert job.state.floors().keep == [1]
+    assert job.kept("nvme") == [1, 2, 3, 4, 5] and job.kept("s3") == [1]
 
 
 shard_fates = st.lists(
@@ -136,24 +149,19 @@ shard_fates = st.lists(
 )
 def test_newest_complete_step_of_every_tier_survives(fates, order, k, m, period) -> None:
     """Whatever arrives in whatever order (crashes cut lifecycles short, redeliveries repeat
-    events), no eviction removes a copy of the newest complete step of a tier."""
-    policy = Policy(nvme_keep_latest_k=k, s3_keep_latest_k=m, s3_keep_period=period)
+    events), no removal takes a copy of the newest complete step of a tier, and a node removes
+    an NVMe copy only once the same save is in object storage."""
+    job = Job(Keep(nvme_keep_latest_k=k, s3_keep_latest_k=m, s3_keep_period=period))
     events = [e for step, rank, life in fates for e in lifecycle(step, rank)[:life]]
     events += order.sample(events, len(events) // 4)  # redeliveries
     order.shuffle(events)
-    catalog = Catalog()
+    newest: dict[str, int] = {}
     for event in events:
-        catalog.apply(event)
-        for node in NODES:
-            before = {
-                tiers: catalog.complete_steps("j", tiers)
-                for tiers in (("nvme",), ("s3",), ("nvme", "s3"))
-            }
-            flushed = {(s.step, s.rank) for s in catalog.shards("j") if s.usable("s3")}
-            evicted = apply_evictions(catalog, policy, node)
-            for tiers, done in before.items():
-                if done:
-                    assert done[-1] in catalog.complete_steps("j", tiers), (tiers, done, evicted)
-            for ev in evicted:
-                if ev.tier == "nvme":  # only ever once the same save is in object storage
-                    assert (ev.step, ev.rank) in flushed, ev
+        job.feed(event)
+        head = job.state.head()
+        for tier, done in (("nvme", head.nvme_steps), ("s3", head.s3_steps)):
+            if done:
+                newest[tier] = max(newest.get(tier, -1), done[-1])
+        for tier, step in newest.items():
+            assert step in job.kept(tier), (tier, step, job.kept(tier))
+    assert job.removed_unflushed == []

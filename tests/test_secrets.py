@@ -305,6 +305,7 @@ def test_the_per_role_permissions_example_carries_a_save_and_stops_forgery(
     conf = uncommented_block(NATS_CONF.read_text(), "authorization {")
     block = conf[conf.index("authorization {") :]
     block = block[: block.index("\n}\n") + 3].replace("llama", job).replace("node-a", node)
+    block = block.replace("tierpipe-state", settings.kv_bucket)
     monkeypatch.setenv("TIERPIPE_TRAINER_PASSWORD", "trainer-pw-0a7")
     monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-pw-c3d")
     with NatsServer(tmp_path / "perm-nats", config=block) as server:

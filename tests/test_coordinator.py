@@ -1,0 +1,118 @@
+"""The retention coordinator with real agents: one leads each job, another takes over when it
+is killed, and the KV follows the job's events throughout."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import pytest
+
+from tests.conftest import Agent
+from tests.test_retention import digest
+from tierpipe.bus import Bus
+from tierpipe.kvstate import JobStore, lease_key
+from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.schemas.jobstate import JobHead, Keep, Lease
+from tierpipe.settings import Settings
+
+
+def saved(job: str, step: int, rank: int, node: str) -> list[Event]:
+    ident = dict(job=job, node=node, ts=time.time(), step=step, rank=rank, world_size=2)
+    where = dict(path=f"/x/{step}/{rank}", nbytes=4096, header_digest=digest(step, rank))
+    return [
+        ShardWritten(**ident, **where, tensors=1, seconds=0),
+        ShardVerified(**ident, **where, seconds=0),
+        ShardFlushed(**ident, bucket="b", key=f"{job}/{step}/{rank}", etag="e", checksum="c",
+                     header_digest=digest(step, rank), nbytes=4096, seconds=0),
+    ]  # fmt: skip
+
+
+def publish(settings: Settings, events: list[Event]) -> None:
+    async def main() -> None:
+        async with Bus(settings) as bus:
+            for event in events:
+                await bus.publish(event)
+
+    anyio.run(main)
+
+
+def read(settings: Settings, job: str) -> tuple[JobHead | None, Lease | None]:
+    async def main() -> tuple[JobHead | None, Lease | None]:
+        async with Bus(settings) as bus:
+            store = await JobStore(bus.js, settings).open()
+            try:
+                entry = await store.kv.get(lease_key(job))
+                lease = msgspec.json.decode(entry.value or b"", type=Lease)
+            except Exception:
+                lease = None
+            return await store.head(job), lease
+
+    return anyio.run(main)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_killed_coordinator_is_replaced_and_nothing_is_lost(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    s = settings.replace(lease_ttl_s=2.0, coordinator_flush_s=0.05)
+    nodes = {n: s.replace(node=f"{s.node}-{n}", nvme_root=f"{s.nvme_root}-{n}") for n in ("a", "b")}
+    agents = {n: agent("evict", settings=ns).wait_ready() for n, ns in nodes.items()}
+    node_of = {0: nodes["a"].node, 1: nodes["b"].node}
+
+    def save(step: int) -> None:
+        publish(s, [e for rank in (0, 1) for e in saved(job, step, rank, node_of[rank] or "")])
+
+    for step in (1, 2):
+        save(step)
+
+    def head_has(step: int) -> Callable[[], bool]:
+        def check() -> bool:
+            head, _ = read(s, job)
+            return head is not None and step in head.s3_steps and step in head.nvme_steps
+
+        return check
+
+    wait_for("the first coordinator to fold steps 1-2", head_has(2))
+    _, lease = read(s, job)
+    assert lease is not None and lease.term == 1
+    holder = next(n for n, ns in nodes.items() if ns.node == lease.holder)
+    agents[holder].stop(signal.SIGKILL)
+
+    for step in (3, 4):
+        save(step)
+    wait_for("another agent to take the job over and fold steps 3-4", head_has(4))
+    head, lease = read(s, job)
+    assert lease is not None and lease.term == 2 and lease.holder != nodes[holder].node
+    assert head is not None and head.nvme_steps[-1] == 4 and head.s3_steps[-1] == 4
+    survivor = agents["b" if holder == "a" else "a"]
+    assert survivor.proc is not None and survivor.proc.poll() is None, survivor.log()
+    assert "coordinator_leading" in survivor.log()
+
+
+def test_a_trainers_keep_reaches_the_kv(settings: Settings, job: str) -> None:
+    """`Checkpointer(keep=...)` stores the job's policy; without it, the defaults."""
+    from tierpipe import Checkpointer
+
+    keep = Keep(nvme_keep_latest_k=5, s3_keep_latest_k=7, s3_keep_period=100)
+    Checkpointer(job, rank=0, world_size=1, settings=settings, keep=keep).close()
+
+    async def stored(j: str) -> Keep | None:
+        async with Bus(settings) as bus:
+            return await (await JobStore(bus.js, settings).open()).keep(j)
+
+    assert anyio.run(stored, job) == keep
+    Checkpointer(f"{job}-2", rank=0, world_size=1, settings=settings).close()
+    assert anyio.run(stored, f"{job}-2") == Keep(
+        nvme_keep_latest_k=settings.nvme_keep_latest_k, s3_keep_latest_k=settings.s3_keep_latest_k
+    )
