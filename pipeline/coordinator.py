@@ -29,8 +29,8 @@ import structlog
 from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.names import job_subjects, plan_subject
-from tierpipe.schemas import Event, RecoveryPlanned, ShardEvicted
+from tierpipe.names import job_subjects, plan_subject, shard_subject
+from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted
 from tierpipe.schemas.jobstate import Lease, StepRecord
 from tierpipe.settings import Settings
 
@@ -107,9 +107,10 @@ class Coordinator:
         self.leading.add(job)
         log.info("coordinator_leading", job=job, term=lease.term, resume_seq=start, seq=head.seq)
         pins = RestorePins(s.restore_timeout_s)
-        newest_plan = await self.bus.last_event(plan_subject(job))  # (it may predate resume_seq)
-        if newest_plan is not None:
-            pins.note(newest_plan)
+        for subject in (plan_subject(job), shard_subject(job, "restore", "*", 0)):
+            newest = await self.bus.last_event(subject)  # (it may predate resume_seq)
+            if newest is not None:
+                pins.note(newest)
         renew_at = time.monotonic() + s.lease_ttl_s / 3
         keep_at = time.monotonic() + 5.0
         try:
@@ -122,9 +123,11 @@ class Coordinator:
                             break
                         if stored.event is None:
                             continue  # (not an event this version reads: skipped, as replays do)
-                        pins.note(stored.event)
+                        if isinstance(stored.event, RecoveryPlanned | RestoreReport):
+                            pins.note(stored.event)  # pinned before any later event is folded
+                            state.pin(pins.steps(job), hold=pins.held(job))
                         state.apply(stored.seq, stored.event)
-                    state.pin(pins.steps(job))
+                    state.pin(pins.steps(job), hold=pins.held(job))  # (a pin that timed out goes)
                     if time.monotonic() >= renew_at:
                         lease = await self.store.renew(job, lease, s.lease_ttl_s)
                         renew_at = time.monotonic() + s.lease_ttl_s / 3
@@ -168,24 +171,41 @@ class Coordinator:
 
 
 class RestorePins:
-    """Per job, the step its in-progress restore reads (from the job's newest recovery plan),
-    until the restore ends (rank 0's final plan, or its error) or times out (the plan's time
-    plus `timeout_s`)."""
+    """Per job, what its in-progress restore needs kept: from rank 0's `ready` report until its
+    first plan, everything (retention holds still while rank 0 plans from a snapshot of the
+    job); then the step the newest plan reads, until the restore ends (rank 0's final plan, or
+    its error). Either times out `timeout_s` after it began."""
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
         self._plans: dict[str, RecoveryPlanned] = {}
+        #: job -> when rank 0 of its newest restart said `ready`.
+        self._ready: dict[str, float] = {}
 
     def note(self, event: Event) -> None:
-        """Take a plan into account (anything else, or an older plan, changes nothing)."""
+        """Take a plan or rank 0's `ready` into account (anything else, or an older plan,
+        changes nothing)."""
+        if isinstance(event, RestoreReport) and event.rank == 0 and event.phase == "ready":
+            self._ready[event.job] = max(event.ts, self._ready.get(event.job, 0.0))
         if not isinstance(event, RecoveryPlanned):
             return
         known = self._plans.get(event.job)
         if known is None or event.ts >= known.ts:
             self._plans[event.job] = event
 
+    def held(self, job: str, *, now: float | None = None) -> bool:
+        """Rank 0 of a restart is planning: no copy of `job` may go now."""
+        ready = self._ready.get(job)
+        plan = self._plans.get(job)
+        now = time.time() if now is None else now
+        return (
+            ready is not None
+            and (plan is None or plan.ts < ready)
+            and now <= ready + self._timeout_s
+        )
+
     def steps(self, job: str, *, now: float | None = None) -> set[int]:
-        """Steps of `job` no copy of which may go now."""
+        """Steps of `job` no copy of which may go now (see `held` too)."""
         plan = self._plans.get(job)
         if plan is None or plan.final or plan.error:
             return set()

@@ -155,6 +155,7 @@ class JobState:
         self._world_size = head.world_size if head else 0
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
+        self._hold = False
         self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
         self._s3_removed: set[int] = set()
         self._changes = Changes()
@@ -186,11 +187,12 @@ class JobState:
         if rewind is not None:
             self._rewound(rank, epoch, rewind)
 
-    def pin(self, steps: Iterable[int]) -> None:
-        """Steps an in-progress restore reads: kept on every tier while it lasts."""
+    def pin(self, steps: Iterable[int], *, hold: bool = False) -> None:
+        """Steps an in-progress restore reads: kept on every tier while it lasts. `hold`: a
+        restore is planning, so the floors stay where they are until it has a plan."""
         pinned = frozenset(steps)
-        if pinned != self._pinned:
-            self._pinned = pinned
+        if pinned != self._pinned or hold != self._hold:
+            self._pinned, self._hold = pinned, hold
             self._move_floors()
 
     def _refresh(self, step: int, rank: int, world_size: int | None) -> None:
@@ -285,6 +287,8 @@ class JobState:
         return bool(period) and step % period == 0 and s is not None and s.complete("s3")
 
     def _move_floors(self) -> None:
+        if self._hold:
+            return
         nvme = _floor(self._complete["nvme"], self.keep.nvme_keep_latest_k)
         s3 = _floor(self._complete["s3"], self.keep.s3_keep_latest_k)
         kept = self._kept()

@@ -19,24 +19,33 @@ Every removal is published as an `evicted` event. Holds the node's evict lock.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator
-from tierpipe.errors import ShardFormatError, TierpipeError, UnavailableError
+from tierpipe.coordinator import Coordinator, RestorePins
+from tierpipe.errors import ShardFormatError, TierpipeError
 from tierpipe.faults import maybe_fail
+from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.names import node_name, shard_relpath
-from tierpipe.schemas import Event, ShardEvicted, ShardVerified, StageFailed, shard_event
+from tierpipe.names import node_name, plan_subject, shard_relpath, shard_subject
+from tierpipe.schemas import (
+    Event,
+    ShardEvicted,
+    ShardVerified,
+    StageFailed,
+    decode_event,
+    shard_event,
+)
 from tierpipe.schemas.jobstate import Floors, Keep
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
@@ -63,6 +72,12 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
         await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
         store = await JobStore(bus.js, settings).open()
         evict = Evict(settings, bus, nvme, store, stack)
+        # Restore plans pin their step on this node at once too, whatever the floors say yet.
+        # Subscribed before the read: no plan falls between the two.
+        for subject in (plan_subject("*"), shard_subject("*", "restore", "*", 0)):
+            await bus.subscribe(subject, evict.on_plan)
+            for _, event in await bus.latest(subject):
+                evict.pins.note(event)
         async with anyio.create_task_group() as tg:
             tg.start_soon(evict.follow_floors)
             tg.start_soon(evict.coordinator.run)
@@ -98,6 +113,7 @@ class Evict:
         self._s3: S3Store | None = None
         self._lock = anyio.Lock()
         self._registered: set[str] = set()
+        self.pins = RestorePins(settings.restore_timeout_s)
         self.coordinator = Coordinator(settings, bus, store, self.node, self.remove_objects)
 
     async def handle(self, event: Event, attempt: int) -> None:
@@ -120,6 +136,10 @@ class Evict:
                 await self.relieve_pressure()
         elif (failed := _failed_save(event, self.node)) is not None:
             await self._release_slot(failed)
+
+    async def on_plan(self, msg: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            self.pins.note(decode_event(msg.data))
 
     # --- the RAM tier
 
@@ -150,7 +170,7 @@ class Evict:
 
     async def apply_floors(self, job: str) -> list[LocalCopy]:
         """Remove this node's copies of `job` that its floors no longer keep; what was
-        removed. A copy that cannot be checked now (object storage down) stays for the next
+        removed. A copy that cannot be checked now (the job state unreachable) stays for the next
         change; nothing here raises for one copy."""
         floors = self.floors.get(job)
         if floors is None:
@@ -160,10 +180,18 @@ class Evict:
         async with self._lock:
             for copy in await anyio.to_thread.run_sync(self.local_copies, job):
                 verdict = floor_verdict(copy.step, floors, keep)
-                if verdict == "keep":
+                if verdict == "keep" or copy.step in self.pins.steps(job) or self.pins.held(job):
                     continue
-                if verdict == "if-flushed" and not await self._flushed(copy):
-                    continue  # not in object storage yet: the next floor change looks again
+                if verdict == "if-flushed":
+                    if not await self._flushed(copy):
+                        continue  # not in object storage yet: the next floor change looks again
+                    # Floors as new as the record: the flush that completed the step in object
+                    # storage may have made it the newest there, which keeps it.
+                    floors = self.floors[job] = await self.store.floors(job)
+                    if floor_verdict(copy.step, floors, keep) == "keep":
+                        continue
+                if copy.step in self.pins.steps(job) or self.pins.held(job):
+                    continue  # (a restore began meanwhile)
                 if await self._remove(copy, f"retention ({verdict})"):
                     removed.append(copy)
         return removed
@@ -185,7 +213,10 @@ class Evict:
                     break
                 floors = self.floors.get(copy.job, Floors())
                 newest = max((c.step for c in copies if c.job == copy.job), default=-1)
-                if copy.step in floors.keep or copy.step == newest:
+                pinned = self.pins.steps(copy.job)
+                if copy.step in floors.keep or copy.step == newest or copy.step in pinned:
+                    continue
+                if self.pins.held(copy.job):
                     continue
                 if await self._flushed(copy) and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
@@ -219,19 +250,15 @@ class Evict:
         return out
 
     async def _flushed(self, copy: LocalCopy) -> bool:
-        """The copy's save is in object storage (its object holds the same header digest)."""
+        """The job's state counts the copy's save as in object storage: the step's record has
+        the copy's rank in `s3`, from the same save (epoch). The record is written before the
+        floors that follow from it, so floors read after it are at least as new."""
         try:
-            store = await self._object_store()
-            key = store.key_for(shard_relpath(copy.job, copy.step, copy.rank, copy.world_size))
-            head = await store.head(key)
-        except UnavailableError as e:
+            rec = await self.store.record(copy.job, copy.step)
+        except TierpipeError as e:
             log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
             return False
-        except TierpipeError as e:
-            log.error("nvme_eviction_check_refused", path=str(copy.path), error=str(e))
-            return False
-        meta = head.get("Metadata", {}) if head is not None else {}
-        return meta.get("tp-header-digest") == copy.header_digest
+        return rec is not None and rec.epoch == copy.epoch and has_rank(rec.s3, copy.rank)
 
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await anyio.to_thread.run_sync(
