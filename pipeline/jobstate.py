@@ -53,7 +53,7 @@ def is_full(bits: bytes | bytearray, world_size: int) -> bool:
 class _Step:
     """One step's bitmaps, mutable, with their counts."""
 
-    __slots__ = ("bits", "count", "either", "epoch", "world_size")
+    __slots__ = ("bits", "count", "either", "epoch", "s3_removed", "world_size")
 
     def __init__(self, world_size: int, epoch: int = 0) -> None:
         self.world_size = world_size
@@ -63,10 +63,13 @@ class _Step:
         self.count: dict[Tier, int] = {"nvme": 0, "s3": 0}
         #: Ranks with a copy on either tier.
         self.either = 0
+        #: Retention removed the step's objects; `s3` still says which ranks were there.
+        self.s3_removed = False
 
     @classmethod
     def of(cls, rec: StepRecord) -> _Step:
         s = cls(rec.world_size, rec.epoch)
+        s.s3_removed = rec.s3_removed
         for tier in _TIERS:
             for rank in ranks_of(getattr(rec, tier)):
                 if rank < rec.world_size:
@@ -88,12 +91,18 @@ class _Step:
     def _has_either(self, i: int, mask: int) -> int:
         return int(bool((self.bits["nvme"][i] | self.bits["s3"][i]) & mask))
 
+    def unflushed(self) -> bool:
+        """Some rank has a verified NVMe copy that never reached object storage."""
+        return any(n & ~m for n, m in zip(self.bits["nvme"], self.bits["s3"], strict=True))
+
     def status(self) -> tuple[bool, bool, bool]:
         """Complete on NVMe, in object storage, on one or the other."""
         return self.complete("nvme"), self.complete("s3"), self.complete(None)
 
     def complete(self, tier: Tier | None) -> bool:
         """Every rank has a copy on `tier` (None: on one tier or the other)."""
+        if self.s3_removed and tier != "nvme":
+            return tier is None and self.count["nvme"] == self.world_size
         return (self.either if tier is None else self.count[tier]) == self.world_size
 
     def record(self, step: int) -> StepRecord:
@@ -103,6 +112,7 @@ class _Step:
             epoch=self.epoch,
             nvme=bytes(self.bits["nvme"]),
             s3=bytes(self.bits["s3"]),
+            s3_removed=self.s3_removed,
         )
 
 
@@ -157,7 +167,6 @@ class JobState:
         self._pinned: frozenset[int] = frozenset()
         self._hold = False
         self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
-        self._s3_removed: set[int] = set()
         self._changes = Changes()
         self._recount()
 
@@ -213,8 +222,8 @@ class JobState:
         s.epoch = epoch
         before = s.status()
         for tier in _TIERS:
-            on = bool(shard.usable(tier)) and not (tier == "s3" and step in self._s3_removed)
-            changed |= s.set(tier, rank, on)
+            if tier == "nvme" or not s.s3_removed:  # (removed objects: `s3` keeps their ranks)
+                changed |= s.set(tier, rank, bool(shard.usable(tier)))
         if changed:
             self._changes.put.add(step)
         if s.status() != before:
@@ -225,7 +234,7 @@ class JobState:
         evicted, or proven bad); nothing else can be checked against evidence any more."""
         s = self._steps[step]
         tier: Tier | None = None
-        if isinstance(event, ShardEvicted) and event.epoch >= s.epoch:
+        if isinstance(event, ShardEvicted):
             tier = event.tier
         elif (
             isinstance(event, StageFailed)
@@ -233,7 +242,7 @@ class JobState:
             and (event.error in EVIDENCE_ERRORS or event.stage == "verify")
         ):
             tier = event.tier or ("nvme" if event.stage == "verify" else None)
-        if tier in _TIERS and rank < s.world_size:
+        if tier in _TIERS and rank < s.world_size and not (tier == "s3" and s.s3_removed):
             before = s.status()
             self._clear(step, [rank], (tier,))
             if s.status() != before:
@@ -303,26 +312,31 @@ class JobState:
         for step in sorted(self._steps):
             if step >= floors.s3:
                 break
-            if step in kept or self._period_kept(step) or step in self._s3_removed:
+            s = self._steps[step]
+            if step in kept or self._period_kept(step) or s.s3_removed:
                 continue
-            self._s3_removed.add(step)
-            self._changes.s3_removed[step] = self._steps[step].record(step)
-            self._clear(step, range(self._steps[step].world_size), ("s3",))
+            self._changes.s3_removed[step] = s.record(step)
+            s.s3_removed = True
+            self._changes.put.add(step)
         for step in [t for t in self._steps if self._gone(t)]:
             self._drop(step)
         self._recount(move=False)  # (what the removals changed; the floors stay)
 
     def _gone(self, step: int) -> bool:
-        """Below both floors and kept by no rule: nothing of the step is kept any more."""
+        """Below both floors and kept by no rule, and no NVMe copy left that was never in
+        object storage (those stay, unless the job keeps none): nothing of the step is kept
+        any more, and a node that still holds a copy of it may remove it."""
         if step in self._kept() or self._period_kept(step):
             return False
-        return step < self._floors.nvme and step < self._floors.s3
+        if not (step < self._floors.nvme and step < self._floors.s3):
+            return False
+        s = self._steps.get(step)
+        return s is None or self.keep.evict_unflushed or not s.unflushed()
 
     def _drop(self, step: int) -> None:
         del self._steps[step]
         self._record_only.discard(step)
         self._first_seq.pop(step, None)
-        self._s3_removed.discard(step)
         self.catalog.forget(self.job, step)
         self._changes.put.discard(step)
         self._changes.deleted.add(step)

@@ -39,12 +39,15 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     step: NonNegInt
     world_size: PosInt
-    #: The save's timeline (`ShardEvent.epoch`): the newest epoch whose copies the bitmaps count.
+    #: The newest timeline (`ShardEvent.epoch`) among the step's saves (each rank has its own).
     epoch: NonNegInt = 0
     #: Ranks with a verified, intact NVMe copy on at least one node.
     nvme: bytes = b""
     #: Ranks whose object is confirmed in the store (size and checksum, after the upload).
     s3: bytes = b""
+    #: Retention removed the step's objects: `s3` still says which ranks were flushed (their
+    #: NVMe copies may go), but no rank has a copy there any more.
+    s3_removed: bool = False
 
 
 class JobHead(msgspec.Struct, frozen=True, kw_only=True):

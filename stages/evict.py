@@ -62,6 +62,8 @@ _SAVE_STAGES = ("nvme-write", "verify")
 log = structlog.get_logger(__name__)
 
 Verdict = Literal["keep", "if-flushed", "unflushed"]
+#: How often copies left below a floor (not in object storage yet) are looked at again.
+RECHECK_S = 2.0
 
 
 @asynccontextmanager
@@ -113,6 +115,8 @@ class Evict:
         self._s3: S3Store | None = None
         self._lock = anyio.Lock()
         self._registered: set[str] = set()
+        #: Jobs with copies below a floor whose save was not in object storage yet.
+        self._waiting: set[str] = set()
         self.pins = RestorePins(settings.restore_timeout_s)
         self.coordinator = Coordinator(settings, bus, store, self.node, self.remove_objects)
 
@@ -158,15 +162,28 @@ class Evict:
     # --- the NVMe tier
 
     async def follow_floors(self) -> None:
-        """Apply every job's floors as stored now, then at each change (until cancelled)."""
+        """Apply every job's floors as stored now, then at each change, and look again every
+        `RECHECK_S` at the copies left below a floor because their save was not in object
+        storage yet (until cancelled)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._recheck)
+            while True:
+                try:
+                    async for job, floors in self.store.watch_floors():
+                        self.floors[job] = floors
+                        await self.apply_floors(job)
+                except TierpipeError as e:
+                    log.warning("floor_watch_interrupted", error=str(e))
+                await anyio.sleep(self.settings.retry_max_s / 10)
+
+    async def _recheck(self) -> None:
         while True:
-            try:
-                async for job, floors in self.store.watch_floors():
-                    self.floors[job] = floors
+            await anyio.sleep(RECHECK_S)
+            for job in sorted(self._waiting):
+                try:
                     await self.apply_floors(job)
-            except TierpipeError as e:
-                log.warning("floor_watch_interrupted", error=str(e))
-            await anyio.sleep(self.settings.retry_max_s / 10)
+                except TierpipeError as e:
+                    log.warning("floor_recheck_failed", job=job, error=str(e))
 
     async def apply_floors(self, job: str) -> list[LocalCopy]:
         """Remove this node's copies of `job` that its floors no longer keep; what was
@@ -177,14 +194,16 @@ class Evict:
             return []
         keep = await self.store.keep(job) or default_keep(self.settings)
         removed = []
+        self._waiting.discard(job)
         async with self._lock:
             for copy in await anyio.to_thread.run_sync(self.local_copies, job):
                 verdict = floor_verdict(copy.step, floors, keep)
                 if verdict == "keep" or copy.step in self.pins.steps(job) or self.pins.held(job):
                     continue
                 if verdict == "if-flushed":
-                    if not await self._flushed(copy):
-                        continue  # not in object storage yet: the next floor change looks again
+                    if not await self._flushed(copy, floors):
+                        self._waiting.add(job)  # not in object storage yet: looked at again
+                        continue
                     # Floors as new as the record: the flush that completed the step in object
                     # storage may have made it the newest there, which keeps it.
                     floors = self.floors[job] = await self.store.floors(job)
@@ -218,7 +237,7 @@ class Evict:
                     continue
                 if self.pins.held(copy.job):
                     continue
-                if await self._flushed(copy) and await self._remove(copy, "disk pressure"):
+                if await self._flushed(copy, floors) and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
                     free += copy.nbytes
         return removed
@@ -249,16 +268,20 @@ class Evict:
             )  # fmt: skip
         return out
 
-    async def _flushed(self, copy: LocalCopy) -> bool:
-        """The job's state counts the copy's save as in object storage: the step's record has
-        the copy's rank in `s3`, from the same save (epoch). The record is written before the
-        floors that follow from it, so floors read after it are at least as new."""
+    async def _flushed(self, copy: LocalCopy, floors: Floors) -> bool:
+        """The job's state counts the copy's shard as in object storage: the step's record has
+        the copy's rank in `s3` (a save a rewind superseded never counts there), or the step
+        left the job state below both floors (which it does only once every NVMe copy of it
+        reached object storage). The record is written before the floors that follow from it,
+        so floors read after it are at least as new."""
         try:
             rec = await self.store.record(copy.job, copy.step)
         except TierpipeError as e:
             log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
             return False
-        return rec is not None and rec.epoch == copy.epoch and has_rank(rec.s3, copy.rank)
+        if rec is None:
+            return copy.step < floors.nvme and copy.step < floors.s3
+        return has_rank(rec.s3, copy.rank)
 
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await anyio.to_thread.run_sync(
