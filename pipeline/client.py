@@ -200,11 +200,11 @@ class Checkpointer:
             return self._saves.skipped(step, sorted(self._pool.busy().values()))
         # `_last_step` moves only once the save is staged: a save that fails before (staging
         # full, a publish that failed) may be retried with the same step.
-        dsts = self._snapshot.prepare(slot, plan)
+        copy = self._snapshot.prepare(slot, plan)
         handle = self._saves.start(step)
         if blocking:
             try:
-                event = self._snapshot.copy(slot, plan, dsts, started=t0, rewind_to=rewind_to)
+                event = self._snapshot.copy(copy, started=t0, rewind_to=rewind_to)
             except BaseException as e:
                 self._saves.failed(handle, e)
                 raise
@@ -212,12 +212,7 @@ class Checkpointer:
             return handle
         try:
             self._snapshot.copy_soon(
-                slot,
-                plan,
-                dsts,
-                started=t0,
-                rewind_to=rewind_to,
-                then=partial(self._copied, handle),
+                copy, started=t0, rewind_to=rewind_to, then=partial(self._copied, handle)
             )
         except BaseException as e:
             self._saves.failed(handle, e)
@@ -295,22 +290,13 @@ class Checkpointer:
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
         self._snapshot.wait()
+        collective = None
+        if self.settings.restore_use_torch_distributed:
+            collective = Collective.from_torch(self.rank, self.world_size)
         restorer = Restorer(
-            self._bus.bus,
-            self.settings,
-            self._loader,
-            job=self.job,
-            rank=self.rank,
-            world_size=self.world_size,
-            node=self.node,
-            restart=restart,
-            into=into,
-            collective=(
-                Collective.from_torch(self.rank, self.world_size)
-                if self.settings.restore_use_torch_distributed
-                else None
-            ),
-        )
+            self._bus.bus, self.settings, self._loader, restart=restart, into=into,
+            collective=collective,
+        )  # fmt: skip
         restored = self._bus.run(
             partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
         )

@@ -5,7 +5,6 @@ its step (`release`). The trainer's side is `tierpipe.staging`.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import structlog
 from tierpipe.errors import ShardFormatError, StagingGoneError, TierpipeError
 from tierpipe.schemas import ShardStaged
 from tierpipe.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix, slot_generation
-from tierpipe.staging import GENERATION_END, marker_path, markers, rank_dir
+from tierpipe.staging import GENERATION_END, marker_path, markers, rank_dir, try_lock
 
 __all__ = ("StagedImage", "open_image", "open_staged", "release")
 
@@ -172,15 +171,9 @@ def _image_epoch(path: Path) -> int | None:
 def _delete_if_orphaned(directory: Path, slot_path: Path) -> None:
     # The trainer holds owner.lock exclusively while it lives. Holding it shared while we delete
     # means a trainer starting right now waits for us before it maps any slot.
-    try:
-        fd = os.open(directory / "owner.lock", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return
+    fd = try_lock(directory / "owner.lock", shared=True)
+    if fd is None:
+        return  # (no trainer ever ran here, or one lives)
     try:
         index = slot_path.name.removeprefix("slot-")
         if not any(str(s) == index for s, _ in markers(directory)):

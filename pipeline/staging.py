@@ -54,6 +54,7 @@ __all__ = (
     "markers",
     "rank_dir",
     "stale_markers",
+    "try_lock",
 )
 
 log = structlog.get_logger(__name__)
@@ -221,26 +222,9 @@ class SlotPool:
         """Give a slot back without the agent (the save failed before the agent saw it)."""
         marker_path(self.dir, slot.index, step).unlink(missing_ok=True)
 
-    def reclaim(
-        self,
-        *,
-        published_up_to: int | None,
-        verified_up_to: int | None = None,
-        failed: int | None = None,
-        pending: int | None = None,
-    ) -> dict[int, str]:
-        """Drop markers the agent will never release (see `stale_markers`).
-
-        Returns:
-            step -> why its marker was dropped.
-        """
-        stale = stale_markers(
-            self.busy(),
-            published_up_to=published_up_to,
-            verified_up_to=verified_up_to,
-            failed=failed,
-            pending=pending,
-        )
+    def reclaim(self, stale: dict[int, str]) -> dict[int, str]:
+        """Drop the markers of the `stale` steps (step -> why: see `stale_markers`), which the
+        agent will never release; returns `stale`."""
         for slot, step in markers(self.dir):
             if step in stale:
                 marker_path(self.dir, slot, step).unlink(missing_ok=True)
@@ -302,6 +286,22 @@ def stale_markers(
     return stale
 
 
+def try_lock(path: Path, *, shared: bool = False, create: bool = False) -> int | None:
+    """Open `path` and flock it without waiting: the open descriptor (closing it drops the
+    lock), or None if another process holds it (or it does not exist and `create` is False)."""
+    flags = os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+    try:
+        fd = os.open(path, flags, 0o660)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class NodeSlots:
     """A node-wide counting semaphore: `count` lock files under the staging root that every
     process on the node shares (flock, so a crashed holder frees its slot). Caps concurrent
@@ -317,11 +317,8 @@ class NodeSlots:
         self.dir.mkdir(parents=True, exist_ok=True)
         while True:
             for i in range(self.count):
-                fd = os.open(self.dir / f"slot-{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o660)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
+                fd = try_lock(self.dir / f"slot-{i}", create=True)
+                if fd is None:
                     continue
                 try:
                     yield i

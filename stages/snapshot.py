@@ -42,7 +42,7 @@ from tierpipe.schemas import (
     shard_event,
 )
 from tierpipe.shard import Head
-from tierpipe.staging import Slot, SlotPool
+from tierpipe.staging import Slot, SlotPool, stale_markers
 from tierpipe.state import StatePlan
 
 __all__ = (
@@ -65,9 +65,14 @@ class _Image:
     device: torch.device | None = None
 
 
+#: What an overlapped save calls once its copy is over: with the `staged` event, or the error.
+Then = Callable[[ShardStaged | BaseException], None]
+
+
 @dataclass(slots=True)
 class StagedCopy:
-    """A copy in progress (overlapped mode): CUDA events to wait for, CPU copies still to do."""
+    """A copy into a slot (from `Snapshot.prepare`); in overlapped mode, the CUDA events to wait
+    for and the CPU copies still to do."""
 
     plan: StatePlan
     slot: Slot
@@ -126,9 +131,10 @@ class Snapshot:
         """
         return self.pool.acquire(wait=wait, timeout_s=timeout_s)
 
-    def prepare(self, slot: Slot, plan: StatePlan) -> list[torch.Tensor]:
+    def prepare(self, slot: Slot, plan: StatePlan) -> StagedCopy:
         """Map `slot` with room for `plan`, bump its generation, then write the image's head;
-        returns the copy targets. `slot.generation` is the new image's generation."""
+        returns the copy to make (`copy` or `copy_soon`). `slot.generation` is the new image's
+        generation."""
         image = self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
         # First the generation, then everything else: an agent still copying the slot's last
         # image sees the bump and discards its copy (see `Slot.begin`).
@@ -140,59 +146,39 @@ class Snapshot:
                 image.tensor,
                 plan.destinations(image.tensor),
             )
-        return cached[2]
+        return StagedCopy(plan, slot, cached[2], [])
 
-    def copy(
-        self,
-        slot: Slot,
-        plan: StatePlan,
-        dsts: list[torch.Tensor],
-        *,
-        started: float,
-        rewind_to: int | None,
-    ) -> ShardStaged:
-        """Copy every tensor into `slot` (`dsts` from `prepare`), mark it and return its
-        `staged` event (blocking save; `started`: `perf_counter()` when the save began)."""
+    def copy(self, copy: StagedCopy, *, started: float, rewind_to: int | None) -> ShardStaged:
+        """Make `copy` (from `prepare`), mark its slot and return its `staged` event (blocking
+        save; `started`: `perf_counter()` when the save began)."""
+        plan, dsts = copy.plan, copy.dsts
         if not plan.cuda_devices:
             plan.copy_into(dsts)
         else:
-            pinned = self._images[slot.index].pinned
+            pinned = self._images[copy.slot.index].pinned
             plan.copy_into(dsts, device=torch.device("cpu"))
             for device in plan.cuda_devices:
                 plan.copy_into(dsts, device=device, non_blocking=pinned)
             for device in plan.cuda_devices:
                 torch.cuda.current_stream(device).synchronize()
         stall_s = time.perf_counter() - started
-        return self.mark(slot, plan, stall_s=stall_s, blocking=True, rewind_to=rewind_to)
+        return self.mark(copy.slot, plan, stall_s=stall_s, blocking=True, rewind_to=rewind_to)
 
     def copy_soon(
-        self,
-        slot: Slot,
-        plan: StatePlan,
-        dsts: list[torch.Tensor],
-        *,
-        started: float,
-        rewind_to: int | None,
-        then: Callable[[ShardStaged | BaseException], None],
+        self, copy: StagedCopy, *, started: float, rewind_to: int | None, then: Then
     ) -> None:
-        """Queue the copy and return (overlapped save): CUDA copies on side streams, the rest
+        """Queue `copy` and return (overlapped save): CUDA copies on side streams, the rest
         on the copier thread, which then marks the slot and calls `then` with the `staged`
         event, or with what made the copy fail. `barrier()` holds back changes to the state
         until the copy is over; `wait()` waits for `then` to return."""
-        copy = self._start_copy(slot, plan, dsts)
+        self._start_copy(copy)
         if self._copier is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tierpipe-copy"
             )
         self._inflight = (copy, self._copier.submit(self._finish, copy, started, rewind_to, then))
 
-    def _finish(
-        self,
-        copy: StagedCopy,
-        started: float,
-        rewind_to: int | None,
-        then: Callable[[ShardStaged | BaseException], None],
-    ) -> None:
+    def _finish(self, copy: StagedCopy, started: float, rewind_to: int | None, then: Then) -> None:
         try:
             copy.finish()
             stall_s = time.perf_counter() - started
@@ -216,11 +202,11 @@ class Snapshot:
         if inflight is not None:
             inflight[1].result()  # `then` reports the copy's errors
 
-    def _start_copy(self, slot: Slot, plan: StatePlan, dsts: list[torch.Tensor]) -> StagedCopy:
+    def _start_copy(self, copy: StagedCopy) -> None:
         """Queue the CUDA copies on side streams (ordered after work already queued on the
         current streams) and return; `StagedCopy.finish()` completes the copy."""
-        events = []
-        pinned = self._images[slot.index].pinned
+        plan, dsts = copy.plan, copy.dsts
+        pinned = self._images[copy.slot.index].pinned
         for device in plan.cuda_devices:
             side = self._side_streams.get(device)
             if side is None:
@@ -233,8 +219,7 @@ class Snapshot:
                         c.src.record_stream(side)  # the allocator must not reuse it mid-copy
                 event = torch.cuda.Event()
                 event.record(side)
-            events.append((device, event))
-        return StagedCopy(plan, slot, dsts, events)
+            copy.cuda_events.append((device, event))
 
     def mark(
         self,
@@ -363,12 +348,11 @@ async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: 
     later = [found[0] for found in (verified, failed) if found is not None]
     if staged is not None and all(staged[0] > seq for seq in later):
         pending = published  # staged after both: that save is still on its way
+    verified_step = _step_of(verified, ShardVerified)
     pool.reclaim(
-        published_up_to=published,
-        verified_up_to=_step_of(verified, ShardVerified),
-        failed=failed_step,
-        pending=pending,
-    )
+        stale_markers(pool.busy(), published_up_to=published, verified_up_to=verified_step,
+                      failed=failed_step, pending=pending)
+    )  # fmt: skip
 
 
 async def newest_staged_step(bus: Bus, *, job: str, rank: int) -> int | None:

@@ -68,8 +68,8 @@ class Trainer:
         )
         slot = self.pool.acquire(wait=False, timeout_s=0)
         assert slot is not None
-        dsts = self.snapshot.prepare(slot, plan)
-        return self.snapshot.copy(slot, plan, dsts, started=time.perf_counter(), rewind_to=None)
+        copy = self.snapshot.prepare(slot, plan)
+        return self.snapshot.copy(copy, started=time.perf_counter(), rewind_to=None)
 
     def close(self) -> None:
         self.snapshot.close()

@@ -14,13 +14,13 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from tierpipe.dev.process import find_binary, terminate
+from tierpipe.dev.process import Server, find_binary, terminate
 from tierpipe.errors import TierpipeError
 
 __all__ = ("NatsServer",)
 
 
-class NatsServer:
+class NatsServer(Server):
     """A JetStream-enabled nats-server on loopback ports.
 
     The first start lets the server pick free ports; `restart()` reuses them and the store, so
@@ -39,21 +39,12 @@ class NatsServer:
         self.store_dir = Path(store_dir).absolute()
         self.sync_always = sync_always
         self.config = config
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
+        self.log_path = self.store_dir / "nats-server.log"
         self.url = ""
         self.monitor_url = ""
         #: (client port, monitoring port) of the first start; kept for restart().
         self.ports: tuple[int, int] | None = None
-
-    def __enter__(self) -> NatsServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def log_path(self) -> Path:
-        return self.store_dir / "nats-server.log"
 
     def start(self, *, timeout_s: float = 15.0) -> NatsServer:
         """Start (on the ports of the last start, if any) and wait until JetStream answers."""

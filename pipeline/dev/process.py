@@ -14,11 +14,30 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tierpipe.errors import ConfigError
 
-__all__ = ("ephemeral_range", "find_binary", "free_ports", "port_free", "terminate")
+__all__ = ("Server", "ephemeral_range", "find_binary", "free_ports", "port_free", "terminate")
+
+
+class Server:
+    """A local server process: `with` starts it and stops it; its output goes to `log_path`."""
+
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def find_binary(name: str) -> Path:

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierpipe.dev.process import ephemeral_range, find_binary, port_free, terminate
+from tierpipe.dev.process import Server, ephemeral_range, find_binary, port_free, terminate
 from tierpipe.errors import ConfigError, TierpipeError
 
 __all__ = ("S3Server",)
@@ -31,7 +31,7 @@ _WEED_COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 _WEED_ENV_DROP = ("S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")
 
 
-class S3Server:
+class S3Server(Server):
     """An S3 endpoint (SeaweedFS `weed mini`) on loopback ports, with one bucket ready.
 
     Every HTTP port P (and P + 10000, its gRPC port) lies outside the ephemeral port range, so no
@@ -55,21 +55,12 @@ class S3Server:
         self.access_key = access_key
         self.secret_key = secret_key
         self.bucket = bucket
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
+        self.log_path = self.data_dir / "weed.log"
         #: Component name -> HTTP port; chosen at the first start, kept for restart().
         self.ports: dict[str, int] = {}
         self.endpoint = ""
         self._sockets: set[Path] = set()
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / "weed.log"
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `boto3.client("s3", ...)` / `aioboto3.Session().client(...)`."""

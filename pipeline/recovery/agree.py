@@ -72,7 +72,8 @@ class Restored:
 
 class Restorer:
     """Runs one rank's part of a restart on the bus thread's event loop (see the module
-    docstring); `into` are the targets the shard is loaded into, as for `load_into`.
+    docstring), as `loader`'s rank (job, rank, world size, node); `into` are the targets the
+    shard is loaded into, as for `load_into`.
 
     `restart` is an id every rank of this restart shares; default from torchelastic
     (`TORCHELASTIC_RUN_ID`-`TORCHELASTIC_RESTART_COUNT`), else ranks match up by stream order.
@@ -84,16 +85,13 @@ class Restorer:
         settings: Settings,
         loader: Loader,
         *,
-        job: str,
-        rank: int,
-        world_size: int,
-        node: str,
         restart: str | None = None,
         into: Any = None,
         collective: Collective | None = None,
     ) -> None:
         self.bus, self.settings = bus, settings
-        self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
+        self.job, self.rank, self.node = loader.job, loader.rank, loader.node
+        self.world_size = loader.world_size
         self.restart = restart or _restart_from_env()
         self._loader, self._into = loader, into
         self._collective = collective
