@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -172,13 +173,13 @@ def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
 
 def _run_worker(settings: Settings, names: list[str]) -> int:
     from tierpipe.runner import run_agent
-    from tierpipe.stages import AGENT_STAGES
+    from tierpipe.stages import agent_stage
 
     node = node_name(settings.node)
     try:
         anyio.run(
-            lambda: run_agent(settings, [AGENT_STAGES[n] for n in names], node=node),
-            backend_options={"use_uvloop": True},
+            lambda: run_agent(settings, [agent_stage(n) for n in names], node=node),
+            backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None},
         )
     except BaseExceptionGroup as group:
         # A stage that refused to start (e.g. AgentLockedError) arrives wrapped by the task

@@ -5,24 +5,32 @@ An agent stage module is its contract (`tierpipe.runner.Stage`): `STAGE` (its na
 (the events it consumes), an optional `open(settings, bus)` (an async context manager that opens
 its resources and yields its context) and `handle(ctx, event, attempt)`, which returns the
 event(s) to publish. The runner does the rest: consumer, acks, retries, heartbeats, logging.
-Stages never import each other.
+Stages never import each other, and this package imports none of them: a trainer importing
+`stages.snapshot` does not load the agent's stages (and their object-storage client).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
-
-from tierpipe.stages import evict, flush, nvme_write, verify
 
 if TYPE_CHECKING:
     from tierpipe.runner import Stage
 
-#: Agent stages in pipeline order, by the name `tierpipe worker <name>` uses.
-AGENT_STAGES: dict[str, Stage] = {
-    nvme_write.STAGE: nvme_write,
-    verify.STAGE: verify,
-    flush.STAGE: flush,
-    evict.STAGE: evict,
+#: Agent stages in pipeline order, by the name `tierpipe worker <name>` uses: their modules
+#: (or a stage itself, as a test may put in).
+AGENT_STAGES: dict[str, str | Stage] = {
+    "nvme-write": "tierpipe.stages.nvme_write",
+    "verify": "tierpipe.stages.verify",
+    "flush": "tierpipe.stages.flush",
+    "evict": "tierpipe.stages.evict",
 }
 
-__all__ = ("AGENT_STAGES",)
+
+def agent_stage(name: str) -> Stage:
+    """The agent stage called `name` (imported now)."""
+    stage = AGENT_STAGES[name]
+    return importlib.import_module(stage) if isinstance(stage, str) else stage
+
+
+__all__ = ("AGENT_STAGES", "agent_stage")
