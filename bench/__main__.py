@@ -1,15 +1,18 @@
 """`python -m bench <name> [--size-gib N] [--reps N]`: run one benchmark.
 
-Dispatches to `bench.<name>.run(size_gib, reps)`; progress goes to stderr, and stdout gets
-exactly one JSON line: the benchmark's medians, or `{"error": ...}` if it failed (exit 1).
+Dispatches to `bench.<name>.run(size_gib, reps)` (`control`: `bench.control.run(nodes,
+ranks_per_node, steps)`, with its own options); progress goes to stderr, and stdout gets exactly
+one JSON line: the benchmark's figures, or `{"error": ...}` if it failed (exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 import traceback
+from typing import Any
 
 from bench.common import emit, log, sigterm_as_interrupt
 
@@ -21,7 +24,17 @@ BENCHMARKS = {
     "restore": "NVMe and S3 restore into preallocated tensors vs dd, torch.load, safetensors, DCP,"
     " raw GET",
     "plan": "recovery plan at 1024 ranks x 20 steps, 100k-event replay (synthetic events)",
+    "control": "the control plane at scale: real nats-server, coordinator and KV, simulated"
+    " agents and ranks (--nodes, --ranks-per-node, --steps)",
 }
+#: `control`'s own options (the others take --size-gib and --reps).
+CONTROL_DEFAULTS = {"nodes": 100, "ranks_per_node": 8, "steps": 5}
+
+
+def module_run(name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`bench.<name>.run(*args, **kwargs)`."""
+    result: dict[str, Any] = importlib.import_module(f"bench.{name}").run(*args, **kwargs)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,18 +44,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=2.0, help="state size (default 2)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
     parser.add_argument(
-        "--profile", action="store_true", help="stall only: cProfile one extra save (stderr)"
+        "--profile",
+        action="store_true",
+        help="stall: cProfile one extra save; control: cProfile the coordinator (stderr)",
     )
+    control = parser.add_argument_group("control only")
+    for name, default in CONTROL_DEFAULTS.items():
+        control.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}"
+        )
     args = parser.parse_args(argv)
+    given = [k for k in CONTROL_DEFAULTS if getattr(args, k) is not None]
+    if args.name != "control" and given:
+        parser.error(f"--{given[0].replace('_', '-')} applies to control only")
     if args.size_gib <= 0 or args.reps < 1:
         parser.error("--size-gib must be > 0 and --reps >= 1")
-    if args.reps < 3:
-        log(f"WARNING: {args.reps} reps; medians of fewer than 3 reps are not meaningful here")
+    if args.name == "control":
+        sizes = {k: d if getattr(args, k) is None else getattr(args, k)
+                 for k, d in CONTROL_DEFAULTS.items()}  # fmt: skip
+        if min(sizes.values()) < 1:
+            parser.error("--nodes, --ranks-per-node and --steps must be >= 1")
+        call = functools.partial(module_run, args.name, profile=args.profile, **sizes)
+    else:
+        if args.reps < 3:
+            log(f"WARNING: {args.reps} reps; medians of fewer than 3 reps are not meaningful here")
+        kwargs = {"profile": True} if args.profile and args.name == "stall" else {}
+        call = functools.partial(module_run, args.name, args.size_gib, args.reps, **kwargs)
     sigterm_as_interrupt()
-    module = importlib.import_module(f"bench.{args.name}")
-    kwargs = {"profile": True} if args.profile and args.name == "stall" else {}
     try:
-        result = module.run(args.size_gib, args.reps, **kwargs)
+        result = call()
     except BaseException as e:
         traceback.print_exc()
         emit({"error": f"{type(e).__name__}: {e}"})

@@ -1,0 +1,842 @@
+"""`python -m bench control --nodes N [--ranks-per-node 8] [--steps S]`: the control plane at
+scale, with simulated agents and ranks (events only, no tensor bytes; tasks, not processes).
+
+What runs for real: an embedded nats-server, the `TIERPIPE` stream, the job-state KV bucket and
+ONE retention `Coordinator` for the job, in its own thread with its own event loop (uvloop where
+installed, as the agent) and its own NATS connection, so that thread's CPU time
+(`pthread_getcpuclockid`) is the coordinator's whole cost: decoding, nats-py, the fold
+(`JobState`), the KV writes, its object-removal events. Its object store is a no-op recorder.
+
+What is simulated (in the main thread, its publishing cost not counted): every node publishes for
+each of its ranks what a real agent and trainer publish per checkpoint, in phases across all
+ranks: `staged` (trainer), `written` (nvme-write), `verified` (verify), `evicted` ram (evict:
+slot released), `flushed` (flush); then, once the checkpoint is folded and quiet, the nodes
+apply the floors as stored in KV and publish `evicted` nvme for their copies below the NVMe floor
+(as `tierpipe.stages.evict` does). Publishes are pipelined (`publish_async`, at most `IN_FLIGHT`
+unacknowledged) on one connection, so stream order is publication order.
+
+The job keeps `KEEP` (2 complete steps on NVMe, 1 in object storage): from the third checkpoint
+on every checkpoint is steady state (one step completes, one leaves object storage, one leaves
+NVMe). Per-checkpoint figures are means over those steady checkpoints (all checkpoints when
+fewer than 3 steps). A checkpoint's interval runs from its first `staged` to the quiet after its
+NVMe evictions (the fold caught up with the stream and no KV write for `QUIET_FLUSHES` flushes).
+
+Figures (JSON keys):
+- `deliveries_per_ckpt_per_node`: JetStream deliveries per checkpoint per node, the sum of
+  `stage_deliveries_per_ckpt_per_node` (FORMULA, the stages are not run: each node's durable
+  consumers take `staged` (nvme-write), `written` (verify), `verified` (flush) and `verified`
+  (evict) of its own ranks: 4 x ranks-per-node), `coordinator_deliveries_per_ckpt_per_node`
+  (MEASURED: every consumer's delivered count from the server's `/jsz`, over the checkpoint's
+  interval: the coordinator's ordered consumer of the job's events and its KV watchers) and
+  `floor_watch_deliveries_per_ckpt_per_node` (MEASURED writes of the floor key per checkpoint x
+  1: every agent watches `*.floor`). `trainer_core_deliveries_per_ckpt_per_node` (core NATS,
+  not JetStream, not in the sum): each rank's Checkpointer subscribes to its own shard's subject,
+  so it gets every event its node publishes about it (counted from the simulated events).
+- `coordinator_cpu_s_per_ckpt`: the coordinator thread's CPU per checkpoint;
+  `coordinator_events_per_cpu_s`: stream messages folded per second of it.
+- `fold_lag_s`: from the last `flushed` of the last step to the KV head listing that step as
+  complete in object storage (`fold_lag_s_max`: the largest over all steps).
+- `max_msg_bytes`: the largest payload published: the simulated events, the coordinator's events
+  and every KV value the coordinator wrote. (The old restore protocol's plan message is not
+  published here: `old_restore.plan_msg_bytes` is its size at this world size.)
+- `kv_bytes_per_ckpt`, `kv_writes_per_ckpt`: values the coordinator wrote per checkpoint (lease
+  renewals excluded).
+- `restart_state_bytes`: what one rank reads from KV at restart: the head and the record of every
+  step it lists (`restart_records` of them, `record_bytes` each at this world size), measured by
+  reading them. With the default retention (3 on NVMe, 10 in object storage) a job keeps about
+  13 records: about head + 13 x `record_bytes`.
+- `restart_s_history_ratio`: MEASURED on small separate jobs (`HISTORY_NODES` nodes, default
+  retention, paced publishing): the median time to read that restart state after 1,000
+  checkpoints over the same after 10 (`restart_s_history` has both).
+- `plan_s`: null. The KV-based restore agreement is not built yet; restore still replays the
+  job's stream (`tierpipe.recovery.agree`). `old_restore` measures that protocol's rank-0 side on
+  this job: the replay of the whole job stream into a catalog (`replay_s`, `replay_events`,
+  `replay_bytes`: what rank 0 reads at restart), `plan_recovery_s`, and `plan_msg_bytes`, the
+  one plan message every rank receives.
+- `kv_equals_fold`: the KV (head, floors, every step record and no other step key) equals a
+  fresh `JobState` fold of the job's stream as stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import importlib.util
+import json
+import pstats
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.common import log, scratch_dir
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
+    from tierpipe.bus import Bus
+    from tierpipe.jobstate import JobState
+    from tierpipe.kvstate import JobStore
+    from tierpipe.schemas import Event
+    from tierpipe.schemas.jobstate import JobHead
+    from tierpipe.settings import Settings
+
+__all__ = ["run"]
+
+#: The retention of the measured job: the smallest, so steady state comes at the third step.
+KEEP_NVME, KEEP_S3 = 2, 1
+#: Unacknowledged publishes of the simulated agents.
+IN_FLIGHT = 256
+#: The message limit every message must stay under.
+MSG_LIMIT = 256 * 1024
+#: Quiet: the fold caught up and no KV write for this many flush intervals.
+QUIET_FLUSHES = 2.5
+POLL_S = 0.05
+#: The restart-state read at 10 vs 1,000 checkpoints of history: nodes, and reads timed.
+HISTORY_NODES = 1
+HISTORY_STEPS = (10, 1000)
+HISTORY_READS = 21
+#: Paced publishing in the history runs: at most this many steps ahead of the fold.
+HISTORY_LAG_STEPS = 20
+#: What a shard would be (in the events only).
+SHARD_BYTES = 1 << 30
+TENSORS = 205
+EPOCH = 1_767_225_600_000_000_000
+BUCKET = "tierpipe-bench"
+COORDINATOR = "bench-coordinator"
+
+
+def _node(n: int) -> str:
+    return f"node-{n:05d}"
+
+
+# --- the simulated agents
+
+
+@dataclass
+class Layout:
+    """The job's ranks on its nodes."""
+
+    job: str
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> str:
+        return _node(rank // self.ranks_per_node)
+
+    def phases(self, step: int) -> list[list[Event]]:
+        """One checkpoint's events as the agents and trainers publish them: every rank's
+        `staged`, then `written`, then `verified` with the slot's release, then `flushed`."""
+        from tierpipe.names import shard_relpath
+        from tierpipe.schemas import (
+            ShardEvicted,
+            ShardFlushed,
+            ShardStaged,
+            ShardVerified,
+            ShardWritten,
+        )
+
+        w = self.world_size
+        ts = time.time()
+        staged: list[Event] = []
+        written: list[Event] = []
+        verified: list[Event] = []
+        flushed: list[Event] = []
+        for rank in range(w):
+            ident: dict[str, Any] = dict(
+                job=self.job, node=self.node_of(rank), ts=ts, step=step, rank=rank, world_size=w,
+                epoch=EPOCH,
+            )  # fmt: skip
+            rel = str(shard_relpath(self.job, step, rank, w))
+            path = f"/nvme/tierpipe/{rel}"
+            slot = f"/dev/shm/tierpipe/{self.job}/rank-{rank:05d}/slot-{step % 2}"
+            digest = f"{step:016x}{rank:016x}"
+            staged.append(
+                ShardStaged(**ident, staging_path=slot, slot=step % 2, nbytes=SHARD_BYTES,
+                            tensors=TENSORS, stall_s=0.05, generation=step)
+            )  # fmt: skip
+            written.append(
+                ShardWritten(**ident, path=path, nbytes=SHARD_BYTES, header_digest=digest,
+                             tensors=TENSORS, seconds=1.5)
+            )  # fmt: skip
+            verified += [
+                ShardVerified(**ident, path=path, nbytes=SHARD_BYTES, header_digest=digest,
+                              seconds=0.8),
+                ShardEvicted(**ident, tier="ram", location=slot, reason="nvme copy verified"),
+            ]  # fmt: skip
+            flushed.append(
+                ShardFlushed(**ident, bucket=BUCKET, key=rel, etag=f'"{digest}-64"',
+                             checksum="AAAAAA==-64", header_digest=digest, nbytes=SHARD_BYTES,
+                             seconds=12.0)
+            )  # fmt: skip
+        return [staged, written, verified, flushed]
+
+    def nvme_evictions(self, step: int) -> list[Event]:
+        """Every node removing its NVMe copies of `step` (retention, once flushed)."""
+        from tierpipe.names import shard_relpath
+        from tierpipe.schemas import ShardEvicted
+
+        w = self.world_size
+        ts = time.time()
+        return [
+            ShardEvicted(
+                job=self.job, node=self.node_of(rank), ts=ts, step=step, rank=rank, world_size=w,
+                epoch=EPOCH, tier="nvme",
+                location=f"/nvme/tierpipe/{shard_relpath(self.job, step, rank, w)}",
+                reason="retention (if-flushed)",
+            )
+            for rank in range(w)
+        ]  # fmt: skip
+
+
+class Publisher:
+    """The simulated agents' publishing: the `Bus.publish` headers, pipelined."""
+
+    def __init__(self, bus: Bus, settings: Settings) -> None:
+        assert bus.nc is not None
+        self._js = bus.nc.jetstream(
+            timeout=settings.request_timeout_s, publish_async_max_pending=IN_FLIGHT
+        )
+        self._stream = settings.stream
+        self.count = 0
+        self.max_bytes = 0
+        self.last_seq = 0
+
+    async def publish(self, events: Iterable[Event]) -> None:
+        from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER
+        from tierpipe.names import event_subject, msg_id
+        from tierpipe.schemas import SCHEMA_VERSION, encode_event
+
+        futures = []
+        for event in events:
+            data = encode_event(event)
+            self.max_bytes = max(self.max_bytes, len(data))
+            headers = {
+                "Nats-Msg-Id": msg_id(event),
+                KIND_HEADER: str(type(event).__struct_config__.tag),
+                SCHEMA_HEADER: str(SCHEMA_VERSION),
+            }
+            futures.append(
+                await self._js.publish_async(
+                    event_subject(event), data, stream=self._stream, headers=headers
+                )
+            )
+        await self._js.publish_async_completed()
+        for f in futures:
+            ack = f.result()  # (raises what the server refused)
+            if ack.duplicate:
+                raise RuntimeError(f"duplicate publish at seq {ack.seq}")
+            self.last_seq = max(self.last_seq, ack.seq)
+        self.count += len(futures)
+
+
+# --- the coordinator, in its own thread
+
+
+@dataclass
+class CoordinatorStats:
+    """What the coordinator wrote and published (updated from its thread)."""
+
+    kv_writes: int = 0
+    kv_bytes: int = 0
+    kv_max_bytes: int = 0
+    floor_writes: int = 0
+    lease_writes: int = 0
+    published: int = 0
+    published_max_bytes: int = 0
+    removed: list[tuple[str, int]] = field(default_factory=list)
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.kv_writes, self.kv_bytes, self.floor_writes
+
+
+class CoordinatorThread:
+    """One real `Coordinator` (following every job in the bucket) on its own event loop."""
+
+    def __init__(self, settings: Settings, *, profile: bool = False) -> None:
+        self.settings = settings
+        self.stats = CoordinatorStats()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._coordinator: Any = None
+        self._profile = cProfile.Profile() if profile else None
+        self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
+
+    def __enter__(self) -> CoordinatorThread:
+        self._thread.start()
+        if not self._ready.wait(30) or self._error is not None:
+            raise RuntimeError(f"the coordinator did not start: {self._error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+
+    def cpu_s(self) -> float:
+        """The coordinator thread's CPU time so far."""
+        ident = self._thread.ident
+        assert ident is not None
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+    def hosts(self, job: str) -> None:
+        """Make this coordinator a lease candidate for `job` (it hosts rank 0)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._coordinator.hosts, job, 0)
+
+    def leads(self, job: str) -> bool:
+        return job in self._coordinator.leading
+
+    def stop_profile(self) -> pstats.Stats | None:
+        """Stop profiling (in the coordinator's thread, where it was started)."""
+        if self._profile is None or self._loop is None:
+            return None
+        done = threading.Event()
+
+        def stop() -> None:
+            assert self._profile is not None
+            self._profile.disable()
+            done.set()
+
+        self._loop.call_soon_threadsafe(stop)
+        done.wait(10)
+        out = pstats.Stats(self._profile, stream=sys.stderr)
+        self._profile = None
+        return out
+
+    def _main(self) -> None:
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+        if importlib.util.find_spec("uvloop") is not None:
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        try:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(self._serve())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            log(f"coordinator thread failed: {e!r}")
+
+    async def _serve(self) -> None:
+        from tierpipe.bus import Bus
+        from tierpipe.coordinator import Coordinator
+        from tierpipe.kvstate import JobStore
+
+        if self._profile is not None:
+            self._profile.enable()
+        stats = self.stats
+
+        async def remove(job: str, step: int, world_size: int) -> None:
+            stats.removed.append((job, step))
+
+        async with Bus(self.settings, name=COORDINATOR) as bus:
+            store = await JobStore(bus.js, self.settings).open()
+            _instrument(store, bus, stats)
+            self._coordinator = Coordinator(self.settings, bus, store, COORDINATOR, remove)
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            task = asyncio.create_task(self._coordinator.run())
+            self._ready.set()
+            await self._stop.wait()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+
+def _instrument(store: JobStore, bus: Bus, stats: CoordinatorStats) -> None:
+    """Count what the coordinator writes to KV and publishes (wrapping this instance only)."""
+    cas = store._cas
+    publish = bus._publish
+
+    async def counted_cas(job: str, key: str, value: bytes) -> None:
+        if key.endswith(".lease"):
+            stats.lease_writes += 1
+        else:
+            stats.kv_writes += 1
+            stats.kv_bytes += len(value)
+            stats.floor_writes += key.endswith(".floor")
+        stats.kv_max_bytes = max(stats.kv_max_bytes, len(value))
+        await cas(job, key, value)
+
+    async def counted_publish(subject: str, data: bytes, **kwargs: Any) -> Any:
+        stats.published += 1
+        stats.published_max_bytes = max(stats.published_max_bytes, len(data))
+        return await publish(subject, data, **kwargs)
+
+    store._cas = counted_cas  # type: ignore[method-assign]
+    bus._publish = counted_publish  # type: ignore[method-assign]
+
+
+# --- reading the server and the KV
+
+
+def _deliveries(monitor_url: str) -> dict[str, int]:
+    """Consumer name -> messages it delivered, for every consumer on the server."""
+    url = f"{monitor_url}/jsz?accounts=true&streams=true&consumers=true"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        info = json.loads(r.read())
+    out = {}
+    for account in info.get("account_details") or []:
+        for stream in account.get("stream_detail") or []:
+            for c in stream.get("consumer_detail") or []:
+                out[f"{stream['name']}/{c['name']}"] = int(c["delivered"]["consumer_seq"])
+    return out
+
+
+def _delivered_since(before: dict[str, int], after: dict[str, int]) -> int:
+    return sum(n - before.get(name, 0) for name, n in after.items())
+
+
+async def _restart_read(kv: KeyValue, job: str) -> tuple[int, int]:
+    """What one rank reads at restart: the head, then the record of every step it lists.
+    (bytes, records)."""
+    import msgspec
+
+    from tierpipe.kvstate import head_key, step_key
+    from tierpipe.schemas.jobstate import JobHead
+
+    entry = await kv.get(head_key(job))
+    head = msgspec.json.decode(entry.value or b"", type=JobHead)
+    total = len(entry.value or b"")
+    for step in head.steps:
+        total += len((await kv.get(step_key(job, step))).value or b"")
+    return total, len(head.steps)
+
+
+class Driver:
+    """The simulated agents of one job, and the waits on its coordinator."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        server_monitor_url: str,
+        bus: Bus,
+        store: JobStore,
+        coordinator: CoordinatorThread,
+        layout: Layout,
+    ) -> None:
+        self.settings, self.bus, self.store = settings, bus, store
+        self.monitor_url = server_monitor_url
+        self.coordinator = coordinator
+        self.layout = layout
+        self.publisher = Publisher(bus, settings)
+        #: Steps whose NVMe copies the nodes still hold.
+        self.on_nvme: set[int] = set()
+        #: Events per (node, rank) subject: what each rank's Checkpointer receives.
+        self.node_events = 0
+
+    @property
+    def job(self) -> str:
+        return self.layout.job
+
+    async def start(self, keep: Any) -> None:
+        """Register the job, and wait until the coordinator leads it."""
+        self.coordinator.hosts(self.job)
+        await self.store.register(self.job, keep)
+        deadline = time.monotonic() + 30
+        while not self.coordinator.leads(self.job):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not take the lease of {self.job}")
+            await asyncio.sleep(POLL_S)
+
+    async def publish(self, events: list[Event]) -> None:
+        await self.publisher.publish(events)
+        self.node_events += len(events)
+
+    async def checkpoint(self, step: int) -> None:
+        """Every rank's events of one checkpoint, phase after phase (pipelined)."""
+        await self.publish([e for phase in self.layout.phases(step) for e in phase])
+        self.on_nvme.add(step)
+
+    async def apply_floors(self) -> int:
+        """The nodes remove their NVMe copies the stored floors no longer keep; steps removed."""
+        floors = await self.store.floors(self.job)
+        gone = sorted(t for t in self.on_nvme if t < floors.nvme and t not in floors.keep)
+        for step in gone:
+            await self.publish(self.layout.nvme_evictions(step))
+            self.on_nvme.discard(step)
+        return len(gone)
+
+    async def head(self) -> JobHead | None:
+        return await self.store.head(self.job)
+
+    async def last_seq(self) -> int:
+        info = await self.bus.js.stream_info(self.settings.stream)
+        return int(info.state.last_seq)
+
+    async def wait_complete(self, step: int, timeout_s: float) -> None:
+        """Until the KV head lists `step` as complete in object storage."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            head = await self.head()
+            if head is not None and step in head.s3_steps:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"step {step} not complete in the KV head after {timeout_s} s")
+            await asyncio.sleep(POLL_S / 5)
+
+    async def wait_folded(self, seq: int, timeout_s: float) -> None:
+        """Until the KV head says the fold reached stream sequence `seq`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            head = await self.head()
+            if seq == 0 or (head is not None and head.seq >= seq):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the fold did not reach seq {seq} within {timeout_s} s")
+            await asyncio.sleep(POLL_S)
+
+    async def wait_quiet(self, timeout_s: float) -> None:
+        """Until the fold caught up with the stream and nothing was written to KV for
+        `QUIET_FLUSHES` flush intervals."""
+        deadline = time.monotonic() + timeout_s
+        quiet_s = QUIET_FLUSHES * self.settings.coordinator_flush_s
+        since: float | None = None
+        writes = -1
+        while True:
+            head = await self.head()
+            last = await self.last_seq()
+            now_writes = self.coordinator.stats.kv_writes
+            if head is not None and head.seq >= last and now_writes == writes:
+                since = since or time.monotonic()
+                if time.monotonic() - since >= quiet_s:
+                    return
+            else:
+                since = None
+            writes = now_writes
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not catch up within {timeout_s} s")
+            await asyncio.sleep(POLL_S)
+
+    def timeout_s(self) -> float:
+        return 60 + self.layout.world_size * 7 / 500  # (at worst 500 events/s folded)
+
+
+# --- one measured job
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    wall_s: float
+    publish_s: float
+    fold_lag_s: float
+    cpu_s: float
+    stream_msgs: int
+    sim_events: int
+    deliveries: int
+    kv_writes: int
+    kv_bytes: int
+    floor_writes: int
+
+
+async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
+    from tierpipe.schemas.jobstate import Keep
+
+    await d.start(Keep(nvme_keep_latest_k=KEEP_NVME, s3_keep_latest_k=KEEP_S3))
+    out = []
+    for step in range(1, steps + 1):
+        cpu0 = d.coordinator.cpu_s()
+        del0 = _deliveries(d.monitor_url)
+        seq0, sim0 = await d.last_seq(), d.publisher.count
+        kv0 = d.coordinator.stats.snapshot()
+        t0 = time.perf_counter()
+        await d.checkpoint(step)
+        t1 = time.perf_counter()
+        await d.wait_complete(step, d.timeout_s())
+        t2 = time.perf_counter()
+        await d.wait_quiet(d.timeout_s())
+        await d.apply_floors()
+        await d.wait_quiet(d.timeout_s())
+        t3 = time.perf_counter()
+        cpu1 = d.coordinator.cpu_s()
+        del1 = _deliveries(d.monitor_url)
+        kv1 = d.coordinator.stats.snapshot()
+        ckpt = Checkpoint(
+            step=step, wall_s=t3 - t0, publish_s=t1 - t0, fold_lag_s=t2 - t1, cpu_s=cpu1 - cpu0,
+            stream_msgs=await d.last_seq() - seq0, sim_events=d.publisher.count - sim0,
+            deliveries=_delivered_since(del0, del1), kv_writes=kv1[0] - kv0[0],
+            kv_bytes=kv1[1] - kv0[1], floor_writes=kv1[2] - kv0[2],
+        )  # fmt: skip
+        log(f"  step {step}: {ckpt.stream_msgs} msgs, publish {ckpt.publish_s:.2f} s, fold lag "
+            f"{ckpt.fold_lag_s:.2f} s, coordinator cpu {ckpt.cpu_s:.3f} s, "
+            f"{ckpt.deliveries} deliveries, {ckpt.kv_writes} kv writes ({ckpt.kv_bytes} B), "
+            f"wall {ckpt.wall_s:.1f} s")  # fmt: skip
+        out.append(ckpt)
+    return out
+
+
+async def _history_job(d: Driver, steps: int) -> float:
+    """A job of `steps` checkpoints published at pace (at most `HISTORY_LAG_STEPS` ahead of the
+    fold), with the nodes applying the floors as stored before each; then the median time to
+    read the restart state."""
+    await d.start(None)  # (the settings' default retention)
+    ends: dict[int, int] = {}
+    for step in range(1, steps + 1):
+        await d.apply_floors()
+        await d.checkpoint(step)
+        ends[step] = d.publisher.last_seq
+        await d.wait_folded(ends.get(step - HISTORY_LAG_STEPS, 0), d.timeout_s())
+    await d.wait_complete(steps, d.timeout_s())
+    await d.wait_quiet(d.timeout_s())
+    await d.apply_floors()
+    await d.wait_quiet(d.timeout_s())
+    times = []
+    size = records = 0
+    for _ in range(HISTORY_READS):
+        t0 = time.perf_counter()
+        size, records = await _restart_read(d.store.kv, d.job)
+        times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    log(f"  history {steps} steps ({d.publisher.count} events): restart read {size} B, "
+        f"{records} records, {s * 1e3:.2f} ms")  # fmt: skip
+    return s
+
+
+async def _replay(d: Driver) -> tuple[list[tuple[int, Event]], float]:
+    from nats.js import api
+
+    from tierpipe import history
+    from tierpipe.names import job_subjects
+
+    assert d.bus.nc is not None
+    t0 = time.perf_counter()
+    stored = await history.collect(
+        d.bus.nc, d.bus.js, d.settings.stream, job_subjects(d.job), api.DeliverPolicy.ALL,
+        seqs=True, timeout=d.settings.request_timeout_s,
+    )  # fmt: skip
+    return stored, time.perf_counter() - t0
+
+
+def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> dict[str, Any]:
+    """Rank 0 of the old protocol: the catalog folded from the whole job stream, the plan, and
+    the plan message every rank receives."""
+    from tierpipe.catalog import Catalog
+    from tierpipe.recovery.plan import plan_recovery
+    from tierpipe.schemas import RecoveryPlanned, encode_event
+
+    t0 = time.perf_counter()
+    catalog = Catalog()
+    for _, event in stored:
+        catalog.apply(event)
+    fold_s = time.perf_counter() - t0
+    lay = d.layout
+    rank_nodes = {r: lay.node_of(r) for r in range(lay.world_size)}
+    local = sorted(d.on_nvme)
+    t0 = time.perf_counter()
+    plan = plan_recovery(
+        catalog, d.job, world_size=lay.world_size, alive=set(rank_nodes.values()),
+        rank_nodes=rank_nodes, local_steps={r: local for r in range(lay.world_size)},
+    )  # fmt: skip
+    plan_s = time.perf_counter() - t0
+    msg = RecoveryPlanned(
+        job=d.job, node=lay.node_of(0), ts=time.time(), restart="bench", round=1,
+        step=plan.step, world_size=lay.world_size, sources=plan.sources, rejected=plan.rejected,
+    )  # fmt: skip
+    return {
+        "replay_s": read_s + fold_s,
+        "replay_events": len(stored),
+        "replay_bytes": sum(len(encode_event(e)) for _, e in stored),
+        "plan_recovery_s": plan_s,
+        "plan_step": plan.step,
+        "plan_msg_bytes": len(encode_event(msg)),
+    }
+
+
+def _kv_equals_fold(
+    state: JobState, head: bytes, floors: bytes, records: dict[int, bytes]
+) -> list[str]:
+    """Where the KV differs from `state` (empty: it equals it)."""
+    import msgspec
+
+    from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
+
+    problems = []
+    if msgspec.json.decode(head, type=JobHead) != state.head():
+        problems.append(f"head: kv {head!r} != fold {state.head()}")
+    if msgspec.json.decode(floors, type=Floors) != state.floors():
+        problems.append(f"floors: kv {floors!r} != fold {state.floors()}")
+    want = state.records()
+    if sorted(records) != sorted(want):
+        problems.append(f"step keys: kv {sorted(records)} != fold {sorted(want)}")
+    for step, value in records.items():
+        if step in want and msgspec.json.decode(value, type=StepRecord) != want[step]:
+            problems.append(f"step {step}: kv differs from the fold")
+    return problems
+
+
+async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> list[str]:
+    """The KV against a fresh fold of the job's stream as stored."""
+    from tierpipe.jobstate import JobState
+    from tierpipe.kvstate import floor_key, head_key
+
+    state = JobState(d.job, keep)
+    for seq, event in stored:
+        state.apply(seq, event)
+    kv = d.store.kv
+    records = {}
+    prefix = f"{d.job}.step."
+    for key in await kv.keys():
+        if key.startswith(prefix):
+            records[int(key[len(prefix) :])] = (await kv.get(key)).value or b""
+    head = (await kv.get(head_key(d.job))).value or b""
+    floors = (await kv.get(floor_key(d.job))).value or b""
+    return _kv_equals_fold(state, head, floors, records)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(statistics.fmean(xs)) if xs else 0.0
+
+
+async def _main(
+    work: Path,
+    nodes: int,
+    ranks_per_node: int,
+    steps: int,
+    history_steps: Sequence[int],
+    old_restore: bool,
+    profile: bool,
+) -> dict[str, Any]:
+    from tierpipe.bus import Bus
+    from tierpipe.dev import NatsServer
+    from tierpipe.kvstate import JobStore
+    from tierpipe.schemas.jobstate import Keep
+    from tierpipe.settings import load_settings
+
+    with NatsServer(work / "nats") as server:
+        settings = load_settings(
+            path=None, env={"TIERPIPE_NATS_URL": server.url, "TIERPIPE_LOG_LEVEL": "warning"}
+        )
+        async with Bus(settings, name="bench-agents") as bus:
+            await bus.ensure_stream()
+            store = await JobStore(bus.js, settings).open()
+            with CoordinatorThread(settings, profile=profile) as coordinator:
+                layout = Layout("control", nodes, ranks_per_node)
+                d = Driver(settings, server.monitor_url, bus, store, coordinator, layout)
+                log(f"control: {nodes} nodes x {ranks_per_node} ranks, {steps} steps")
+                ckpts = await _measured_job(d, steps)
+                prof = coordinator.stop_profile()
+                restart_bytes, restart_records = await _restart_read(store.kv, d.job)
+                record_bytes = 0
+                head = await d.head()
+                if head is not None and head.steps:
+                    entry = await store.kv.get(f"{d.job}.step.{head.steps[-1]}")
+                    record_bytes = len(entry.value or b"")
+                stored, read_s = await _replay(d)
+                keep = Keep(nvme_keep_latest_k=KEEP_NVME, s3_keep_latest_k=KEEP_S3)
+                problems = await _check_kv(d, stored, keep)
+                for p in problems:
+                    log(f"  KV != fold: {p}")
+                old = _old_restore(d, stored, read_s) if old_restore else None
+                del stored
+                history: dict[str, float] = {}
+                for n in history_steps:
+                    hist = Layout(f"history{n}", HISTORY_NODES, ranks_per_node)
+                    hd = Driver(settings, server.monitor_url, bus, store, coordinator, hist)
+                    history[str(n)] = await _history_job(hd, n)
+                published_max = coordinator.stats.published_max_bytes
+                kv_max = coordinator.stats.kv_max_bytes
+                removed = sum(job == d.job for job, _ in coordinator.stats.removed)
+    if prof is not None:
+        _print_profile(prof)
+    steady = [c for c in ckpts if c.step >= 3] or ckpts
+    cpu = _mean([c.cpu_s for c in steady])
+    msgs = _mean([c.stream_msgs for c in steady])
+    r = ranks_per_node
+    stage = 4 * r
+    coord = _mean([c.deliveries for c in steady])
+    floor_watch = _mean([c.floor_writes for c in steady])
+    ratio = None
+    if len(history_steps) == 2 and history[str(history_steps[0])] > 0:
+        ratio = history[str(history_steps[1])] / history[str(history_steps[0])]
+    result: dict[str, Any] = {
+        "nodes": nodes,
+        "ranks_per_node": r,
+        "world_size": layout.world_size,
+        "steps": steps,
+        "steady_steps": [c.step for c in steady],
+        "deliveries_per_ckpt_per_node": stage + coord / nodes + floor_watch,
+        "stage_deliveries_per_ckpt_per_node": stage,
+        "coordinator_deliveries_per_ckpt": coord,
+        "coordinator_deliveries_per_ckpt_per_node": coord / nodes,
+        "floor_watch_deliveries_per_ckpt_per_node": floor_watch,
+        "trainer_core_deliveries_per_ckpt_per_node": _mean([c.sim_events for c in steady]) / nodes,
+        "coordinator_cpu_s_per_ckpt": cpu,
+        "coordinator_cpu_s_by_step": [round(c.cpu_s, 4) for c in ckpts],
+        "coordinator_events_per_cpu_s": msgs / cpu if cpu else None,
+        "stream_msgs_per_ckpt": msgs,
+        "fold_lag_s": ckpts[-1].fold_lag_s,
+        "fold_lag_s_max": max(c.fold_lag_s for c in ckpts),
+        "ckpt_wall_s": _mean([c.wall_s for c in steady]),
+        "publish_s_per_ckpt": _mean([c.publish_s for c in steady]),
+        "max_msg_bytes": max(d.publisher.max_bytes, published_max, kv_max),
+        "max_event_bytes": max(d.publisher.max_bytes, published_max),
+        "max_kv_value_bytes": kv_max,
+        "kv_bytes_per_ckpt": _mean([c.kv_bytes for c in steady]),
+        "kv_writes_per_ckpt": _mean([c.kv_writes for c in steady]),
+        "restart_state_bytes": restart_bytes,
+        "restart_records": restart_records,
+        "record_bytes": record_bytes,
+        "restart_s_history_ratio": ratio,
+        "restart_s_history": history,
+        "plan_s": None,
+        "old_restore": old,
+        "objects_removed_steps": removed,
+        "kv_equals_fold": not problems,
+        "msg_limit_bytes": MSG_LIMIT,
+        "notes": (
+            "plan_s: null, the KV-based restore agreement is not built yet (restore replays the "
+            "job stream: old_restore is rank 0's side of it on this job). "
+            "stage_deliveries_per_ckpt_per_node is a formula (4 x ranks per node: nvme-write, "
+            "verify, flush, evict consumers of the node's own events), the other deliveries are "
+            "measured (/jsz). restart_s_history_ratio: restart-state read time after "
+            f"{'/'.join(map(str, history_steps))} checkpoints of {HISTORY_NODES}-node jobs "
+            "(default retention). Retention of the measured job: "
+            f"{KEEP_NVME} on NVMe, {KEEP_S3} in object storage."
+        ),
+    }
+    return result
+
+
+def _print_profile(stats: pstats.Stats) -> None:
+    """The coordinator thread's profile over the measured job, on stderr."""
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
+def run(
+    nodes: int = 100,
+    ranks_per_node: int = 8,
+    steps: int = 5,
+    *,
+    history_steps: Sequence[int] = HISTORY_STEPS,
+    old_restore: bool = True,
+    profile: bool = False,
+) -> dict[str, Any]:
+    """Drive the control plane for `steps` checkpoints of `nodes` x `ranks_per_node` ranks;
+    the figures of the module's docstring."""
+    from tierpipe.log import configure_logging
+
+    if nodes < 1 or ranks_per_node < 1 or steps < 1:
+        raise ValueError("nodes, ranks_per_node and steps must be >= 1")
+    # structlog's defaults print to stdout, which must carry only the JSON line.
+    configure_logging("warning", "json", only_if_unconfigured=True)
+    with scratch_dir("control") as work:
+        coro: Coroutine[Any, Any, dict[str, Any]] = _main(
+            work, nodes, ranks_per_node, steps, history_steps, old_restore, profile
+        )
+        return asyncio.run(coro)
