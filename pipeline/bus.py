@@ -29,7 +29,7 @@ from nats.js import api
 
 from tierpipe import history, stream
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError
-from tierpipe.history import Watch
+from tierpipe.history import Follow, Watch
 from tierpipe.log import register_secrets, scrub, settings_secrets
 from tierpipe.names import event_subject, msg_id, redact_url
 from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
@@ -361,15 +361,20 @@ class Bus:
         return await self._collect(subject, api.DeliverPolicy.LAST_PER_SUBJECT, seqs=True)
 
     def watch(
-        self, subject: str, *, each_subject: bool = True, start_seq: int | None = None
+        self, subject: str, *, each_subject: bool = True
     ) -> contextlib.AbstractAsyncContextManager[Watch]:
         """The newest stored message on each subject matching `subject` (the newest of them
-        all with `each_subject=False`; every one from `start_seq` on, if given), then every
-        later one as the stream stores it, in stream order (see `tierpipe.history.watch`).
-        Open it before publishing what its messages answer."""
-        return history.watch(
-            self.js, self.settings.stream, subject, each_subject=each_subject, start_seq=start_seq
-        )
+        all with `each_subject=False`), then every later one as the stream stores it, in stream
+        order (see `tierpipe.history.watch`). Open it before publishing what its messages
+        answer."""
+        return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
+
+    def follow(
+        self, subject: str, *, start_seq: int
+    ) -> contextlib.AbstractAsyncContextManager[Follow]:
+        """Every message on `subject` from `start_seq` on, then every later one, in batches
+        (see `tierpipe.history.follow`): for a reader that folds a lot of them."""
+        return history.follow(self.js, self.settings.stream, subject, start_seq=start_seq)
 
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool

@@ -114,19 +114,20 @@ class Coordinator:
         renew_at = time.monotonic() + s.lease_ttl_s / 3
         keep_at = time.monotonic() + 5.0
         try:
-            async with self.bus.watch(job_subjects(job), start_seq=start) as watch:
+            async with self.bus.follow(job_subjects(job), start_seq=start) as events:
                 while True:
                     deadline = time.monotonic() + s.coordinator_flush_s
                     while (left := deadline - time.monotonic()) > 0:
-                        stored = await watch.next(left)
-                        if stored is None:
+                        batch = await events.batch(left)
+                        for stored in batch:
+                            if stored.event is None:
+                                continue  # (no event this version reads: skipped, as replays do)
+                            if isinstance(stored.event, RecoveryPlanned | RestoreReport):
+                                pins.note(stored.event)  # pinned before later events fold
+                                state.pin(pins.steps(job), hold=pins.held(job))
+                            state.apply(stored.seq, stored.event)
+                        if not batch:
                             break
-                        if stored.event is None:
-                            continue  # (not an event this version reads: skipped, as replays do)
-                        if isinstance(stored.event, RecoveryPlanned | RestoreReport):
-                            pins.note(stored.event)  # pinned before any later event is folded
-                            state.pin(pins.steps(job), hold=pins.held(job))
-                        state.apply(stored.seq, stored.event)
                     state.pin(pins.steps(job), hold=pins.held(job))  # (a pin that timed out goes)
                     if time.monotonic() >= renew_at:
                         lease = await self.store.renew(job, lease, s.lease_ttl_s)

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import nats
@@ -17,10 +16,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from tierpipe.errors import BusError, BusUnavailableError
-from tierpipe.nats_conn import UNAVAILABLE
+from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.schemas import Event, decode_event
 
-__all__ = ("Stored", "Watch", "collect", "watch")
+__all__ = ("Follow", "Stored", "Watch", "collect", "follow", "watch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +66,11 @@ async def watch(
     subject: str,
     *,
     each_subject: bool = True,
-    start_seq: int | None = None,
 ) -> AsyncIterator[Watch]:
     """The newest stored message on each subject matching `subject` (the newest of them
-    all with `each_subject=False`; every one from stream sequence `start_seq` on, if given),
-    then every later one as the stream stores it, in stream order: what `latest` reads, kept
-    current without polling. Open it before publishing what its messages answer.
+    all with `each_subject=False`), then every later one as the stream stores it, in stream
+    order: what `latest` reads, kept current without polling. Open it before publishing what
+    its messages answer.
 
     An ordered push consumer: after a gap (a reconnect, missed heartbeats, a consumer the
     server lost) nats-py recreates it from the next stream sequence, so no stored message is
@@ -83,10 +81,6 @@ async def watch(
         BusError: the server refused the consumer.
     """
     policy = api.DeliverPolicy.LAST_PER_SUBJECT if each_subject else api.DeliverPolicy.LAST
-    start: dict[str, Any] = {}
-    if start_seq is not None:
-        policy = api.DeliverPolicy.BY_START_SEQUENCE
-        start = {"config": api.ConsumerConfig(opt_start_seq=max(start_seq, 1))}
     try:
         sub = await js.subscribe(
             subject,
@@ -94,7 +88,6 @@ async def watch(
             ordered_consumer=True,
             deliver_policy=policy,
             idle_heartbeat=1.0,
-            **start,
         )
     except nats.js.errors.APIError as e:
         raise BusError(f"watch {subject}: {e.description or e}") from e
@@ -102,6 +95,63 @@ async def watch(
         raise BusUnavailableError(f"watch {subject}: {e or type(e).__name__}") from e
     try:
         yield Watch(sub, subject)
+    finally:
+        with contextlib.suppress(Exception):  # a closed connection has no subscription left
+            await sub.unsubscribe()
+
+
+class Follow:
+    """Messages on a subject as the stream stores them, taken in batches: a callback queues
+    them as they arrive (no task or timer per message, as `Watch.next` has), and `batch()`
+    hands over what is queued (see `Bus.follow`)."""
+
+    def __init__(self) -> None:
+        self._queued: list[Stored] = []
+        self._arrived = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        try:
+            event: Event | None = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
+        self._queued.append(Stored(msg.metadata.sequence.stream, msg.subject, event))
+        self._arrived.set()
+
+    async def batch(self, timeout: float) -> list[Stored]:
+        """What arrived since the last batch, in stream order; waits up to `timeout` seconds
+        for the first message when none is queued (an empty list then)."""
+        if not self._queued:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), max(timeout, 0.001))
+        queued, self._queued = self._queued, []
+        self._arrived.clear()
+        return queued
+
+
+@contextlib.asynccontextmanager
+async def follow(
+    js: JetStreamContext, stream: str, subject: str, *, start_seq: int
+) -> AsyncIterator[Follow]:
+    """Every message on `subject` from stream sequence `start_seq` on, then every later one,
+    in batches (an ordered push consumer, as `watch`'s, with a callback).
+
+    Raises:
+        BusUnavailableError: JetStream did not answer.
+        BusError: the server refused the consumer.
+    """
+    batches = Follow()
+    with translate(f"follow {subject}"):
+        sub = await js.subscribe(
+            subject,
+            stream=stream,
+            cb=batches.on_msg,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=max(start_seq, 1)),
+            idle_heartbeat=1.0,
+        )
+    try:
+        yield batches
     finally:
         with contextlib.suppress(Exception):  # a closed connection has no subscription left
             await sub.unsubscribe()
