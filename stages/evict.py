@@ -33,7 +33,7 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.errors import StorageAuthError, UnavailableError
 from tierpipe.faults import maybe_fail
-from tierpipe.names import filter_subject, node_name, plan_subject, shard_relpath
+from tierpipe.names import filter_subject, node_name, plan_subject
 from tierpipe.retention import Eviction, Policy, plan_evictions
 from tierpipe.schemas import (
     Event,
@@ -187,17 +187,14 @@ class Evict:
         return False
 
     async def _remove_file(self, e: Eviction) -> bool:
-        path = self.nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-        if Path(e.location) != path:
+        path = self.nvme.locate(e.job, e.step, e.rank, e.world_size)
+        if Path(e.location) != Path(path):
             if (e.location, e.header_digest) not in self._refused:
                 self._refused.add((e.location, e.header_digest))
-                log.warning("nvme_eviction_refused", location=e.location, expected=str(path),
+                log.warning("nvme_eviction_refused", location=e.location, expected=path,
                             reason="not this node's shard path")  # fmt: skip
             return False
-        removed = await anyio.to_thread.run_sync(
-            functools.partial(self.nvme.remove, path, header_digest=e.header_digest)
-        )
-        return removed or not await anyio.Path(path).exists()
+        return await self.nvme.delete(path, header_digest=e.header_digest)
 
     async def _remove_object(self, e: Eviction) -> bool:
         """Delete the object an eviction names, only if it is this node's copy of that shard:
@@ -214,17 +211,17 @@ class Evict:
         digest = copy.header_digest if copy is not None else None
         if (e.location, digest) in self._refused:
             return False
-        key = store.key_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
-        if e.location != f"s3://{store.bucket}/{key}" or digest is None:
+        location = store.locate(e.job, e.step, e.rank, e.world_size)
+        if e.location != location or digest is None:
             log.warning(
                 "object_eviction_refused",
                 location=e.location,
-                expected=f"s3://{store.bucket}/{key}",
+                expected=location,
                 reason="not this shard's key in the configured bucket",
             )
             self._refused.add((e.location, digest))
             return False
-        if not await store.delete_owned(key, node=self.node, header_digest=digest):
+        if not await store.delete(location, header_digest=digest):
             self._refused.add((e.location, digest))
             return False
         return True
