@@ -32,7 +32,7 @@ original state afterwards (targets zeroed first); medians are reported.
   copy absent (the shard file is renamed away for the call, so the plan picks the object): an
   embedded SeaweedFS holds the shard (uploaded once with `S3Store.upload`), read by
   `S3Store.download` (parallel ranged GETs, 64 MiB x 4), header and every blob digest checked
-  (`load_image`), copied into the targets. The NVMe write-back that restore() starts in the
+  (`S3Store.read_into`), copied into the targets. The NVMe write-back that restore() starts in the
   background afterwards (a copy into a staging slot; no agent runs to write it out) is waited for
   and the slot released, untimed. Baselines on the same object: `raw_get_s`, one aioboto3
   `get_object` streamed into a fresh buffer; `raw_ranged_get_s`, parallel ranged GETs with the

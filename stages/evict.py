@@ -284,9 +284,7 @@ class Evict:
         return has_rank(rec.s3, copy.rank)
 
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
-        removed = await anyio.to_thread.run_sync(
-            functools.partial(self.nvme.remove, copy.path, header_digest=copy.header_digest)
-        )
+        removed = await self.nvme.delete(copy.path, header_digest=copy.header_digest)
         if removed:
             await self.bus.publish(
                 shard_event(

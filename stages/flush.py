@@ -1,7 +1,7 @@
 """Flush stage: `verified` -> upload to object storage, throttled -> `flushed`.
 
 The shard goes up as a checksummed multipart upload streamed from the NVMe file
-(`S3Store.upload`); the runner keeps the message alive with heartbeats during long uploads. A store
+(`S3Store.write`); the runner keeps the message alive with heartbeats during long uploads. A store
 outage (down or hung) is retried in place for as long as it lasts (the NVMe copy stays, since
 only `flushed` lets retention remove it); refused credentials are permanent. On start, multipart
 uploads this node left behind (a killed worker's) are aborted, and every verified shard of this
@@ -27,7 +27,7 @@ import structlog
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.log import bind_io, unit_of_work
-from tierpipe.names import filter_subject, flush_control_subject, node_name, shard_relpath
+from tierpipe.names import filter_subject, flush_control_subject, node_name
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -38,6 +38,7 @@ from tierpipe.schemas import (
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.store import SealedFile
 from tierpipe.throttle import Throttle
 
 __all__ = ("KINDS", "STAGE", "Flush", "apply_control", "handle", "open")
@@ -81,22 +82,16 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
 
 async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed:
     """Upload one verified shard (or find it uploaded already) and say where it is."""
-    relpath = shard_relpath(event.job, event.step, event.rank, event.world_size)
-    path = ctx.nvme.path_for(relpath)
+    shard = (event.job, event.step, event.rank, event.world_size)
+    path = Path(ctx.nvme.locate(*shard))
     if Path(event.path) != path:
         raise ShardFormatError(event.path, f"not this node's shard path {path}")
     if not await anyio.Path(path).exists():
         raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
-    async with ctx.uploads.hold(str(relpath)):
-        done = await ctx.s3.upload(
-            path,
-            ctx.s3.key_for(relpath),
-            header_digest=event.header_digest,
-            node=ctx.node,
-            epoch=event.epoch,
-            step=event.step,
-            rewind_to=event.rewind_to,
-        )
+    location = ctx.s3.locate(*shard)
+    source = SealedFile(path, event.header_digest, event.epoch, event.step)
+    async with ctx.uploads.hold(location):
+        done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
     bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
     return event.follow(
         ShardFlushed,
@@ -221,7 +216,7 @@ async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified
         if (*key, e.header_digest) in flushed or evicted.get(key, 0.0) >= e.ts:
             continue
         try:
-            path = nvme.path_for(shard_relpath(e.job, e.step, e.rank, e.world_size))
+            path = Path(nvme.locate(e.job, e.step, e.rank, e.world_size))
         except ValueError:
             continue
         if Path(e.path) == path and await anyio.Path(path).exists():

@@ -2,7 +2,7 @@
 
 Reads the unsealed image from the staging slot, writes it to a temp file with large aligned
 O_DIRECT writes while hashing, fsyncs, links into place (never over a valid file) and fsyncs the
-directory (`NvmeStore.write_image`). The slot must still be at the generation the event names,
+directory (`NvmeStore.write`). The slot must still be at the generation the event names,
 before and after the copy (`StagedImage.check`): a writer that was paused while the trainer reused
 the slot fails instead of sealing another step's bytes. Holds the node's nvme-write lock; temp
 files left by a crash are swept on start. Idempotent: a redelivered event finds the final file
@@ -22,10 +22,10 @@ from anyio.abc import TaskGroup
 from tierpipe.bus import Bus
 from tierpipe.errors import StagingGoneError, TierpipeError
 from tierpipe.log import bind_io
-from tierpipe.names import node_name, shard_relpath
+from tierpipe.names import node_name
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
-from tierpipe.staged_image import StagedImage, open_image
+from tierpipe.staged_image import open_image
 from tierpipe.storage.nvme import NvmeStore, WriteResult
 from tierpipe.storage.reader import read_head
 
@@ -59,12 +59,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[NvmeWrite]:
 
 async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritten:
     """Seal the staged shard on NVMe (or find it sealed already) and say so."""
-    result, image = await anyio.to_thread.run_sync(
-        _write, ctx.store, ctx.settings.staging_root, event
-    )
-    if image is not None:
-        # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
-        ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
+    result = await _write(ctx, event)
     bind_io(result.nbytes, result.seconds, path=result.path, existed=result.existed)
     return event.follow(
         ShardWritten,
@@ -78,39 +73,34 @@ async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritt
     )
 
 
-def _write(
-    store: NvmeStore, staging_root: str, event: ShardStaged
-) -> tuple[WriteResult, StagedImage | None]:
-    """Write the shard; returns the result and the still-mapped staging image (caller closes)."""
-    final = store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
+async def _write(ctx: NvmeWrite, event: ShardStaged) -> WriteResult:
+    """Write the shard from its staging image (unmapped in the background afterwards)."""
+    final = ctx.store.locate(event.job, event.step, event.rank, event.world_size)
     try:
-        image = open_image(staging_root, event)
-    except StagingGoneError:
+        image = await anyio.to_thread.run_sync(open_image, ctx.settings.staging_root, event)
+    except StagingGoneError as gone:
         # Released or replaced after a redelivery: fine if the shard already made it to NVMe.
-        done = _already_written(final, event)
-        if done is None:
-            raise
-        return done, None
+        return await _already_written(final, event, gone)
     try:
-        with image.view() as view:
-            result = store.write_image(
-                view, image.head, final, check=image.check, rewind_to=event.rewind_to
-            )
-    except StagingGoneError:
+        return await ctx.store.write(image, final, rewind_to=event.rewind_to)
+    except StagingGoneError as gone:
         # The slot was reused or released mid-copy (nothing was placed): fine if the shard
         # made it to NVMe meanwhile (another writer's copy, say), else the save is gone.
-        image.close()
-        done = _already_written(final, event)
-        if done is None:
-            raise
-        return done, None
-    except BaseException:
-        image.close()
-        raise
-    return result, image
+        return await _already_written(final, event, gone)
+    finally:
+        # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
+        ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
 
 
-def _already_written(final: Path, event: ShardStaged) -> WriteResult | None:
+async def _already_written(final: str, event: ShardStaged, gone: StagingGoneError) -> WriteResult:
+    """This save as NVMe already holds it at `final`; raises `gone` if it does not."""
+    done = await anyio.to_thread.run_sync(_found, Path(final), event)
+    if done is None:
+        raise gone
+    return done
+
+
+def _found(final: Path, event: ShardStaged) -> WriteResult | None:
     try:
         head = read_head(final)
     except (OSError, TierpipeError):

@@ -20,11 +20,12 @@ import structlog
 from tierpipe.bus import Bus
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.log import bind_io
-from tierpipe.names import node_name, shard_relpath
+from tierpipe.names import node_name
 from tierpipe.schemas import Event, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.staged_image import open_staged
-from tierpipe.storage.nvme import NvmeStore, VerifyResult
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.store import VerifyResult
 
 __all__ = ("KINDS", "STAGE", "Verify", "handle", "open")
 
@@ -52,20 +53,20 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Verify]:
 async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
     """Check the shard as the device holds it; `verified`, preceded by a retryable `failed`
     naming the corruption when the shard had to be rewritten from staging."""
-    final = ctx.store.path_for(shard_relpath(event.job, event.step, event.rank, event.world_size))
-    if Path(event.path) != final:
+    final = ctx.store.locate(event.job, event.step, event.rank, event.world_size)
+    if Path(event.path) != Path(final):
         raise ShardFormatError(event.path, f"not this node's shard path {final}")
     out: list[Event] = []
     result: VerifyResult | None
     try:
-        result = await anyio.to_thread.run_sync(_verify, ctx.store, final, event)
-    except (IntegrityError, ShardFormatError) as corrupt:
-        result = await anyio.to_thread.run_sync(
-            _rewrite, ctx.store, ctx.settings.staging_root, final, event
+        result = await ctx.store.verify(
+            final, header_digest=event.header_digest, nbytes=event.nbytes
         )
+    except (IntegrityError, ShardFormatError) as corrupt:
+        result = await _rewrite(ctx, final, event)
         if result is None:
             raise
-        log.warning("shard_rewritten", path=str(final), error=str(corrupt))
+        log.warning("shard_rewritten", path=final, error=str(corrupt))
         out.append(
             event.follow(
                 StageFailed,
@@ -77,11 +78,11 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
                 attempt=attempt,
             )
         )
-    bind_io(result.nbytes, result.seconds, path=result.path, rewritten=bool(out))
+    bind_io(result.nbytes, result.seconds, path=result.location, rewritten=bool(out))
     verified = event.follow(
         ShardVerified,
         node=ctx.node,
-        path=result.path,
+        path=result.location,
         nbytes=result.nbytes,
         header_digest=result.header_digest,
         seconds=round(result.seconds, 6),
@@ -91,26 +92,21 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
     return [*out, verified]
 
 
-def _verify(store: NvmeStore, final: Path, event: ShardWritten) -> VerifyResult:
-    return store.verify(final, header_digest=event.header_digest, nbytes=event.nbytes)
-
-
-def _rewrite(
-    store: NvmeStore, staging_root: str, final: Path, event: ShardWritten
-) -> VerifyResult | None:
+async def _rewrite(ctx: Verify, final: str, event: ShardWritten) -> VerifyResult | None:
     """Rewrite a corrupt shard from its staging copy once; None if there is no staging copy."""
+    staging = ctx.settings.staging_root
     try:
-        image = open_staged(staging_root, event.job, event.rank, event.step, event.world_size)
+        image = await anyio.to_thread.run_sync(
+            open_staged, staging, event.job, event.rank, event.step, event.world_size
+        )
     except TierpipeError:
         return None
     if image is None:
         return None
     try:
         # The writer finds the file there corrupt and sets it aside (one kept for forensics).
-        with image.view() as view:
-            written = store.write_image(
-                view, image.head, final, check=image.check, rewind_to=event.rewind_to
-            )
+        written = await ctx.store.write(image, final, rewind_to=event.rewind_to)
     finally:
-        image.close()
-    return store.verify(final, header_digest=written.header_digest, nbytes=written.nbytes)
+        with anyio.CancelScope(shield=True):  # unmapping a large slot takes tens of ms
+            await anyio.to_thread.run_sync(image.close)
+    return await ctx.store.verify(final, header_digest=written.header_digest, nbytes=written.nbytes)

@@ -43,12 +43,12 @@ def test_write_is_idempotent_and_verifies(tmp_path: Path) -> None:
         first = store.write_image(memoryview(buf), head, final)
         again = store.write_image(memoryview(buf), head, final)
         assert not first.existed and again.existed and again.header_digest == first.header_digest
-        ok = store.verify(final, header_digest=first.header_digest, nbytes=first.nbytes)
+        ok = store.verify_file(final, header_digest=first.header_digest, nbytes=first.nbytes)
         assert ok.nbytes == os.path.getsize(final)
         with pytest.raises(ShardFormatError, match="bytes on disk"):
-            store.verify(final, header_digest=first.header_digest, nbytes=first.nbytes + 4096)
+            store.verify_file(final, header_digest=first.header_digest, nbytes=first.nbytes + 4096)
         with pytest.raises(ShardFormatError, match="missing"):
-            store.verify(tmp_path / "nope.shard", header_digest=first.header_digest, nbytes=1)
+            store.verify_file(tmp_path / "nope.shard", header_digest=first.header_digest, nbytes=1)
 
 
 def test_sweep_removes_only_dead_writers_temp_files(tmp_path: Path) -> None:
@@ -150,5 +150,7 @@ def test_shard_without_tensor_data_writes_and_verifies(tmp_path: Path) -> None:
     head = parse_head(memoryview(buf), "<test>", sealed=False)
     with NvmeStore(tmp_path) as store:
         done = store.write_image(memoryview(buf), head, tmp_path / "a.shard")
-        store.verify(tmp_path / "a.shard", header_digest=done.header_digest, nbytes=done.nbytes)
+        store.verify_file(
+            tmp_path / "a.shard", header_digest=done.header_digest, nbytes=done.nbytes
+        )
     assert load_shard(tmp_path / "a.shard")[1]["step"] == 3

@@ -12,6 +12,7 @@ import ctypes
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,10 +78,8 @@ def test_restore_arena_is_unlocked_on_the_device_that_locked_it(
 ) -> None:
     """With targets on two GPUs the arena is registered in the lowest device's context and must
     be unregistered in that same context (not in whichever device a loop visited last)."""
-    import os
-
     from tierpipe.recovery import _read
-    from tierpipe.storage.reader import open_for_read, read_head_fd
+    from tierpipe.recovery.load import load_into
     from tierpipe.storage.shardfile import write_shard
 
     path = tmp_path / "shard"
@@ -97,14 +96,15 @@ def test_restore_arena_is_unlocked_on_the_device_that_locked_it(
         def synchronize(self) -> None:
             pass
 
+    class _OnTwoGpus(_read.Match):
+        """Matched as if every blob went into targets on GPUs 1 and 0 (none are needed here)."""
+
+        def __init__(self, header: Any, into: Any) -> None:
+            super().__init__(header, into)
+            self.staged = [True] * len(header.blobs)
+            self.cuda_devices = {torch.device("cuda", 1), torch.device("cuda", 0)}
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    devices = {torch.device("cuda", 0), torch.device("cuda", 1)}
-    fd = open_for_read(path, direct_io=False)
-    try:
-        head = read_head_fd(fd, str(path), os.fstat(fd).st_size)
-        staged = [True] * len(head.header.blobs)
-        for _ in _read.read_blobs(fd, head, str(path), 2, 1 << 20, staged, devices):
-            pass
-    finally:
-        os.close(fd)
+    monkeypatch.setattr(_read, "Match", _OnTwoGpus)
+    load_into(str(path))
     assert calls == [("lock", torch.device("cuda", 0)), ("unlock", torch.device("cuda", 0))]

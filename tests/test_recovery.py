@@ -328,7 +328,7 @@ def test_explicit_step_with_no_good_copy_is_refused_never_swapped(
         from tierpipe.storage.s3 import S3Store
 
         async with S3Store(settings) as store:
-            await store.delete(store.key_for(shard_relpath(job, 1, 0, 1)))
+            await store.remove(store.key_for(shard_relpath(job, 1, 0, 1)))
 
     import anyio
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from tierpipe.errors import IntegrityError, ShardFormatError
-from tierpipe.recovery import _read
 from tierpipe.recovery.load import load_into
+from tierpipe.storage import layout
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.shardfile import write_shard
 
@@ -117,7 +117,7 @@ def test_arena_laps_and_chunks_restore_exactly(
 ) -> None:
     """Blobs of any size, some into targets (through a tiny arena that wraps many times), some
     returned new, read at any depth and chunk size: every tensor comes back bit-exact."""
-    monkeypatch.setattr(_read, "ARENA_MIN_BYTES", 4096)
+    monkeypatch.setattr(layout, "ARENA_MIN_BYTES", 4096)
     path, state = _shard(tmp_path, sizes)
     into = {
         k: torch.zeros_like(v) for (k, v), t in zip(state.items(), with_target, strict=False) if t
@@ -136,7 +136,7 @@ def test_corrupt_blob_in_the_arena_stops_before_its_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Earlier blobs (verified) reach their targets; the corrupt one and all after it do not."""
-    monkeypatch.setattr(_read, "ARENA_MIN_BYTES", 4096)
+    monkeypatch.setattr(layout, "ARENA_MIN_BYTES", 4096)
     path, state = _shard(tmp_path, [50_000, 30_000, 90_000, 10_000])
     head = read_head(path)
     bad = head.header.blobs[2]

@@ -131,7 +131,7 @@ def test_another_save_never_replaces_a_valid_shard_file(trainer: Trainer, tmp_pa
     final = tmp_path / "nvme" / "step-1.shard"
     with NvmeStore(tmp_path / "nvme") as store:
         digest = write(store, open_image(trainer.root, trainer.stage(1, 1.0)), final)
-        store.verify(final, header_digest=digest, nbytes=final.stat().st_size)
+        store.verify_file(final, header_digest=digest, nbytes=final.stat().st_size)
         kept = final.read_bytes()
         release(trainer.root, JOB, 0, 1)
         other = open_image(trainer.root, trainer.stage(1, 2.0))
@@ -155,7 +155,7 @@ def test_corrupt_copy_of_the_same_save_is_set_aside_and_rewritten(
             f.seek(head.data_offset + 100)
             f.write(b"\x7f")
         digest = write(store, open_image(trainer.root, event), final)
-        store.verify(final, header_digest=digest, nbytes=final.stat().st_size)
+        store.verify_file(final, header_digest=digest, nbytes=final.stat().st_size)
     assert (final.parent / ".step-1.shard.corrupt").exists()
     assert torch.equal(load_shard(final)[1]["w"], torch.full((50_000,), 1.0))
 
@@ -257,7 +257,7 @@ def test_paused_writer_never_seals_another_steps_bytes(
             image = open_image(s.staging_root, staged)
             with NvmeStore.from_settings(s) as store, image.view() as view:
                 digest = store.write_image(view, image.head, final1).header_digest
-                store.verify(final1, header_digest=digest, nbytes=final1.stat().st_size)
+                store.verify_file(final1, header_digest=digest, nbytes=final1.stat().st_size)
             image.close()
             kept = final1.read_bytes()
             release(s.staging_root, job, 0, 1)

@@ -9,7 +9,6 @@ dropped: the restore itself already succeeded.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from functools import partial
 
@@ -22,6 +21,7 @@ from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.stages.snapshot import stage_image, staged_event
 from tierpipe.staging import Slot, SlotPool
+from tierpipe.storage.aligned import close_quietly
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `Loader.settle` starts it
 
@@ -59,9 +59,4 @@ async def write_back(
     finally:
         if slot is not None:
             pool.unmark(slot, step)
-        close_image(image)
-
-
-def close_image(image: mmap.mmap) -> None:
-    with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
-        image.close()
+        close_quietly(image)

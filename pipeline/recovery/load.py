@@ -1,51 +1,50 @@
 """Loading this rank's shard back, from either tier, verified before any byte reaches the model.
 
-`Loader.load(source, into, step=...)` is the one entry for both tiers. A copy on this node's
-NVMe is read by `load_into`; a copy in object storage is downloaded (parallel ranged GETs,
-capped per node) and read from memory by `load_image`. Either way the shard's identity and
-header digest are checked against the plan first (`Expected`), and each blob's digest before
-its bytes reach a target (the read engine is in `_read`). A shard read from object storage is
-staged again once the restore is over (`Loader.settle`), so this node's agent writes it back to
-its NVMe.
+`Loader.load(source, into, step=...)` is the one entry for both tiers: the tier's store
+(`tierpipe.storage`) reads the copy into an `_read.Assembly`, which copies its blobs into the
+targets. A copy on this node's NVMe is read in place at queue depth (as `load_into` does); a
+copy in object storage is downloaded (parallel ranged GETs, capped per node) and read from
+memory (as `load_image`). Either way the shard's identity and header digest are checked against
+the plan first (`Expected`), and each blob's digest before its bytes reach a target. A shard
+read from object storage is staged again once the restore is over (`Loader.settle`), so this
+node's agent writes it back to its NVMe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import mmap
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-import torch
-import xxhash
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
 from tierpipe.errors import (
     IntegrityError,
-    ShardFormatError,
     ShardMissingError,
     SourceUnreachableError,
     StorageAuthError,
     TierpipeError,
     UnavailableError,
 )
-from tierpipe.recovery._read import Match, as_tensor, assemble, check_blob, read_blobs
-from tierpipe.recovery._writeback import close_image, write_back
+from tierpipe.recovery._read import Assembly
+from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas import ShardHeader, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
+from tierpipe.shard import Head
 from tierpipe.staging import NodeSlots, SlotPool
-from tierpipe.storage.reader import open_for_read, read_head_fd
+from tierpipe.storage.aligned import close_quietly
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.reader import deliver_image, read_shard
+from tierpipe.storage.store import ShardStore
 
 if TYPE_CHECKING:
     from tierpipe.storage.s3 import S3Store
@@ -80,6 +79,7 @@ class Loader:
         self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
         self._pool = pool
         self._stack = contextlib.AsyncExitStack()
+        self._nvme = NvmeStore.from_settings(settings)
         self._store: S3Store | None = None
         #: The last shard read from object storage (step, sealed image, head), until `settle`.
         self._held: tuple[int, mmap.mmap, Head] | None = None
@@ -96,44 +96,19 @@ class Loader:
             IntegrityError, ShardFormatError: the copy is not the shard planned, or is corrupt.
             StorageUnavailableError, StorageAuthError: object storage is down or refused.
         """
-        s = self.settings
         expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
+        store: ShardStore[Any]
         if source.tier == "nvme":
             if source.node != self.node:
                 raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
-            return await anyio.to_thread.run_sync(
-                functools.partial(
-                    load_into,
-                    source.location,
-                    into,
-                    expected=expected,
-                    direct_io=s.restore_direct_io,
-                    queue_depth=s.io_queue_depth,
-                    chunk_bytes=s.io_chunk_bytes,
-                )
-            )
-        store = await self._object_store()
-        bucket, _, key = source.location.removeprefix("s3://").partition("/")
-        if bucket != store.bucket:
-            raise ShardMissingError(source.location, f"not in the configured bucket {store.bucket}")
-        reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
-        image = await store.download(key, source.nbytes, hold=reads.hold)
-        try:
-            head = parse_head(
-                image[: _head_bytes(image, source.location)],
-                source.location,
-                actual_nbytes=source.nbytes,
-            )
-            loaded = await anyio.to_thread.run_sync(
-                functools.partial(
-                    load_image, memoryview(image), head, source.location, into, expected=expected
-                )
-            )
-        except BaseException:
-            close_image(image)
-            raise
-        self._hold((step, image, head))
-        return loaded
+            store = self._nvme
+        else:
+            store = await self._object_store()
+        sink = _sink(into, expected)
+        got = await store.read_into(source.location, sink, nbytes=source.nbytes)
+        if got.image is not None:  # read whole from object storage: kept for `settle`
+            self._hold((step, got.image, got.head))
+        return _loaded(got.head, sink, got.seconds)
 
     async def first_good(
         self, sources: list[Source], into: Any, *, step: int, attempt: int, deadline: float
@@ -236,7 +211,7 @@ class Loader:
         if held is None:
             return
         if held[0] != step:
-            close_image(held[1])
+            close_quietly(held[1])
             return
         _, image, head = held
         task = asyncio.get_running_loop().create_task(
@@ -256,18 +231,22 @@ class Loader:
         self._hold(None)
         self._store = None
         await self._stack.aclose()
+        self._nvme.close()
 
     async def _object_store(self) -> S3Store:
         if self._store is None:
             from tierpipe.storage.s3 import S3Store
 
-            self._store = await self._stack.enter_async_context(S3Store(self.settings))
+            s = self.settings
+            reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
+            store = S3Store(s, read_slot=reads.hold)
+            self._store = await self._stack.enter_async_context(store)
         return self._store
 
     def _hold(self, held: tuple[int, mmap.mmap, Head] | None) -> None:
         """Keep `held` for `settle` (an image of an earlier round is closed)."""
         if self._held is not None:
-            close_image(self._held[1])
+            close_quietly(self._held[1])
         self._held = held
 
 
@@ -347,22 +326,11 @@ def load_into(
         IntegrityError: a digest does not match, or the file is another shard than `expected`.
     """
     t0 = time.perf_counter()
-    try:
-        fd = open_for_read(path, direct_io=direct_io)
-    except FileNotFoundError as e:
-        raise ShardMissingError(path, "file is missing") from e
-    try:
-        head = read_head_fd(fd, path, os.fstat(fd).st_size)
-        check_head(head, expected, path)
-        match = Match(head.header, into)
-        blobs = read_blobs(
-            fd, head, path, queue_depth, chunk_bytes, match.staged, match.cuda_devices
-        )
-        return _loaded(head, assemble(head, blobs, match, path), t0)
-    except OSError as e:
-        raise ShardFormatError(path, f"read failed: {e}") from e
-    finally:
-        os.close(fd)
+    sink = _sink(into, expected)
+    head = read_shard(
+        path, sink, direct_io=direct_io, queue_depth=queue_depth, chunk_bytes=chunk_bytes
+    )
+    return _loaded(head, sink, time.perf_counter() - t0)
 
 
 def load_shard(path: str | os.PathLike[str]) -> tuple[ShardHeader, Any]:
@@ -381,24 +349,17 @@ def load_image(
 ) -> Loaded:
     """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
     t0 = time.perf_counter()
-    check_head(head, expected, path)
-
-    def blobs() -> Iterator[tuple[int, torch.Tensor]]:
-        for i, b in enumerate(head.header.blobs):
-            start = head.data_offset + b.offset
-            data = image[start : start + b.nbytes]
-            check_blob(path, head.header, i, xxhash.xxh3_128_digest(data))
-            yield i, as_tensor(data, b.nbytes)
-
-    return _loaded(head, assemble(head, blobs(), Match(head.header, into), path), t0)
+    sink = _sink(into, expected)
+    deliver_image(image, head, path, sink)
+    return _loaded(head, sink, time.perf_counter() - t0)
 
 
-def _loaded(head: Head, assembled: tuple[Any, int], t0: float) -> Loaded:
-    state, in_place = assembled
-    return Loaded(head.header, state, head.file_nbytes, time.perf_counter() - t0, in_place)
+def _sink(into: Any, expected: Expected | None) -> Assembly:
+    """What the readers put the shard into: `into`, once its head is the one `expected`."""
+    return Assembly(into, lambda head, location: check_head(head, expected, location))
 
 
-def _head_bytes(image: mmap.mmap, location: str) -> int:
-    """Bytes of prefix + header at the start of a sealed image."""
-    header_len = parse_prefix(image[:PREFIX_NBYTES], location)[0]
-    return PREFIX_NBYTES + header_len
+def _loaded(head: Head, sink: Assembly, seconds: float) -> Loaded:
+    assert sink.result is not None  # the reader called `finish`
+    state, in_place = sink.result
+    return Loaded(head.header, state, head.file_nbytes, seconds, in_place)

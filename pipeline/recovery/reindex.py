@@ -119,7 +119,7 @@ def _nvme_events(
     )
     if not verify:
         return [written]
-    done = store.verify(path, header_digest=digest, nbytes=head.file_nbytes)
+    done = store.verify_file(path, header_digest=digest, nbytes=head.file_nbytes)
     return [
         written,
         ShardVerified(

@@ -25,6 +25,7 @@ __all__ = (
     "O_DIRECT",
     "aligned_buffer",
     "aligned_copy",
+    "close_quietly",
     "open_direct",
     "pread_into",
     "pwrite_all",
@@ -56,6 +57,14 @@ def aligned_copy(data: bytes) -> mmap.mmap:
     buf = aligned_buffer(len(data))
     buf[:] = data
     return buf
+
+
+def close_quietly(buf: mmap.mmap) -> None:
+    """Unmap `buf`, unless a view of it is still exported (then the GC unmaps it later)."""
+    try:
+        buf.close()
+    except BufferError:
+        pass
 
 
 def open_direct(

@@ -8,13 +8,22 @@ becomes `NoSpaceError` (with the free bytes) instead of a bare OSError.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
 
 from tierpipe.errors import NoSpaceError, RetryableError
 
-__all__ = ("fallocate", "fsync_dir", "io_error", "makedirs_durable", "unlink_quietly")
+__all__ = (
+    "fallocate",
+    "free_bytes",
+    "fsync_dir",
+    "io_error",
+    "makedirs_durable",
+    "remove_durable",
+    "unlink_quietly",
+)
 
 
 def fallocate(fd: int, nbytes: int, directory: Path, reserve: int) -> None:
@@ -72,3 +81,24 @@ def unlink_quietly(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_durable(path: Path) -> bool:
+    """Unlink `path` durably, and its directory too once empty. False if it was not there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # not empty: other ranks still there
+        path.parent.rmdir()
+        fsync_dir(path.parent.parent)
+    return True
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for unprivileged writers on the filesystem that holds (or would hold) `path`."""
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -8,8 +8,10 @@ the directory fsynced. So a final file is either absent or complete, and a valid
 never replaced by another save unless that save supersedes it (a rewound run's newer timeline);
 an unreadable or corrupt one is set aside as `.<name>.corrupt` (see `placement`). Verification
 re-reads with O_DIRECT (or drops the page cache first where O_DIRECT is not supported) and hashes
-while reading (`reader.BlobReader`). All blocking work runs in this store's thread pool;
-python-xxhash and os.pread/pwrite release the GIL, so hashing and I/O overlap on separate cores.
+while reading (`reader.BlobReader`); a restore reads into the caller's memory with the same engine
+(`reader.read_shard`). python-xxhash and os.pread/pwrite release the GIL, so hashing and I/O
+overlap on separate cores. The `ShardStore` methods (`write`, `verify`, `read_into`, `delete`) run
+the blocking ones (`write_image`, `verify_file`, `remove`) in a worker thread.
 
 Each agent stage holds `<root>/.agent-<stage>.lock` for its whole life: one agent per node name
 and NVMe root (`NvmeStore.lock`, see `lock`).
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import anyio
 import structlog
 import xxhash
 
@@ -37,22 +40,32 @@ from tierpipe.errors import (
     StorageConflictError,
 )
 from tierpipe.faults import maybe_die
+from tierpipe.names import shard_relpath
 from tierpipe.schemas import ALIGN
 from tierpipe.settings import Settings
 from tierpipe.shard import PREFIX_NBYTES, Head, encode_head, seal_header
 from tierpipe.storage.aligned import O_DIRECT, aligned_copy, open_direct, pwrite_all
 from tierpipe.storage.durable import (
     fallocate,
-    fsync_dir,
+    free_bytes,
     io_error,
     makedirs_durable,
+    remove_durable,
     unlink_quietly,
 )
 from tierpipe.storage.lock import stage_lock, sweep_dead_temps, temp_path
 from tierpipe.storage.placement import judge, place
-from tierpipe.storage.reader import BlobReader, open_for_read, read_head, read_head_fd
+from tierpipe.storage.reader import (
+    BlobReader,
+    check_header,
+    open_for_read,
+    read_head,
+    read_head_fd,
+    read_shard,
+)
+from tierpipe.storage.store import BlobSink, ReadBack, StagedShard, VerifyResult
 
-__all__ = ("NvmeStore", "VerifyResult", "WriteResult")
+__all__ = ("NvmeStore", "WriteResult")
 
 log = structlog.get_logger(__name__)
 
@@ -67,13 +80,9 @@ class WriteResult:
     #: The final file was already there with this very save (a redelivered event).
     existed: bool
 
-
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    path: str
-    nbytes: int
-    header_digest: str
-    seconds: float
+    @property
+    def location(self) -> str:
+        return self.path
 
 
 class NvmeStore:
@@ -84,24 +93,28 @@ class NvmeStore:
         root: str | os.PathLike[str],
         *,
         direct_io: bool = True,
+        read_direct_io: bool = False,
         chunk_bytes: int = 8 << 20,
         queue_depth: int = 4,
         reserve_bytes: int = 0,
         fault_point: str = "",
     ) -> None:
+        """`direct_io`: O_DIRECT writes and verifies; `read_direct_io`: O_DIRECT `read_into`
+        (restores), else through the page cache (where the filesystem allows either)."""
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGN} (got {chunk_bytes})")
         self.root = Path(root).absolute()
         self.direct_io = direct_io and bool(O_DIRECT)
+        self.read_direct_io = read_direct_io
         self.chunk_bytes = chunk_bytes
         self.queue_depth = queue_depth
         self.reserve_bytes = reserve_bytes
         self.fault_point = fault_point
         #: The stage whose temp files this store writes (set by `lock`).
         self.stage = "writer"
-        # One extra thread: the hasher runs beside `queue_depth` concurrent reads or writes.
+        # One extra thread: the hasher runs beside `queue_depth` concurrent writes.
         self._pool = ThreadPoolExecutor(queue_depth + 1, thread_name_prefix="tierpipe-io")
-        self._reader = BlobReader(self._pool, chunk_bytes=chunk_bytes, queue_depth=queue_depth)
+        self._reader = BlobReader(chunk_bytes=chunk_bytes, queue_depth=queue_depth)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> NvmeStore:
@@ -109,6 +122,7 @@ class NvmeStore:
         return cls(
             settings.nvme_root,
             direct_io=settings.direct_io,
+            read_direct_io=settings.restore_direct_io,
             chunk_bytes=settings.io_chunk_bytes,
             queue_depth=settings.io_queue_depth,
             reserve_bytes=settings.nvme_reserve_bytes,
@@ -130,6 +144,47 @@ class NvmeStore:
         if relpath.is_absolute() or ".." in relpath.parts:
             raise ValueError(f"unsafe shard key {relpath}")
         return self.root.joinpath(relpath)
+
+    # --- the ShardStore contract (see `store`)
+
+    def locate(self, job: str, step: int, rank: int, world_size: int) -> str:
+        return str(self.path_for(shard_relpath(job, step, rank, world_size)))
+
+    async def write(
+        self, source: StagedShard, location: str | os.PathLike[str], *, rewind_to: int | None = None
+    ) -> WriteResult:
+        """`write_image` of a staged image, checked against its slot (`source.check`)."""
+        with source.view() as view:
+            return await anyio.to_thread.run_sync(
+                lambda: self.write_image(
+                    view, source.head, Path(location), check=source.check, rewind_to=rewind_to
+                )
+            )
+
+    async def verify(
+        self, location: str | os.PathLike[str], *, header_digest: str, nbytes: int
+    ) -> VerifyResult:
+        path = Path(location)
+        return await anyio.to_thread.run_sync(
+            lambda: self.verify_file(path, header_digest=header_digest, nbytes=nbytes)
+        )
+
+    async def read_into(self, location: str, sink: BlobSink, *, nbytes: int) -> ReadBack:
+        """`reader.read_shard`, O_DIRECT only if `read_direct_io`."""
+        t0 = time.perf_counter()
+        head = await anyio.to_thread.run_sync(
+            lambda: read_shard(location, sink, nbytes=nbytes, direct_io=self.read_direct_io,
+                               queue_depth=self.queue_depth, chunk_bytes=self.chunk_bytes)
+        )  # fmt: skip
+        return ReadBack(head, time.perf_counter() - t0, None)
+
+    async def delete(self, location: str | os.PathLike[str], *, header_digest: str | None) -> bool:
+        """`remove` (None: whatever save the file holds); True once the file is gone."""
+        path = Path(location)
+        removed = await anyio.to_thread.run_sync(
+            lambda: self.remove(path, header_digest=header_digest)
+        )
+        return removed or not await anyio.Path(path).exists()
 
     def remove(self, path: Path, *, header_digest: str | None = None) -> bool:
         """Delete a shard file durably (and its step directory once empty).
@@ -158,23 +213,11 @@ class NvmeStore:
                     actual=held,
                 )
                 return False
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        fsync_dir(path.parent)
-        with contextlib.suppress(OSError):  # not empty: other ranks still there
-            path.parent.rmdir()
-            fsync_dir(path.parent.parent)
-        return True
+        return remove_durable(path)
 
     def free_bytes(self) -> int:
         """Free bytes for unprivileged writers on the NVMe filesystem."""
-        directory = self.root
-        while not directory.exists():
-            directory = directory.parent
-        st = os.statvfs(directory)
-        return st.f_bavail * st.f_frsize
+        return free_bytes(self.root)
 
     def sweep_temp(self, stage: str | None = None) -> list[str]:
         """Remove temp files left by writers that died mid-write. Returns what was removed.
@@ -318,7 +361,7 @@ class NvmeStore:
 
     # --- verify
 
-    def verify(self, path: Path, *, header_digest: str, nbytes: int) -> VerifyResult:
+    def verify_file(self, path: Path, *, header_digest: str, nbytes: int) -> VerifyResult:
         """Re-read `path` from the device and check its size, header digest and every blob digest.
 
         Raises:
@@ -335,9 +378,7 @@ class NvmeStore:
             if size != nbytes:
                 raise ShardFormatError(str(path), f"{size} bytes on disk, {nbytes} written")
             head = read_head_fd(fd, str(path), size)
-            actual = head.header_digest.hex()
-            if actual != header_digest:
-                raise IntegrityError(str(path), "header", header_digest, actual)
+            check_header(head, header_digest, str(path))
             self._reader.check(fd, head, str(path))
         except OSError as e:
             raise RetryableError(f"cannot read {path}: {e}") from e

@@ -15,13 +15,11 @@ botocore's exceptions stop here (see `s3_errors`): callers see `StorageUnavailab
 from __future__ import annotations
 
 import base64
-import contextlib
 import mmap
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -30,17 +28,21 @@ import structlog
 from aiobotocore.config import AioConfig
 
 from tierpipe.errors import (
+    ShardFormatError,
+    ShardMissingError,
     StorageAuthError,
     StorageConflictError,
-    StorageUnavailableError,
-    StorageUnsupportedError,
-    TierpipeError,
 )
-from tierpipe.names import node_name
+from tierpipe.names import node_name, shard_relpath
 from tierpipe.settings import Settings
+from tierpipe.storage import s3_delete
+from tierpipe.storage.aligned import close_quietly
+from tierpipe.storage.reader import check_image, deliver_image, image_head
 from tierpipe.storage.s3_errors import NotFound, translate_errors
 from tierpipe.storage.s3_once import Save, confirm, existing
 from tierpipe.storage.s3_parts import composite_checksum, download_parts, upload_parts
+from tierpipe.storage.s3_uploads import abort, abort_earlier, abort_orphans
+from tierpipe.storage.store import BlobSink, ReadBack, SealedFile, VerifyResult
 from tierpipe.throttle import Throttle
 
 __all__ = ("S3Store", "Uploaded")
@@ -59,15 +61,28 @@ class Uploaded:
     #: The object was already there with this content (a redelivered event).
     existed: bool
 
+    @property
+    def location(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
 
 class S3Store:
     """Async context manager: one S3 client for the life of a worker."""
 
-    def __init__(self, settings: Settings, *, throttle: Throttle | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        throttle: Throttle | None = None,
+        read_slot: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> None:
+        """`throttle` paces uploads; `read_slot` is held around each GET of `read_into` (the
+        per-node cap on concurrent reads during a restart), entered in a worker thread."""
         self.settings = settings
         self.bucket = settings.s3_bucket
         self.prefix = settings.s3_prefix.strip("/")
         self.throttle = throttle or Throttle(None)
+        self.read_slot = read_slot
         self.client: Any = None
         self._stack = AsyncExitStack()
 
@@ -104,6 +119,57 @@ class S3Store:
 
     def key_for(self, relpath: PurePosixPath) -> str:
         return f"{self.prefix}/{relpath}" if self.prefix else str(relpath)
+
+    # --- the ShardStore contract (see `store`)
+
+    def locate(self, job: str, step: int, rank: int, world_size: int) -> str:
+        return f"s3://{self.bucket}/{self.key_for(shard_relpath(job, step, rank, world_size))}"
+
+    async def write(
+        self, source: SealedFile, location: str, *, rewind_to: int | None = None
+    ) -> Uploaded:
+        """`upload` the sealed file, as this node's."""
+        key, digest = self._key(location), source.header_digest
+        return await self.upload(source.path, key, header_digest=digest, epoch=source.epoch,
+                                 step=source.step, rewind_to=rewind_to)  # fmt: skip
+
+    async def verify(self, location: str, *, header_digest: str, nbytes: int) -> VerifyResult:
+        """Download the object and check it whole, as a file on NVMe is checked."""
+        t0, key = time.perf_counter(), self._key(location)
+        if (found := await self.head(key)) is None or found["ContentLength"] != nbytes:
+            got = "missing" if found is None else f"{found['ContentLength']} bytes"
+            raise ShardFormatError(location, f"object is {got}, {nbytes} bytes written")
+        image = await self.download(key, nbytes)
+        try:
+            await anyio.to_thread.run_sync(check_image, image, location, header_digest, nbytes)
+        finally:
+            close_quietly(image)
+        return VerifyResult(location, nbytes, header_digest, time.perf_counter() - t0)
+
+    async def read_into(self, location: str, sink: BlobSink, *, nbytes: int) -> ReadBack:
+        """Download the object (ranged GETs, each under `read_slot`) and hand it to `sink` from
+        memory; the image comes back with the result (the sink may hold views of it)."""
+        t0 = time.perf_counter()
+        image = await self.download(self._key(location), nbytes, hold=self.read_slot)
+        try:
+            head = image_head(image, location, nbytes)
+            await anyio.to_thread.run_sync(deliver_image, image, head, location, sink)
+        except BaseException:
+            close_quietly(image)
+            raise
+        return ReadBack(head, time.perf_counter() - t0, image)
+
+    async def delete(self, location: str, *, header_digest: str) -> bool:
+        """`delete_owned` as this node (the settings' node name)."""
+        node = node_name(self.settings.node)
+        return await self.delete_owned(self._key(location), node=node, header_digest=header_digest)
+
+    def _key(self, location: str) -> str:
+        """The key of `s3://<bucket>/<key>`; ShardMissingError if not in the configured bucket."""
+        bucket, _, key = location.removeprefix("s3://").partition("/")
+        if not location.startswith("s3://") or bucket != self.bucket or not key:
+            raise ShardMissingError(location, f"not in the configured bucket {self.bucket}")
+        return key
 
     # --- uploads
 
@@ -186,7 +252,7 @@ class S3Store:
         Raises:
             StorageConflictError: the condition failed (the key changed since it was looked at).
         """
-        await self._abort_uploads(key)
+        await abort_earlier(self.client, self.bucket, key)
         async with translate_errors(key):
             created = await self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C", Metadata=metadata
@@ -219,7 +285,7 @@ class S3Store:
                 )
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._abort(key, upload_id)
+                await abort(self.client, self.bucket, key, upload_id)
             raise
         return done, parts
 
@@ -236,44 +302,11 @@ class S3Store:
 
     # --- orphans and removal
 
-    async def _abort_uploads(self, key: str) -> None:
-        """Abort earlier attempts at this very key (a killed or failed uploader's)."""
-        for upload in await self.list_uploads(key):
-            if upload["Key"] == key:
-                await self._abort(key, upload["UploadId"])
-
-    async def list_uploads(self, prefix: str) -> list[dict[str, Any]]:
-        """In-progress multipart uploads under `prefix`."""
-        uploads: list[dict[str, Any]] = []
-        async with translate_errors(prefix):
-            paginator = self.client.get_paginator("list_multipart_uploads")
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-                uploads += page.get("Uploads", [])
-        return uploads
-
     async def abort_orphans(self, owned: Callable[[str], bool], *, max_age_s: float) -> int:
         """Abort multipart uploads under the prefix that this node owns (`owned(key)`), or that
         are older than `max_age_s` whoever started them. Returns how many were aborted."""
-        now = datetime.now(UTC)
-        aborted = 0
-        for upload in await self.list_uploads(self.prefix + "/" if self.prefix else ""):
-            started = upload.get("Initiated")
-            old = started is not None and (now - started).total_seconds() > max_age_s
-            if owned(upload["Key"]) or old:
-                await self._abort(upload["Key"], upload["UploadId"])
-                aborted += 1
-        if aborted:
-            log.info("orphan_uploads_aborted", count=aborted, bucket=self.bucket)
-        return aborted
-
-    async def _abort(self, key: str, upload_id: str) -> None:
-        try:
-            async with translate_errors(key):
-                await self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id
-                )
-        except (NotFound, TierpipeError) as e:
-            log.warning("upload_abort_failed", key=key, error=str(e))
+        prefix = self.prefix + "/" if self.prefix else ""
+        return await abort_orphans(self.client, self.bucket, prefix, owned, max_age_s=max_age_s)
 
     async def download(
         self, key: str, nbytes: int, *, hold: Callable[[], Any] | None = None
@@ -308,54 +341,20 @@ class S3Store:
                 found += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
         return found
 
-    async def delete(self, key: str) -> None:
-        """Remove an object (idempotent)."""
-        with contextlib.suppress(NotFound):
-            async with translate_errors(key):
-                await self.client.delete_object(Bucket=self.bucket, Key=key)
+    async def remove(self, key: str) -> None:
+        """Remove an object (idempotent), whoever uploaded it."""
+        await s3_delete.remove(self.client, self.bucket, key)
 
     async def delete_owned(self, key: str, *, node: str, header_digest: str) -> bool:
-        """Remove the object at `key` only if its metadata says `node` uploaded it with
-        `header_digest` (a retention removal: never another node's or team's object).
+        """Remove the object at `key` only if `node` uploaded it with `header_digest` (see
+        `s3_delete.delete_owned`)."""
+        return await s3_delete.delete_owned(
+            self.client, self.bucket, key, await self.head(key), node, header_digest
+        )
 
-        The delete is conditional on the ETag the HEAD saw, so an object replaced in between
-        is left alone too.
-
-        Returns:
-            True if the object is gone (deleted now, or already absent); False if it was left
-            in place because it is not the shard this node uploaded (logged at warning).
-        """
-        head = await self.head(key)
-        if head is None:
-            return True
-        meta = head.get("Metadata", {})
-        owner, theirs = meta.get("tp-node"), meta.get("tp-header-digest")
-        if owner != node or theirs != header_digest:
-            log.warning(
-                "object_delete_refused",
-                bucket=self.bucket,
-                key=key,
-                uploaded_by=owner,
-                header_digest=theirs,
-                expected_node=node,
-                expected_header_digest=header_digest,
-            )
-            return False
-        try:
-            with contextlib.suppress(NotFound):
-                try:
-                    async with translate_errors(key):
-                        await self.client.delete_object(
-                            Bucket=self.bucket, Key=key, IfMatch=head.get("ETag", "")
-                        )
-                except StorageUnsupportedError:
-                    # A store without conditional deletes: the HEAD just now is the check.
-                    async with translate_errors(key):
-                        await self.client.delete_object(Bucket=self.bucket, Key=key)
-        except StorageConflictError:
-            log.warning("object_delete_refused", bucket=self.bucket, key=key, reason="replaced")
-            return False
-        return True
+    async def delete_many(self, keys: list[str]) -> None:
+        """Remove objects, 1,000 keys a request (see `s3_delete.delete_many`)."""
+        await s3_delete.delete_many(self.client, self.bucket, keys)
 
     async def check(self) -> None:
         """Fail fast on a missing bucket or refused credentials (at worker start).
@@ -371,25 +370,3 @@ class S3Store:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"
             ) from None
-
-    async def delete_many(self, keys: list[str]) -> None:
-        """Remove objects, 1,000 keys a request (DeleteObjects); absent ones count as removed.
-
-        Raises:
-            StorageUnavailableError, StorageAuthError: as for any request; or the store
-                refused some keys (the first one's error, naming how many).
-        """
-        for i in range(0, len(keys), 1000):
-            batch = keys[i : i + 1000]
-            async with translate_errors(batch[0]):
-                reply = await self.client.delete_objects(
-                    Bucket=self.bucket,
-                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-                )
-            errors = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                first = errors[0]
-                raise StorageUnavailableError(
-                    f"s3://{self.bucket}/{first.get('Key')}: {first.get('Code')}: "
-                    f"{first.get('Message')} ({len(errors)} of {len(batch)} keys not removed)"
-                )
