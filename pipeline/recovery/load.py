@@ -135,12 +135,7 @@ class Loader:
                         "s3_access_key_id / s3_secret_access_key, or TIERPIPE_S3_*, for trainers)"
                     )
                 log.warning(
-                    "restore_source_failed",
-                    step=step,
-                    tier=source.tier,
-                    location=source.location,
-                    error=message,
-                    corrupt=evidence,
+                    "restore_source_failed", **_where(source, step), error=message, corrupt=evidence
                 )
                 problems.append(f"{source.tier}: {type(e).__name__}")
                 await self.bus.publish(
@@ -179,14 +174,9 @@ class Loader:
                 if tries >= _OUTAGE_TRIES or delay > deadline - margin - time.monotonic():
                     raise
                 log.warning(
-                    "restore_source_unavailable",
-                    step=step,
-                    tier=source.tier,
-                    location=source.location,
-                    attempt=tries,
-                    retry_in_s=delay,
-                    error=str(e),
-                )
+                    "restore_source_unavailable", **_where(source, step), attempt=tries,
+                    retry_in_s=delay, error=str(e),
+                )  # fmt: skip
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
         raise AssertionError("unreachable")
@@ -363,3 +353,8 @@ def _loaded(head: Head, sink: Assembly, seconds: float) -> Loaded:
     assert sink.result is not None  # the reader called `finish`
     state, in_place = sink.result
     return Loaded(head.header, state, head.file_nbytes, seconds, in_place)
+
+
+def _where(source: Source, step: int) -> dict[str, Any]:
+    """A source as its log lines name it."""
+    return {"step": step, "tier": source.tier, "location": source.location}

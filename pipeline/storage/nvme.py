@@ -232,7 +232,9 @@ class NvmeStore:
 
     @contextlib.asynccontextmanager
     async def lock(self, stage: str, *, timeout_s: float) -> AsyncIterator[None]:
-        """Hold `<root>/.agent-<stage>.lock` exclusively while the block runs.
+        """Hold `<root>/.agent-<stage>.lock` exclusively while the block runs, and first
+        sweep the temp files the stage's earlier instances left (under the lock they are dead
+        for sure, whatever their PID).
 
         The holder writes "pid, host, start time" into the file. While another process holds
         it, this logs `agent_lock_busy` once and polls for up to `timeout_s` (a rolling
@@ -243,6 +245,7 @@ class NvmeStore:
         """
         async with stage_lock(self.root, stage, timeout_s=timeout_s):
             self.stage = stage
+            await anyio.to_thread.run_sync(self.sweep_temp, stage)
             yield
 
     # --- write

@@ -65,6 +65,13 @@ class Uploaded:
     def location(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
 
+    def fields(self) -> dict[str, Any]:
+        """What a `flushed` event says of the object."""
+        return {
+            "bucket": self.bucket, "key": self.key, "etag": self.etag,
+            "checksum": self.checksum, "nbytes": self.nbytes, "seconds": round(self.seconds, 6),
+        }  # fmt: skip
+
 
 class S3Store:
     """Async context manager: one S3 client for the life of a worker."""
