@@ -14,7 +14,6 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TypedDict
 
 import anyio
 import structlog
@@ -22,7 +21,7 @@ import structlog
 from tierpipe.bus import Bus
 from tierpipe.errors import TierpipeError
 from tierpipe.names import node_name, shard_relpath, validate_token
-from tierpipe.schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten, shard_event
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
@@ -33,18 +32,6 @@ __all__ = ("Reindexed", "reindex")
 log = structlog.get_logger(__name__)
 
 _KEY = re.compile(r"(?:^|/)([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard$")
-
-
-class _Ident(TypedDict):
-    """The fields a shard's `written` and `verified` events share."""
-
-    job: str
-    node: str
-    ts: float
-    step: int
-    rank: int
-    world_size: int
-    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,35 +87,14 @@ def _nvme_events(
     if h.job != job or path != store.path_for(shard_relpath(h.job, h.step, h.rank, h.world_size)):
         raise TierpipeError(f"header says job {h.job!r} step {h.step} rank {h.rank}")
     digest = head.header_digest.hex()
-    ident = _Ident(
-        job=job,
-        node=node,
-        ts=time.time(),
-        step=h.step,
-        rank=h.rank,
-        world_size=h.world_size,
-        epoch=h.epoch,
-    )
-    written = ShardWritten(
-        **ident,
-        path=str(path),
-        nbytes=head.file_nbytes,
-        header_digest=digest,
-        tensors=len(h.tensors),
-        seconds=0.0,
-    )
+    where = {"path": str(path), "nbytes": head.file_nbytes, "header_digest": digest}
+    written = shard_event(ShardWritten, h, node=node, tensors=len(h.tensors), seconds=0.0, **where)
     if not verify:
         return [written]
     done = store.verify_file(path, header_digest=digest, nbytes=head.file_nbytes)
     return [
         written,
-        ShardVerified(
-            **ident,
-            path=str(path),
-            nbytes=head.file_nbytes,
-            header_digest=digest,
-            seconds=round(done.seconds, 6),
-        ),
+        shard_event(ShardVerified, h, node=node, seconds=round(done.seconds, 6), **where),
     ]
 
 
