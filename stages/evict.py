@@ -227,13 +227,15 @@ class Evict:
             copies = []
             for job in await anyio.to_thread.run_sync(self._local_jobs):
                 copies += await anyio.to_thread.run_sync(self.local_copies, job)
+            newest: dict[str, int] = {}
+            for c in copies:
+                newest[c.job] = max(c.step, newest.get(c.job, -1))
             for copy in sorted(copies, key=lambda c: (c.step, c.job, c.rank)):
                 if free >= need:
                     break
                 floors = self.floors.get(copy.job, Floors())
-                newest = max((c.step for c in copies if c.job == copy.job), default=-1)
                 pinned = self.pins.steps(copy.job)
-                if copy.step in floors.keep or copy.step == newest or copy.step in pinned:
+                if copy.step in floors.keep or copy.step == newest[copy.job] or copy.step in pinned:
                     continue
                 if self.pins.held(copy.job):
                     continue
