@@ -193,6 +193,14 @@ class Bus:
 
     async def _on_disconnected(self) -> None:
         self._up.clear()
+        # What nats-py buffered before it noticed the disconnect, it sends after the reconnect:
+        # a publish already reported failed (its ack timed out) would land late. Every stream
+        # publish here retries under its own msg id until its deadline, so dropping the buffer
+        # loses nothing acknowledged. (A paused server can still read its socket late; the
+        # agent refuses such a `staged` by its slot generation, see `staged_image.release`.)
+        if self.nc is not None and hasattr(self.nc, "_pending"):
+            self.nc._pending.clear()
+            self.nc._pending_data_size = 0
         with contextlib.suppress(Exception):
             if not self._closing:
                 log.warning("bus_disconnected", name=self.name)

@@ -53,7 +53,7 @@ from tierpipe.errors import PermanentError, RetryableError, TierpipeError, Unava
 from tierpipe.faults import maybe_die
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
 from tierpipe.names import consumer_name, event_subject, filter_subject, node_name, validate_token
-from tierpipe.schemas import Event, ShardEvent, StageFailed, decode_event
+from tierpipe.schemas import Event, ShardEvent, ShardStaged, StageFailed, decode_event
 from tierpipe.settings import Settings
 
 __all__ = ("Handler", "Output", "Stage", "run_agent", "run_stage", "serve")
@@ -303,6 +303,8 @@ class _Worker:
             "subject": msg.subject,
             "stream_seq": msg.metadata.sequence.stream,
         }
+        if isinstance(event, ShardStaged):
+            fields["generation"] = event.generation
         if isinstance(event, ShardEvent):
             return event.follow(StageFailed, node=self.node, **fields)
         return StageFailed(

@@ -134,13 +134,17 @@ def _map(path: Path, slot: int, job: str, step: int, rank: int, world_size: int)
 
 
 def release(
-    root: str | os.PathLike[str], job: str, rank: int, step: int, *, epoch: int | None = None
-) -> Path | None:
+    root: str | os.PathLike[str], job: str, rank: int, step: int, *,
+    epoch: int | None = None, generation: int | None = None,
+) -> Path | None:  # fmt: skip
     """Free the slot holding `step` of (job, rank); delete the slot file if its trainer is gone.
 
     Args:
         epoch: free it only if it holds that save's epoch (after a rewind, a late event about
             an abandoned save of the same step must not free the new save's slot).
+        generation: free it only if it still holds that copy (a `staged` event that reached the
+            stream late, after its save was reported failed and retried in the same slot, must
+            not free the retry's slot).
 
     Returns:
         The slot path that was released, or None if no slot held that step (already released).
@@ -149,12 +153,26 @@ def release(
     released = None
     for slot, marked in markers(directory):
         path = directory / f"slot-{slot}"
-        if marked == step and (epoch is None or _image_epoch(path) in (epoch, None)):
+        if (
+            marked == step
+            and (epoch is None or _image_epoch(path) in (epoch, None))
+            and (generation is None or _generation(path) in (generation, None))
+        ):
             marker_path(directory, slot, step).unlink(missing_ok=True)
             released = path
     if released is not None:
         _delete_if_orphaned(directory, released)
     return released
+
+
+def _generation(path: Path) -> int | None:
+    """The generation of the slot file at `path` (None: unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(GENERATION_END)
+    except OSError:
+        return None
+    return slot_generation(prefix) if len(prefix) == GENERATION_END else None
 
 
 def _image_epoch(path: Path) -> int | None:

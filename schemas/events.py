@@ -191,6 +191,9 @@ class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
     tier: Tier | None = None
     #: The failed save's epoch (see `ShardEvent.epoch`).
     epoch: NonNegInt = 0
+    #: The staging slot generation of the `staged` copy that failed (nvme-write): the slot is
+    #: released for it only while it still holds that copy, never a retry's newer one.
+    generation: NonNegInt | None = None
 
 
 class SourceRef(msgspec.Struct, frozen=True, kw_only=True):

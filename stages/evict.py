@@ -139,7 +139,8 @@ class Evict:
             if self.settings.nvme_min_free_bytes:
                 await self.relieve_pressure()
         elif (failed := _failed_save(event, self.node)) is not None:
-            await self._release_slot(failed)
+            assert isinstance(event, StageFailed)
+            await self._release_slot(failed, generation=event.generation)
 
     async def on_plan(self, msg: Any) -> None:
         with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
@@ -147,12 +148,13 @@ class Evict:
 
     # --- the RAM tier
 
-    async def _release_slot(self, evicted: ShardEvicted) -> None:
-        """Release the slot of `evicted`'s step and publish it (location: the slot)."""
+    async def _release_slot(self, evicted: ShardEvicted, *, generation: int | None = None) -> None:
+        """Release the slot of `evicted`'s step (while it holds that copy: `release`) and
+        publish it (location: the slot)."""
         slot = await anyio.to_thread.run_sync(
             functools.partial(
                 release, self.settings.staging_root, evicted.job, evicted.rank, evicted.step,
-                epoch=evicted.epoch,
+                epoch=evicted.epoch, generation=generation,
             )
         )  # fmt: skip
         if slot is not None:

@@ -20,6 +20,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.conftest import Agent, Events
+from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.errors import (
     AgentLockedError,
@@ -29,9 +30,15 @@ from tierpipe.errors import (
     StorageConflictError,
 )
 from tierpipe.faults import POINTS
-from tierpipe.names import shard_relpath
+from tierpipe.names import consumer_name, shard_relpath
 from tierpipe.recovery.load import load_shard
-from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten
+from tierpipe.schemas import (
+    ShardEvicted,
+    ShardStaged,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+)
 from tierpipe.settings import Settings
 from tierpipe.staged_image import StagedImage, open_image, release
 from tierpipe.stages.snapshot import Snapshot
@@ -51,19 +58,19 @@ class Trainer:
     """What a trainer does to stage a save (plan, prepare, copy and mark: the snapshot stage),
     without a bus."""
 
-    def __init__(self, root: Path, *, slots: int = 1) -> None:
-        self.root = root
-        self.pool = SlotPool(root, JOB, 0, slots)
-        self.snapshot = Snapshot(self.pool, node="n")
+    def __init__(self, root: Path, *, slots: int = 1, job: str = JOB, node: str = "n") -> None:
+        self.root, self.job, self.node = root, job, node
+        self.pool = SlotPool(root, job, 0, slots)
+        self.snapshot = Snapshot(self.pool, node=node)
 
     def stage(self, step: int, value: float, *, epoch: int = 0, n: int = 50_000) -> ShardStaged:
         plan = plan_state(
             {"w": torch.full((n,), value)},
-            job=JOB,
+            job=self.job,
             step=step,
             rank=0,
             world_size=1,
-            node="n",
+            node=self.node,
             epoch=epoch,
         )
         slot = self.pool.acquire(wait=False, timeout_s=0)
@@ -305,6 +312,47 @@ def test_waiting_agent_takes_over_once_the_holder_exits(
 
 
 # --- staging slots are released on every permanent end of a save
+
+
+@pytest.mark.slow
+def test_late_staged_event_of_a_failed_save_never_fails_its_retry(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """A save reported failed can still reach the stream later (nats-py sends what it buffered
+    before it noticed a disconnect; a paused server reads its socket when it resumes). That
+    `staged` names the slot at an older generation: nvme-write refuses it, and the release its
+    failure asks for must leave alone the slot that the retry of the same step now holds."""
+    trainer = Trainer(Path(settings.staging_root), job=job, node=settings.node)
+    try:
+        late = trainer.stage(1, 1.0)
+        release(trainer.root, job, 0, 1)  # save() raised: its slot was freed
+        retry = trainer.stage(1, 2.0)  # the same step again, in the same slot
+        agent("nvme-write", "evict").wait_ready()
+
+        async def publish(event: ShardStaged) -> int:
+            async with Bus(settings) as bus:
+                return (await bus.publish(event)).seq
+
+        seq = anyio.run(publish, late)
+        events.wait_for(lambda e: isinstance(e, StageFailed) and e.step == 1, kind="failed")
+
+        async def evict_done() -> None:  # evict has acted on the failure (or chose not to)
+            async with Bus(settings) as bus:
+                name = consumer_name("evict", settings.node)
+                while True:
+                    info = await bus.js.consumer_info(settings.stream, name)
+                    if info.ack_floor.stream_seq > seq and not info.num_pending:
+                        return
+                    await anyio.sleep(0.05)
+
+        anyio.run(evict_done)
+        anyio.run(publish, retry)
+        written = events.wait_for(lambda e: isinstance(e, ShardWritten), kind="written", timeout=10)
+        assert written.step == 1 and len(events.all("failed")) == 1
+        (refused,) = events.all("failed")
+        assert isinstance(refused, StageFailed) and refused.generation == late.generation
+    finally:
+        trainer.close()
 
 
 @pytest.mark.slow
