@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
 from tierpipe.schemas import Event, ShardEvent, ShardEvicted, StageFailed, Tier
-from tierpipe.schemas.jobstate import Floors, JobHead, Keep, StepRecord
+from tierpipe.schemas.jobstate import (
+    DIGEST_BYTES,
+    RANKS_PER_CHUNK,
+    SIZE_BYTES,
+    Floors,
+    JobHead,
+    Keep,
+    RankDigests,
+    StepRecord,
+)
 
 __all__ = ("Changes", "JobState", "bitmap", "has_rank", "is_full", "ranks_of")
 
@@ -53,7 +62,7 @@ def is_full(bits: bytes | bytearray, world_size: int) -> bool:
 class _Step:
     """One step's bitmaps, mutable, with their counts."""
 
-    __slots__ = ("bits", "count", "either", "epoch", "s3_removed", "world_size")
+    __slots__ = ("bits", "count", "digests", "either", "epoch", "s3_removed", "sizes", "world_size")
 
     def __init__(self, world_size: int, epoch: int = 0) -> None:
         self.world_size = world_size
@@ -65,6 +74,32 @@ class _Step:
         self.either = 0
         #: Retention removed the step's objects; `s3` still says which ranks were there.
         self.s3_removed = False
+        #: Each rank's verified copy: header digest and size (`RankDigests`; zero: none yet).
+        #: Empty for a step known by its record alone (its digests stay in the KV as they are).
+        self.digests = bytearray()
+        self.sizes = bytearray()
+
+    def note_copy(self, rank: int, digest: str, nbytes: int) -> bool:
+        """Record `rank`'s verified copy; whether that changed anything."""
+        if not self.sizes:
+            self.digests = bytearray(DIGEST_BYTES * self.world_size)
+            self.sizes = bytearray(SIZE_BYTES * self.world_size)
+        d = slice(rank * DIGEST_BYTES, (rank + 1) * DIGEST_BYTES)
+        z = slice(rank * SIZE_BYTES, (rank + 1) * SIZE_BYTES)
+        new_d, new_z = bytes.fromhex(digest), nbytes.to_bytes(SIZE_BYTES, "little")
+        if self.digests[d] == new_d and self.sizes[z] == new_z:
+            return False
+        self.digests[d], self.sizes[z] = new_d, new_z
+        return True
+
+    def rank_digests(self, step: int, chunk: int) -> RankDigests:
+        lo, hi = chunk * RANKS_PER_CHUNK, min((chunk + 1) * RANKS_PER_CHUNK, self.world_size)
+        return RankDigests(
+            step=step,
+            first=lo,
+            digests=bytes(self.digests[lo * DIGEST_BYTES : hi * DIGEST_BYTES]),
+            sizes=bytes(self.sizes[lo * SIZE_BYTES : hi * SIZE_BYTES]),
+        )
 
     @classmethod
     def of(cls, rec: StepRecord) -> _Step:
@@ -126,11 +161,16 @@ class Changes:
     #: Steps whose objects are to be removed now (below the object-storage floor), with their
     #: record as it was (the ranks whose objects were confirmed in `s3`).
     s3_removed: dict[int, StepRecord] = field(default_factory=dict)
+    #: (step, chunk) whose `RankDigests` changed; steps that left, with their chunk count.
+    digests: set[tuple[int, int]] = field(default_factory=set)
+    digests_deleted: dict[int, int] = field(default_factory=dict)
     head: bool = False
     floors: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.put or self.deleted or self.s3_removed or self.head or self.floors)
+        return bool(
+            self.put or self.deleted or self.s3_removed or self.digests or self.head or self.floors
+        )
 
 
 class JobState:
@@ -224,6 +264,14 @@ class JobState:
         for tier in _TIERS:
             if tier == "nvme" or not s.s3_removed:  # (removed objects: `s3` keeps their ranks)
                 changed |= s.set(tier, rank, bool(shard.usable(tier)))
+        # Every tier's copy is the same file: the first verified one gives the rank's digest.
+        copy = next((c for t in _TIERS for c in shard.usable(t) if c.header_digest), None)
+        if (
+            copy is not None
+            and copy.header_digest
+            and s.note_copy(rank, copy.header_digest, copy.nbytes)
+        ):
+            self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
         if changed:
             self._changes.put.add(step)
         if s.status() != before:
@@ -334,7 +382,9 @@ class JobState:
         return s is None or self.keep.evict_unflushed or not s.unflushed()
 
     def _drop(self, step: int) -> None:
-        del self._steps[step]
+        world_size = self._steps.pop(step).world_size
+        self._changes.digests = {(t, c) for t, c in self._changes.digests if t != step}
+        self._changes.digests_deleted[step] = -(-world_size // RANKS_PER_CHUNK)
         self._record_only.discard(step)
         self._first_seq.pop(step, None)
         self.catalog.forget(self.job, step)
@@ -350,6 +400,12 @@ class JobState:
 
     def records(self) -> dict[int, StepRecord]:
         return {t: s.record(t) for t, s in sorted(self._steps.items())}
+
+    def rank_digests(self, step: int, chunk: int) -> RankDigests | None:
+        """The digests of ranks `chunk * RANKS_PER_CHUNK`... of `step` (None: the step is not
+        folded from its events here, or has no verified copy yet)."""
+        s = self._steps.get(step)
+        return None if s is None or not s.sizes else s.rank_digests(step, chunk)
 
     def floors(self) -> Floors:
         return self._floors

@@ -26,7 +26,15 @@ from nats.js.kv import KeyValue
 from tierpipe.errors import BusError, BusUnavailableError, LeaseLostError
 from tierpipe.jobstate import Changes, JobState
 from tierpipe.nats_conn import translate
-from tierpipe.schemas.jobstate import Floors, JobHead, Keep, Lease, StepRecord
+from tierpipe.schemas.jobstate import (
+    RANKS_PER_CHUNK,
+    Floors,
+    JobHead,
+    Keep,
+    Lease,
+    RankDigests,
+    StepRecord,
+)
 from tierpipe.settings import Settings
 
 __all__ = ("JobStore", "default_keep", "head_key", "step_key")
@@ -71,6 +79,10 @@ def lease_key(job: str) -> str:
 
 def step_key(job: str, step: int) -> str:
     return f"{job}.step.{step}"
+
+
+def digests_key(job: str, step: int, chunk: int) -> str:
+    return f"{job}.step.{step}.ranks.{chunk}"
 
 
 def _translated(what: str) -> contextlib.AbstractContextManager[None]:
@@ -138,6 +150,12 @@ class JobStore:
     async def record(self, job: str, step: int) -> StepRecord | None:
         found = await self._get(step_key(job, step), StepRecord)
         return found[0] if found else None
+
+    async def rank_digest(self, job: str, step: int, rank: int) -> tuple[str, int] | None:
+        """(header digest, size) of `rank`'s verified copy of `step`, or None: one read of
+        the chunk holding it, whatever the job's size."""
+        found = await self._get(digests_key(job, step, rank // RANKS_PER_CHUNK), RankDigests)
+        return None if found is None else found[0].of(rank)
 
     async def records(self, job: str, steps: Iterable[int]) -> dict[int, StepRecord]:
         out = {}
@@ -259,6 +277,10 @@ class JobStore:
             LeaseLostError: a key changed under this writer (another coordinator wrote it).
         """
         job = state.job
+        for step, chunk in sorted(changes.digests):
+            digests = state.rank_digests(step, chunk)
+            if digests is not None:
+                await self._cas(job, digests_key(job, step, chunk), _json.encode(digests))
         for step in sorted(changes.put):
             rec = state.record(step)
             if rec is not None:
@@ -266,8 +288,12 @@ class JobStore:
         if changes.floors:
             await self._cas(job, floor_key(job), _json.encode(state.floors()))
         await self._cas(job, head_key(job), _json.encode(state.head()))
-        for step in sorted(changes.deleted):
-            key = step_key(job, step)
+        gone = [step_key(job, step) for step in sorted(changes.deleted)] + [
+            digests_key(job, step, chunk)
+            for step, chunks in sorted(changes.digests_deleted.items())
+            for chunk in range(chunks)
+        ]
+        for key in gone:
             with _translated(f"kv {key}"):
                 await self.kv.delete(key)
             self._revs.pop(key, None)

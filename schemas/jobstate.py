@@ -10,6 +10,8 @@ Keys (job names are tokens, so a key's parts never contain a dot):
 - `<job>.head`: `JobHead`, the newest complete steps and what is kept;
 - `<job>.floor`: `Floors`, the retention floors nodes watch to remove their own NVMe copies;
 - `<job>.step.<step>`: `StepRecord`, which ranks have a good copy on each tier;
+- `<job>.step.<step>.ranks.<chunk>`: `RankDigests`, the header digest and size of each rank's
+  verified copy, `RANKS_PER_CHUNK` ranks a key (what a restoring rank checks its copy against);
 - `<job>.keep`: `Keep`, the job's retention policy (set by the trainer);
 - `<job>.lease`: `Lease`, who coordinates the job.
 """
@@ -22,7 +24,13 @@ import msgspec
 
 from tierpipe.schemas.names import Token
 
-__all__ = ("Floors", "JobHead", "Keep", "Lease", "StepRecord")
+__all__ = ("RANKS_PER_CHUNK", "Floors", "JobHead", "Keep", "Lease", "RankDigests", "StepRecord")
+
+#: Ranks per `RankDigests` value: 24 bytes a rank, about 130 KiB a value as JSON (base64).
+RANKS_PER_CHUNK = 4096
+#: Bytes of one header digest (xxh3-128) and of one size in `RankDigests`.
+DIGEST_BYTES = 16
+SIZE_BYTES = 8
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -48,6 +56,29 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: Retention removed the step's objects: `s3` still says which ranks were flushed (their
     #: NVMe copies may go), but no rank has a copy there any more.
     s3_removed: bool = False
+
+
+class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
+    """The header digest and file size of the verified copy of ranks `first` to
+    `first + RANKS_PER_CHUNK - 1` of one step (all zero for a rank with none yet). Every tier's
+    copy of a shard is the same file, so one digest per rank: a restoring rank refuses any copy
+    whose header does not hash to it."""
+
+    step: NonNegInt
+    first: NonNegInt
+    #: `DIGEST_BYTES` per rank, in rank order.
+    digests: bytes
+    #: `SIZE_BYTES` per rank (little-endian), in rank order.
+    sizes: bytes
+
+    def of(self, rank: int) -> tuple[str, int] | None:
+        """(header digest as hex, size) of `rank`, or None if it has no verified copy."""
+        i = rank - self.first
+        if not 0 <= i < len(self.sizes) // SIZE_BYTES:
+            return None
+        size = int.from_bytes(self.sizes[i * SIZE_BYTES : (i + 1) * SIZE_BYTES], "little")
+        digest = self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+        return (digest.hex(), size) if size else None
 
 
 class JobHead(msgspec.Struct, frozen=True, kw_only=True):

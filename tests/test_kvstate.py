@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus import Bus
+from tierpipe.catalog import Catalog
 from tierpipe.dev import NatsServer
 from tierpipe.errors import LeaseLostError
-from tierpipe.jobstate import JobState
+from tierpipe.jobstate import JobState, ranks_of
 from tierpipe.kvstate import JobStore
 from tierpipe.schemas import Event
-from tierpipe.schemas.jobstate import Keep
+from tierpipe.schemas.jobstate import Keep, StepRecord
 from tierpipe.settings import Settings, load_settings
 
 KEEP = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
@@ -46,6 +47,23 @@ async def write_in_batches(
     return state
 
 
+async def assert_digests_are_the_fold(
+    store: JobStore, job: str, records: dict[int, StepRecord], events: list[Event]
+) -> None:
+    """Every rank with a copy in a stored record has, in the KV, the header digest and size
+    of its verified copy as a fold of the whole history has them."""
+    catalog = Catalog()
+    for event in events:
+        catalog.apply(event.__class__(**{**_fields(event), "job": job}))
+    for step, rec in records.items():
+        for rank in sorted(set(ranks_of(rec.nvme)) | set(ranks_of(rec.s3))):
+            shard = catalog.shard(job, step, rank)
+            assert shard is not None
+            copies = {(c.header_digest, c.nbytes) for t in ("nvme", "s3") for c in shard.usable(t)}
+            if copies:  # (an s3 bit of removed objects outlives its copies)
+                assert await store.rank_digest(job, step, rank) in copies
+
+
 def _fields(event: Event) -> dict[str, object]:
     return {f: getattr(event, f) for f in event.__struct_fields__}
 
@@ -60,6 +78,8 @@ async def test_what_is_stored_is_the_fold(nats_server: NatsServer, uid: str) -> 
         assert head == state.head() and floors == state.floors()
         assert records == state.records() and sorted(records) == head.steps
         assert head.nvme_steps == [4, 5] and head.s3_steps == [4, 5]
+        await assert_digests_are_the_fold(store, "j", records, events)
+        assert await store.rank_digest("j", 1, 0) is None  # dropped: its digests went too
         # A coordinator taking over rebuilds the same state from the KV and the events.
         again = await store.load("j", KEEP)
         for seq in range(head.resume_seq, len(events) + 1):
@@ -86,6 +106,7 @@ def test_the_kv_always_agrees_with_the_fold(
             assert head == state.head()
             assert floors == state.floors()
             assert records == state.records()
+            await assert_digests_are_the_fold(store, job, records, events)
 
     anyio.run(main)
 
