@@ -691,7 +691,7 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     records = {}
     prefix = f"{d.job}.step."
     for key in await kv.keys():
-        if key.startswith(prefix):
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():  # (not `.ranks.<n>`)
             records[int(key[len(prefix) :])] = (await kv.get(key)).value or b""
     head = (await kv.get(head_key(d.job))).value or b""
     floors = (await kv.get(floor_key(d.job))).value or b""
