@@ -19,7 +19,6 @@ import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tierpipe.catalog import Catalog
 from tierpipe.errors import ConfigError, StaleStepError, TierpipeError
 from tierpipe.handle import SaveHandle, Saves, SaveStats
 from tierpipe.kvstate import JobStore
@@ -29,6 +28,7 @@ from tierpipe.portal import BusPortal
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
+from tierpipe.recovery.survey import current_head
 from tierpipe.schemas import Event, FlushControl, ShardStaged
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
@@ -134,8 +134,9 @@ class Checkpointer:
         await bus.ensure_stream(update=False)
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
         await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
+        self._jobstore = await JobStore(bus.js, self.settings).open()
         if self.rank == 0:  # the job's coordinators learn of it, with its retention policy
-            await (await JobStore(bus.js, self.settings).open()).register(self.job, self._keep)
+            await self._jobstore.register(self.job, self._keep)
         self._newest_saved = await newest_staged_step(bus, job=self.job, rank=self.rank)
 
     # --- saving
@@ -294,8 +295,8 @@ class Checkpointer:
         if self.settings.restore_use_torch_distributed:
             collective = Collective.from_torch(self.rank, self.world_size)
         restorer = Restorer(
-            self._bus.bus, self.settings, self._loader, restart=restart, into=into,
-            collective=collective,
+            self._bus.bus, self.settings, self._jobstore, self._loader, restart=restart,
+            into=into, collective=collective,
         )  # fmt: skip
         restored = self._bus.run(
             partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
@@ -316,18 +317,27 @@ class Checkpointer:
         return restored
 
     def latest_step(self) -> int | None:
-        """The newest step complete on some tier (every rank verified), from the event stream."""
+        """The newest step complete on some tier (every rank verified), from the job state."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Steps complete on NVMe or object storage, ascending."""
+        """Steps complete on NVMe or in object storage and still kept, ascending (the job
+        state in KV: one read, whatever the history)."""
 
-        async def fold() -> list[int]:
-            catalog = await Catalog.replay(self._bus.bus, self.job)
-            return catalog.complete_steps(self.job, ("nvme", "s3"))
+        async def read() -> list[int]:
+            head = await current_head(
+                self._bus.bus,
+                self._jobstore,
+                self.settings,
+                job=self.job,
+                rank=self.rank,
+                holder=f"{self.node}-rank-{self.rank}",
+                deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
+            )
+            return [] if head is None else sorted(set(head.nvme_steps) | set(head.s3_steps))
 
-        return self._bus.run(fold, timeout=self.settings.request_timeout_s + 30)
+        return self._bus.run(read, timeout=self.settings.request_timeout_s + 30)
 
     # --- object-storage uploads (the flush stage), e.g. around network-heavy phases
 

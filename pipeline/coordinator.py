@@ -44,6 +44,9 @@ log = structlog.get_logger(__name__)
 #: The agents of the nodes that host a rank below this bid for a job's lease at once.
 CANDIDATE_RANKS = 32
 
+#: Rank 0's reports that hold retention still until its plan.
+_HOLDING = ("hold", "ready")
+
 #: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
 RemoveObjects = Callable[[str, int, int], Awaitable[None]]
 
@@ -98,8 +101,22 @@ class Coordinator:
                 self.leading.discard(job)
             await anyio.sleep(ttl / 3 if candidate else ttl * random.uniform(2, 4))  # noqa: S311
 
-    async def _lead(self, job: str, lease: Lease) -> None:
+    async def catch_up(self, job: str, seq: int) -> bool:
+        """Fold the job's events up to stream sequence `seq` into its KV state, if the job has
+        no live coordinator (no agent runs evict, or the holder died and its lease expired):
+        take the lease, fold, store, and hand the lease back. No retention work meanwhile (the
+        floors hold). False if another holds the lease (it folds them itself)."""
+        lease = await self.store.acquire(job, self.node, self.settings.lease_ttl_s)
+        if lease is None:
+            return False
+        await self._lead(job, lease, until=seq)
+        return True
+
+    async def _lead(self, job: str, lease: Lease, *, until: int | None = None) -> None:
+        """Lead the job until cancelled or the lease is lost (`until`: only until the state
+        has folded that stream sequence, holding the floors)."""
         s = self.settings
+        held = until is not None
         keep = await self.store.keep(job) or default_keep(s)
         state = await self.store.load(job, keep)
         head = state.head()
@@ -120,15 +137,17 @@ class Coordinator:
                     while (left := deadline - time.monotonic()) > 0:
                         batch = await events.batch(left)
                         for stored in batch:
-                            if stored.event is None:
-                                continue  # (no event this version reads: skipped, as replays do)
+                            if stored.event is None:  # (no event this version reads: skipped,
+                                state.passed(stored.seq)  # as replays do)
+                                continue
                             if isinstance(stored.event, RecoveryPlanned | RestoreReport):
                                 pins.note(stored.event)  # pinned before later events fold
-                                state.pin(pins.steps(job), hold=pins.held(job))
+                                state.pin(pins.steps(job), hold=held or pins.held(job))
                             state.apply(stored.seq, stored.event)
                         if not batch:
                             break
-                    state.pin(pins.steps(job), hold=pins.held(job))  # (a pin that timed out goes)
+                    # (a pin that timed out goes)
+                    state.pin(pins.steps(job), hold=held or pins.held(job))
                     if time.monotonic() >= renew_at:
                         lease = await self.store.renew(job, lease, s.lease_ttl_s)
                         renew_at = time.monotonic() + s.lease_ttl_s / 3
@@ -138,6 +157,8 @@ class Coordinator:
                     changes = state.take_changes()
                     if changes:
                         await self._store(state, changes)
+                    if until is not None and state.seq >= until:
+                        return
         finally:
             with anyio.move_on_after(2, shield=True):  # (a clean stop hands the job on at once)
                 await self.store.release(job, lease)
@@ -172,7 +193,7 @@ class Coordinator:
 
 
 class RestorePins:
-    """Per job, what its in-progress restore needs kept: from rank 0's `ready` report until its
+    """Per job, what its in-progress restore needs kept: from rank 0's `hold` (or `ready`) until its
     first plan, everything (retention holds still while rank 0 plans from a snapshot of the
     job); then the step the newest plan reads, until the restore ends (rank 0's final plan, or
     its error). Either times out `timeout_s` after it began."""
@@ -186,7 +207,7 @@ class RestorePins:
     def note(self, event: Event) -> None:
         """Take a plan or rank 0's `ready` into account (anything else, or an older plan,
         changes nothing)."""
-        if isinstance(event, RestoreReport) and event.rank == 0 and event.phase == "ready":
+        if isinstance(event, RestoreReport) and event.rank == 0 and event.phase in _HOLDING:
             self._ready[event.job] = max(event.ts, self._ready.get(event.job, 0.0))
         if not isinstance(event, RecoveryPlanned):
             return

@@ -216,10 +216,11 @@ class JobState:
         """Fold one event of this job (stored at stream sequence `seq`)."""
         step = getattr(event, "step", None)
         rank = getattr(event, "rank", None)
-        if event.job != self.job or step is None or rank is None:
+        if event.job != self.job:
             return
-        self.seq = max(self.seq, seq)
-        self._changes.head = True
+        self.passed(seq)
+        if step is None or rank is None:
+            return
         rewind = event.rewind_to if isinstance(event, ShardEvent) else None
         epoch = getattr(event, "epoch", 0)
         if step in self._record_only:
@@ -235,6 +236,13 @@ class JobState:
                 self._refresh(step, rank, None)
         if rewind is not None:
             self._rewound(rank, epoch, rewind)
+
+    def passed(self, seq: int) -> None:
+        """The fold has seen the job's events up to stream sequence `seq` (one it cannot read
+        included): a restart waits for `head().seq` to reach its own newest event."""
+        if seq > self.seq:
+            self.seq = seq
+            self._changes.head = True
 
     def pin(self, steps: Iterable[int], *, hold: bool = False) -> None:
         """Steps an in-progress restore reads: kept on every tier while it lasts. `hold`: a

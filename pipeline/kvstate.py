@@ -151,6 +151,10 @@ class JobStore:
         found = await self._get(step_key(job, step), StepRecord)
         return found[0] if found else None
 
+    async def lease(self, job: str) -> Lease | None:
+        found = await self._get(lease_key(job), Lease)
+        return None if found is None else found[0]
+
     async def rank_digest(self, job: str, step: int, rank: int) -> tuple[str, int] | None:
         """(header digest, size) of `rank`'s verified copy of `step`, or None: one read of
         the chunk holding it, whatever the job's size."""

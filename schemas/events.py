@@ -209,15 +209,20 @@ class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
-    """Rank 0's decision for one restart, on `tp.<job>.plan`: the step every rank restores and
-    each rank's sources, best first. A new `round` replaces the plan after a rank found no good
-    copy; `final` confirms that every rank loaded the plan of that round."""
+    """Rank 0's decision for one restart, on `tp.<job>.plan`: the step every rank restores,
+    and which ranks read it from object storage (the others from their own node's NVMe, with
+    object storage as the fallback where it has a copy). Compact at any job size: a bitmap,
+    not a list of sources (each rank derives its paths from job, step, rank and world size).
+    A new `round` replaces the plan after a rank found no good copy; `final` confirms that
+    every rank loaded the plan of that round."""
 
     restart: str
     round: PosInt
     step: NonNegInt
     world_size: PosInt
-    sources: dict[int, list[SourceRef]]
+    #: Ranks that read from object storage: rank r is bit `r % 8` of byte `r // 8`.
+    from_s3: bytes = b""
+    #: Newer candidate steps that could not be used, with why (a few, each short).
     rejected: dict[int, str] = {}
     final: bool = False
     #: Set when rank 0 found nothing to restore (error class: message); ranks give up with it.
@@ -230,12 +235,16 @@ class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
     restart: str
     rank: NonNegInt
     world_size: PosInt
-    phase: Literal["ready", "loaded", "failed"]
+    #: `hold`: rank 0 is about to read the job state (retention holds still until its plan).
+    phase: Literal["hold", "ready", "loaded", "failed"]
     #: The plan round this report answers (0 for `ready`).
     round: NonNegInt = 0
     step: NonNegInt | None = None
-    #: Steps whose shard for this rank this rank's node holds, verified, on its NVMe.
+    #: Candidate steps whose shard for this rank this rank's node holds on its NVMe, checked
+    #: against the header digest recorded in the job state (a few, newest first).
     local_steps: list[int] = []
+    #: Candidate steps whose shard for this rank is in object storage, per the job state.
+    s3_steps: list[int] = []
     tier: Tier | None = None
     error: str = ""
 

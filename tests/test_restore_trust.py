@@ -362,7 +362,7 @@ def test_restore_pins_hold_until_the_final_plan_or_the_timeout() -> None:
     def planned(step: int, ts: float, **kw: Any) -> RecoveryPlanned:
         return RecoveryPlanned(
             job="j", node=NODE, ts=ts, restart="r", round=kw.pop("round", 1), step=step,
-            world_size=1, sources={}, **kw,
+            world_size=1, **kw,
         )  # fmt: skip
 
     pins = RestorePins(timeout_s=60.0)
@@ -428,6 +428,7 @@ def elsewhere(settings: Settings) -> Iterator[Settings]:
     other = settings.replace(
         node=f"{settings.node}-b",
         staging_root=settings.staging_root + "-b",
+        nvme_root=settings.nvme_root + "-b",  # (its own disk: the survey checks local paths)
         restore_timeout_s=30.0,
     )
     yield other

@@ -1,13 +1,17 @@
 """Ranks agreeing on a restore: every rank reports, rank 0 plans, all load, all confirm.
 
-Every rank publishes `ready` (with the steps whose shard its node holds on NVMe). Rank 0 waits
-for all of them, plans (`plan_recovery`), and publishes the plan on `tp.<job>.plan`; every rank
-loads its shard from its first good source (`Loader`) and reports `loaded` or `failed`. When all
-loaded, rank 0 publishes the plan again as `final`; when one had no good copy left, rank 0 plans
-an older step (a new round) and all ranks load again. Ranks wait on watches of the stream opened
-before they publish, each wait under the restore's deadline. With a `collective`
-(torch.distributed), the reports are gathered and the plans broadcast through it instead, and
-still published on the stream for operators.
+No rank replays the job's history. Each reads the job's state in KV once it has folded the
+rank's own newest event (`_current`: the coordinator's work; with none alive, the rank folds the
+short suffix itself), checks its own copies of a few candidate steps (`survey`), and publishes
+`ready` with the steps it can read from NVMe and from object storage: a record of a few
+integers. Rank 0 waits for all of them, picks the newest step every rank has (`choose`), and
+publishes a compact plan on `tp.<job>.plan`: the step and a bitmap of the ranks that read it
+from object storage. Every rank loads its shard from its first good source (`Loader`) and
+reports `loaded` or `failed`. When all loaded, rank 0 publishes the plan again as `final`; when
+one had no good copy left, rank 0 picks an older step (a new round) and all ranks load again.
+Ranks wait on watches of the stream opened before they publish, each wait under the restore's
+deadline. With a `collective` (torch.distributed), the reports are gathered and the plans
+broadcast through it instead, and still published on the stream for operators.
 """
 
 from __future__ import annotations
@@ -20,12 +24,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio
 import msgspec
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog
 from tierpipe.errors import (
     ConfigError,
     NoCheckpointError,
@@ -33,16 +35,20 @@ from tierpipe.errors import (
     WorldSizeMismatchError,
 )
 from tierpipe.history import Stored, Watch
+from tierpipe.jobstate import has_rank, ranks_of
+from tierpipe.kvstate import JobStore
 from tierpipe.names import plan_subject, shard_subject
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loaded, Loader
-from tierpipe.recovery.plan import Plan, Source, plan_recovery
+from tierpipe.recovery.plan import Choice, Source, choose
+from tierpipe.recovery.survey import Survey, current_head, survey
 from tierpipe.schemas import (
     RecoveryPlanned,
     RestoreReport,
     decode_event,
 )
 from tierpipe.settings import Settings
+from tierpipe.storage.s3 import S3Store
 
 __all__ = ("Restored", "Restorer")
 
@@ -61,8 +67,8 @@ class Restored:
     state: Any
     #: Where this rank's shard came from.
     source: Source
-    #: Every rank's planned sources (best first), as rank 0 decided.
-    sources: dict[int, list[Source]]
+    #: The ranks rank 0 sent to object storage (the others read their own node's NVMe).
+    from_s3: list[int]
     seconds: float
     #: Plans it took (more than 1: a copy was bad and every rank moved to an older step).
     rounds: int
@@ -83,19 +89,21 @@ class Restorer:
         self,
         bus: Bus,
         settings: Settings,
+        store: JobStore,
         loader: Loader,
         *,
         restart: str | None = None,
         into: Any = None,
         collective: Collective | None = None,
     ) -> None:
-        self.bus, self.settings = bus, settings
+        self.bus, self.settings, self.store = bus, settings, store
         self.job, self.rank, self.node = loader.job, loader.rank, loader.node
         self.world_size = loader.world_size
         self.restart = restart or _restart_from_env()
         self._loader, self._into = loader, into
         self._collective = collective
         self._deadline = 0.0
+        self._survey = Survey([])
 
     async def run(self, *, step: int | None = None) -> Restored:
         """Agree with the other ranks on a step and load this rank's shard of it.
@@ -109,70 +117,86 @@ class Restorer:
         self._deadline = time.monotonic() + self.settings.restore_timeout_s
         restored: Restored | None = None
         try:
-            local = await anyio.to_thread.run_sync(
-                self._loader.local_steps, await Catalog.replay(self.bus, self.job)
-            )
+            if self.rank == 0:
+                # Retention holds still from rank 0's `hold` until its plan: say it before
+                # reading the job state (which waits until the coordinator has folded it), so
+                # no copy the survey finds goes before the plan pins its step.
+                await self._report("hold")
+            self._survey = await survey(
+                self.store,
+                await current_head(
+                    self.bus, self.store, self.settings, job=self.job, rank=self.rank,
+                    holder=f"{self.node}-rank-{self.rank}",
+                    deadline=self._deadline - min(30.0, self.settings.restore_timeout_s / 4),
+                ),
+                job=self.job, rank=self.rank,
+                world_size=self.world_size, node=self.node, step=step,
+                locate_nvme=self._loader.nvme.locate,
+                locate_object=S3Store(self.settings).locate,
+            )  # fmt: skip
+            for bad_step, error in self._survey.bad.items():
+                log.warning("restore_source_failed", job=self.job, rank=self.rank, step=bad_step,
+                            tier="nvme", error=str(error), corrupt=True)  # fmt: skip
+                await self._loader.report("nvme", bad_step, error)
             if self._collective is not None:
-                restored = await self._run_collective(self._collective, local, step, t0)
+                restored = await self._run_collective(self._collective, step, t0)
             elif self.rank == 0:
                 async with self.bus.watch(shard_subject(self.job, "restore", "*", "*")) as reports:
                     window = await self._last_final_plan()
-                    await self._report("ready", local_steps=local)
+                    await self._ready()
                     restored = await self._lead(reports, step, window, t0)
             else:
                 async with self.bus.watch(plan_subject(self.job), each_subject=False) as plans:
-                    since, _ = await self._report("ready", local_steps=local)
+                    since, _ = await self._ready()
                     restored = await self._follow(plans, since, t0)
             return restored
         finally:
             self._loader.settle(None if restored is None else restored.step)
 
+    async def _ready(self) -> tuple[int, RestoreReport]:
+        """Publish this rank's `ready`: the candidate steps it can read, per tier."""
+        found = self._survey
+        why = "; ".join(f"step {s}: {w}" for s, w in list(found.missing.items())[:2])
+        return await self._report(
+            "ready", local_steps=sorted(found.local, reverse=True),
+            s3_steps=sorted(found.remote, reverse=True), error=why[:300],
+        )  # fmt: skip
+
     def _plan(
         self,
-        catalog: Catalog,
         reports: list[RestoreReport],
         step: int | None,
         excluded: dict[int, str],
         round_: int,
-    ) -> Plan:
-        """Rank 0's plan from every rank's `ready` report (its node, its local steps)."""
-        rank_nodes = {r.rank: r.node for r in reports}
-        plan = plan_recovery(
-            catalog,
-            self.job,
-            world_size=self.world_size,
-            alive=set(rank_nodes.values()),
-            rank_nodes=rank_nodes,
-            step=step,
-            exclude=excluded,
-            local_steps={r.rank: r.local_steps for r in reports},
+    ) -> Choice:
+        """Rank 0's pick from every rank's `ready` report."""
+        choice = choose(
+            self.job, {r.rank: r for r in reports}, self.world_size, step=step, exclude=excluded
         )
         log.info(
             "recovery_planned",
             job=self.job,
-            step=plan.step,
+            step=choice.step,
             round=round_,
-            rejected={str(k): v for k, v in plan.rejected.items()},
+            from_s3=len(ranks_of(choice.from_s3)),
+            rejected={str(k): v for k, v in choice.rejected.items()},
         )
-        return plan
+        return choice
 
     async def _run_collective(
-        self, collective: Collective, local: list[int], step: int | None, t0: float
+        self, collective: Collective, step: int | None, t0: float
     ) -> Restored:
         """The same protocol through torch.distributed collectives: every rank takes part in
         each gather and broadcast, so all ranks see the same reports and decide alike. Reports
         and plans are still published on the stream, for operators."""
-        _, ready = await self._report("ready", local_steps=local)
+        _, ready = await self._ready()
         reports = await collective.gather(ready)
-        # Rank 0 plans from the stream as it stands once every rank reported (each reported
-        # after its own saves were verified), never from a snapshot taken before.
-        catalog = await Catalog.replay(self.bus, self.job) if self.rank == 0 else Catalog()
         excluded: dict[int, str] = {}
         for round_ in itertools.count(1):
             planned, error = None, None
             if self.rank == 0:
                 try:
-                    plan = self._plan(catalog, reports, step, excluded, round_)
+                    plan = self._plan(reports, step, excluded, round_)
                     planned = self._planned(round_, plan, final=False)
                 except (NoCheckpointError, ConfigError) as e:
                     planned, error = (
@@ -185,14 +209,12 @@ class Restorer:
                 raise error
             if planned.error:
                 _raise_plan_error(planned)
-            mine, report = await self._load_planned(
-                planned.step, planned.sources[self.rank], round_
-            )
+            mine, report = await self._load_planned(planned, round_)
             failed = [r for r in await collective.gather(report) if r.phase == "failed"]
             if not failed and mine is not None:
                 if self.rank == 0:
                     await self.bus.publish(msgspec.structs.replace(planned, final=True))
-                return self._restored(planned.step, mine, planned.sources, round_, t0)
+                return self._restored(planned, mine, round_, t0)
             # An explicit `step` stays the only candidate: the next plan then says why it failed.
             excluded[planned.step] = self._abandon(planned.step, failed)
         raise AssertionError("unreachable")
@@ -211,25 +233,23 @@ class Restorer:
     async def _lead(self, watch: Watch, step: int | None, window: int, t0: float) -> Restored:
         newest: dict[str, Stored] = {}  # the newest message on each report subject
         reports = list((await self._await_reports(watch, newest, window, round_=0)).values())
-        # Plan from the stream as it stands now that every rank reported (each reported after
-        # its own saves were verified), never from a snapshot taken when rank 0 arrived.
-        catalog = await Catalog.replay(self.bus, self.job)
         excluded: dict[int, str] = {}
         for round_ in itertools.count(1):
             try:
-                plan = self._plan(catalog, reports, step, excluded, round_)
+                plan = self._plan(reports, step, excluded, round_)
             except (NoCheckpointError, ConfigError) as e:  # tell the other ranks, then give up
                 await self.bus.publish(
                     self._planned(round_, None, final=True, error=f"{type(e).__name__}: {e}")
                 )
                 raise
-            published = await self.bus.publish(self._planned(round_, plan, final=False))
-            mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+            planned = self._planned(round_, plan, final=False)
+            published = await self.bus.publish(planned)
+            mine, _ = await self._load_planned(planned, round_)
             answers = await self._await_reports(watch, newest, published.seq, round_=round_)
             failed = [r for r in answers.values() if r.phase == "failed"]
             if not failed and mine is not None:
-                await self.bus.publish(self._planned(round_, plan, final=True))
-                return self._restored(plan.step, mine, plan.sources, round_, t0)
+                await self.bus.publish(msgspec.structs.replace(planned, final=True))
+                return self._restored(planned, mine, round_, t0)
             # An explicit `step` stays the only candidate: the next plan then says why it failed.
             excluded[plan.step] = self._abandon(plan.step, failed)
         raise AssertionError("unreachable")
@@ -242,22 +262,24 @@ class Restorer:
         return "; ".join(f"rank {r.rank}: {r.error}" for r in sorted(failed, key=lambda r: r.rank))
 
     async def _follow(self, watch: Watch, since: int, t0: float) -> Restored:
-        round_, mine, planned = 0, None, None
+        round_, mine = 0, None
         while True:
             seq, plan = await self._await_plan(watch, since, round_)
             if plan.error:
                 _raise_plan_error(plan)
             if plan.final and plan.round == round_:
                 assert mine is not None
-                return self._restored(plan.step, mine, planned or plan.sources, round_, t0)
-            round_, planned = plan.round, plan.sources
-            mine, _ = await self._load_planned(plan.step, plan.sources[self.rank], round_)
+                return self._restored(plan, mine, round_, t0)
+            round_ = plan.round
+            mine, _ = await self._load_planned(plan, round_)
             since = max(since, seq)
 
     async def _load_planned(
-        self, step: int, sources: list[Source], round_: int
+        self, plan: RecoveryPlanned, round_: int
     ) -> tuple[tuple[Source, Loaded] | None, RestoreReport]:
         """This rank's shard from its first good source (None if none), and its report."""
+        step = plan.step
+        sources = self._survey.sources(step, nvme=not has_rank(plan.from_s3, self.rank))
         found = await self._loader.first_good(
             sources, self._into, step=step, attempt=round_, deadline=self._deadline
         )
@@ -268,7 +290,11 @@ class Restorer:
         return found, report
 
     async def _report(
-        self, phase: Literal["ready", "loaded", "failed"], *, round_: int = 0, **fields: Any
+        self,
+        phase: Literal["hold", "ready", "loaded", "failed"],
+        *,
+        round_: int = 0,
+        **fields: Any,
     ) -> tuple[int, RestoreReport]:
         report = RestoreReport(
             job=self.job,
@@ -297,6 +323,7 @@ class Restorer:
                 isinstance(e, RestoreReport)
                 and e.restart == self.restart
                 and e.world_size == self.world_size
+                and e.phase != "hold"
                 and (round_ == 0 or e.round == round_)
                 and s.seq > since
             )
@@ -356,7 +383,7 @@ class Restorer:
                 )
 
     def _planned(
-        self, round_: int, plan: Plan | None, *, final: bool, error: str = ""
+        self, round_: int, plan: Choice | None, *, final: bool, error: str = ""
     ) -> RecoveryPlanned:
         """The event for `plan`; without one, the final word that rank 0 gave up (`error`)."""
         return RecoveryPlanned(
@@ -367,23 +394,20 @@ class Restorer:
             round=round_,
             step=plan.step if plan else 0,
             world_size=self.world_size,
-            sources=plan.sources if plan else {},
+            from_s3=plan.from_s3 if plan else b"",
             rejected=plan.rejected if plan else {},
             final=final,
             error=error,
         )
 
     def _restored(
-        self,
-        step: int,
-        mine: tuple[Source, Loaded],
-        sources: dict[int, list[Source]],
-        rounds: int,
-        t0: float,
+        self, plan: RecoveryPlanned, mine: tuple[Source, Loaded], rounds: int, t0: float
     ) -> Restored:
         (source, loaded), seconds = mine, time.perf_counter() - t0
         agreement = "nats" if self._collective is None else "torch.distributed"
-        return Restored(step, loaded.state, source, sources, seconds, rounds, agreement)
+        return Restored(
+            plan.step, loaded.state, source, ranks_of(plan.from_s3), seconds, rounds, agreement
+        )
 
 
 def _restart_from_env() -> str:

@@ -25,7 +25,7 @@ import anyio
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
+from tierpipe.catalog import EVIDENCE_ERRORS
 from tierpipe.errors import (
     IntegrityError,
     ShardMissingError,
@@ -37,7 +37,7 @@ from tierpipe.errors import (
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
-from tierpipe.schemas import ShardHeader, StageFailed
+from tierpipe.schemas import ShardHeader, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.staging import NodeSlots, SlotPool
@@ -86,6 +86,11 @@ class Loader:
         #: Write-backs under way. Plain asyncio tasks: each outlives the restore that started
         #: it (the bus thread's loop runs one call at a time), and `written_back()` awaits them.
         self._writebacks: set[asyncio.Task[None]] = set()
+
+    @property
+    def nvme(self) -> NvmeStore:
+        """This node's NVMe store (where its copies are: `locate`)."""
+        return self._nvme
 
     async def load(self, source: Source, into: Any, *, step: int) -> Loaded:
         """This rank's shard of `step` from `source`, checked against the plan's identity and
@@ -138,23 +143,30 @@ class Loader:
                     "restore_source_failed", **_where(source, step), error=message, corrupt=evidence
                 )
                 problems.append(f"{source.tier}: {type(e).__name__}")
-                await self.bus.publish(
-                    StageFailed(
-                        job=self.job,
-                        node=self.node,
-                        ts=time.time(),
-                        stage="restore",
-                        error=type(e).__name__,
-                        message=message,
-                        retryable=not evidence,
-                        attempt=attempt,
-                        step=step,
-                        rank=self.rank,
-                        world_size=self.world_size,
-                        tier=source.tier,
-                    )
-                )
+                await self.report(source.tier, step, e, message=message, attempt=attempt)
         return "no good copy left (" + (", ".join(problems) or "no sources") + ")"
+
+    async def report(
+        self, tier: Tier, step: int, e: TierpipeError, *, message: str = "", attempt: int = 1
+    ) -> None:
+        """Publish that this rank's copy of `step` on `tier` failed with `e` (a bad copy, if
+        `e` is evidence, so the job state stops counting it; else skipped this time only)."""
+        await self.bus.publish(
+            StageFailed(
+                job=self.job,
+                node=self.node,
+                ts=time.time(),
+                stage="restore",
+                error=type(e).__name__,
+                message=message or str(e),
+                retryable=type(e).__name__ not in EVIDENCE_ERRORS,
+                attempt=attempt,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                tier=tier,
+            )
+        )
 
     async def _load_retrying(self, source: Source, into: Any, step: int, deadline: float) -> Loaded:
         """Load `source`, retrying an outage a few times while the restore's deadline allows
@@ -180,18 +192,6 @@ class Loader:
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self.settings.retry_max_s)
         raise AssertionError("unreachable")
-
-    def local_steps(self, catalog: Catalog) -> list[int]:
-        """Steps whose shard of this rank this node still has on NVMe (checked on disk)."""
-        steps = []
-        for s, shards in catalog.steps(self.job).items():
-            for shard in shards:
-                copy = shard.copy("nvme", self.node)
-                if shard.rank == self.rank and copy is not None and copy.usable:
-                    with contextlib.suppress(OSError):
-                        if os.stat(copy.location).st_size == copy.nbytes:
-                            steps.append(s)
-        return steps
 
     def settle(self, step: int | None) -> None:
         """The restore is over, having restored `step` (None: it failed). A shard of `step`

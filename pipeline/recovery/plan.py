@@ -17,9 +17,13 @@ from typing import TypeAlias
 
 from tierpipe.catalog import Catalog, Copy, Shard
 from tierpipe.errors import ConfigError, NoCheckpointError, WorldSizeMismatchError
-from tierpipe.schemas import SourceRef
+from tierpipe.jobstate import bitmap
+from tierpipe.schemas import RestoreReport, SourceRef
 
-__all__ = ("Plan", "Source", "plan_recovery")
+__all__ = ("Choice", "Plan", "Source", "choose", "plan_recovery")
+
+#: Ranks named in a rejection reason (the rest are counted).
+_NAMED_RANKS = 8
 
 #: Where one rank reads its shard from (a tier, a node, a location; see `SourceRef`).
 Source: TypeAlias = SourceRef
@@ -50,6 +54,65 @@ class Plan:
             lines.append(f"  step {step} rejected: {why}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Rank 0's pick from every rank's `ready` report: the step, and which ranks read it from
+    object storage (bitmap, as `RecoveryPlanned.from_s3`)."""
+
+    step: int
+    from_s3: bytes
+    #: newer candidate step -> why it could not be used.
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+def choose(
+    job: str,
+    reports: Mapping[int, RestoreReport],
+    world_size: int,
+    *,
+    step: int | None = None,
+    exclude: Mapping[int, str] = {},
+) -> Choice:
+    """The newest step every rank has a copy of (or exactly `step`): each rank reads its own
+    NVMe copy where it reported one, else the object (a pure function of the reports: a few
+    candidate steps per rank, whatever the job's size).
+
+    Raises:
+        NoCheckpointError: no candidate step has a copy for every rank (says why, per step).
+    """
+    local = {r: set(rep.local_steps) for r, rep in reports.items()}
+    anywhere = {r: local[r] | set(rep.s3_steps) for r, rep in reports.items()}
+    steps = set().union(*anywhere.values()) if step is None else {step}
+    rejected: dict[int, str] = {}
+    for s in sorted(steps, reverse=True):
+        if s in exclude:
+            rejected[s] = f"a rank found no loadable copy in this restore ({exclude[s]})"
+            continue
+        lacking = [r for r in range(world_size) if s not in anywhere.get(r, ())]
+        if not lacking:
+            s3 = [r for r in range(world_size) if s not in local[r]]
+            return Choice(s, bitmap(s3, world_size), rejected)
+        rejected[s] = _lacking(lacking, reports, s, world_size)
+    if not rejected:
+        raise NoCheckpointError(
+            f"job {job!r} has no checkpoints in its job state (never saved, or the state was "
+            f"lost: `tierpipe reindex --job {job}` rebuilds it)"
+        )
+    detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
+    raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
+
+
+def _lacking(
+    ranks: list[int], reports: Mapping[int, RestoreReport], step: int, world_size: int
+) -> str:
+    named = ", ".join(
+        f"rank {r}" + (f" [{reports[r].error}]" if r in reports and reports[r].error else "")
+        for r in ranks[:_NAMED_RANKS]
+    )
+    more = f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else ""
+    return f"{len(ranks)} of {world_size} ranks have no copy ({named}{more})"
 
 
 def plan_recovery(
