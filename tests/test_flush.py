@@ -29,7 +29,7 @@ from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVeri
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
 from tierpipe.storage import s3 as s3_store
-from tierpipe.storage.s3 import S3Store, Uploaded
+from tierpipe.storage.s3 import S3Store, Uploaded, parse_object_key
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
 
@@ -216,7 +216,8 @@ def test_retention_over_twelve_steps_matches_the_policy(
 
     def in_s3() -> list[int]:
         listing = s3.list_objects_v2(Bucket=policy.s3_bucket).get("Contents", [])
-        return sorted({int(o["Key"].split("/")[1][5:]) for o in listing})
+        shards = [parse_object_key(policy.s3_prefix, o["Key"]) for o in listing]
+        return sorted({shard.step for shard in shards if shard is not None})
 
     wait_until(
         lambda: on_nvme() == [11, 12] and in_s3() == [4, 8, 10, 11, 12],
