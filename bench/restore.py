@@ -218,7 +218,7 @@ class _Setup:
 
         async def go() -> float:
             async with S3Store(self.settings) as store:
-                self.key = store.key_for(self.relpath)
+                self.key = store.key(JOB, STEP, 0, 1)
                 done = await store.upload(self.shard, self.key, header_digest=header_digest)
                 return done.seconds
 

@@ -162,7 +162,7 @@ def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
     if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):
         where = f"no shard files under {settings.nvme_root}/{job}"
         if not args.no_s3:
-            prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), job) if p)
+            prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), "<hh>", job) if p)
             where += f", no objects under s3://{settings.s3_bucket}/{prefix}/"
         raise ConfigError(f"unknown job {job!r}: no events on stream {settings.stream}, {where}")
     print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {job}")

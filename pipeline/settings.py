@@ -102,7 +102,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     s3_endpoint: str | None = None
     s3_region: str = "us-east-1"
     s3_bucket: str = "tierpipe"
-    #: Key prefix under which `<job>/step-.../rank-....shard` objects live.
+    #: Key prefix under which `<hh>/<job>/step-.../rank-....shard` objects live.
     s3_prefix: str = ""
     #: Credentials; None: the standard AWS chain (AWS_ACCESS_KEY_ID, profiles, instance roles).
     s3_access_key_id: str | None = None
@@ -113,6 +113,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     flush_max_bytes_per_s: int = 0
     s3_connect_timeout_s: float = 5.0
     s3_read_timeout_s: float = 60.0
+    #: S3 requests one process has in flight at most; a throttling reply (503 SlowDown) halves
+    #: the allowance, successes raise it back to this.
+    s3_max_concurrent_requests: int = 64
+    #: Retries of a throttled request (waits of up to `retry_base_s * 2**n`, capped at
+    #: `retry_max_s`, randomized) before it fails as an outage.
+    s3_throttle_retries: int = 6
     #: Multipart uploads under the prefix older than this are aborted at start, whoever began
     #: them (this node's own are aborted at once).
     orphan_upload_max_age_s: float = 86400.0
@@ -195,6 +201,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         # S3 multipart parts are 5 MiB .. 5 GiB (the last part may be smaller).
         _check(5 << 20 <= self.part_size_bytes <= 5 << 30, "part_size_bytes", self.part_size_bytes)
         _check(self.part_concurrency >= 1, "part_concurrency", self.part_concurrency)
+        _check(
+            self.s3_max_concurrent_requests >= 1,
+            "s3_max_concurrent_requests",
+            self.s3_max_concurrent_requests,
+        )
+        _check(self.s3_throttle_retries >= 0, "s3_throttle_retries", self.s3_throttle_retries)
         _check(self.restore_timeout_s > 0, "restore_timeout_s", self.restore_timeout_s)
         _check(
             self.restore_s3_reads_per_node >= 1,

@@ -305,9 +305,7 @@ class Evict:
     async def remove_objects(self, job: str, step: int, world_size: int) -> None:
         """Remove every rank's object of one step (DeleteObjects, 1,000 keys a request)."""
         store = await self._object_store()
-        keys = [
-            store.key_for(shard_relpath(job, step, rank, world_size)) for rank in range(world_size)
-        ]
+        keys = [store.key(job, step, rank, world_size) for rank in range(world_size)]
         await store.delete_many(keys)
 
     async def _object_store(self) -> S3Store:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -230,11 +230,8 @@ def _apply(throttle: Throttle, data: bytes) -> None:
 
 def _owned(nvme: NvmeStore, s3: S3Store, key: str) -> bool:
     """An upload is this node's if the shard it uploads lives on this node's NVMe."""
-    relpath = key[len(s3.prefix) + 1 :] if s3.prefix else key
-    try:
-        return nvme.path_for(PurePosixPath(relpath)).exists()
-    except ValueError:
-        return False
+    shard = s3.shard_of(key)
+    return shard is not None and Path(nvme.locate(*shard)).exists()
 
 
 class _KeyLocks:

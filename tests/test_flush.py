@@ -29,7 +29,7 @@ from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVeri
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
 from tierpipe.storage import s3 as s3_store
-from tierpipe.storage.s3 import S3Store, Uploaded
+from tierpipe.storage.s3 import S3Store, Uploaded, parse_object_key
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
 
@@ -86,7 +86,7 @@ def test_flushed_object_holds_the_exact_shard(
     flushed = events.wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
     assert isinstance(flushed, ShardFlushed)
     assert flushed.bucket == settings.s3_bucket
-    assert flushed.key == str(shard_relpath(job, 7, 0, 1))
+    assert flushed.key == S3Store(settings).key(job, 7, 0, 1)
     assert flushed.checksum.endswith("-2")  # composite CRC32C over two parts
     body = s3.get_object(Bucket=flushed.bucket, Key=flushed.key)["Body"].read()
     local = nvme_file(settings, job, 7).read_bytes()
@@ -117,7 +117,7 @@ def test_killed_flush_worker_leaves_no_object_and_completes_once(
     wait_until(lambda: uploads(s3, settings.s3_bucket), what="an upload to start")
     time.sleep(0.5)
     flusher.stop(signal.SIGKILL)
-    key = str(shard_relpath(job, 1, 0, 1))
+    key = S3Store(settings).key(job, 1, 0, 1)
     assert not exists(s3, settings.s3_bucket, key)
     (orphan,) = uploads(s3, settings.s3_bucket)
     agent("flush")  # unthrottled
@@ -216,7 +216,8 @@ def test_retention_over_twelve_steps_matches_the_policy(
 
     def in_s3() -> list[int]:
         listing = s3.list_objects_v2(Bucket=policy.s3_bucket).get("Contents", [])
-        return sorted({int(o["Key"].split("/")[1][5:]) for o in listing})
+        shards = [parse_object_key(policy.s3_prefix, o["Key"]) for o in listing]
+        return sorted({shard.step for shard in shards if shard is not None})
 
     wait_until(
         lambda: on_nvme() == [11, 12] and in_s3() == [4, 8, 10, 11, 12],
@@ -299,7 +300,7 @@ def test_rewound_save_replaces_an_abandoned_timelines_object(
     """An object of an older epoch at a step after the one a newer run rewound to is replaced
     by that run's save, which records its own node, digest and epoch."""
     (old, d_old), (new, d_new) = two_saves
-    key = str(shard_relpath(job, 5, 0, 1))
+    key = S3Store(settings).key(job, 5, 0, 1)
     _upload(settings, old, key, d_old, epoch=100, step=5)
     with capture_logs() as logs:
         done = _upload(settings, new, key, d_new, epoch=200, step=5, rewind_to=3)
@@ -321,7 +322,7 @@ def test_abandoned_object_appearing_mid_upload_is_replaced_not_a_conflict(
     the key and its completion (the write-once condition then fails): the rewound save looks
     again and replaces it, instead of failing for good."""
     (old, d_old), (new, d_new) = two_saves
-    key = str(shard_relpath(job, 5, 0, 1))
+    key = S3Store(settings).key(job, 5, 0, 1)
     real = s3_store.upload_parts
     raced: list[bool] = []
 
@@ -359,7 +360,7 @@ def test_different_object_at_the_key_stays_a_conflict_unless_superseded(
     """A different shard at the key that the upload's timeline does not supersede is a
     StorageConflictError, and the object stays as it was."""
     (old, d_old), (new, d_new) = two_saves
-    key = str(shard_relpath(job, 5, 0, 1))
+    key = S3Store(settings).key(job, 5, 0, 1)
     _upload(settings, old, key, d_old, epoch=100, step=5)
     with pytest.raises(StorageConflictError) as err:
         _upload(settings, new, key, d_new, **timeline)

@@ -359,17 +359,17 @@ def test_forged_flushed_events_never_delete_objects_outside_the_jobs_own_keys(
     s3 = boto3.client("s3", **s3_server.client_kwargs())
     bucket = settings.s3_bucket
     keys = S3Store(settings)
-    other_job = keys.key_for(shard_relpath("other-job", 1, 0, 1))
+    other_job = keys.key("other-job", 1, 0, 1)
     s3.put_object(Bucket=bucket, Key="other-team/precious.bin", Body=b"precious")
     s3.put_object(Bucket=bucket, Key=other_job, Body=b"another job's shard")
-    ours = keys.key_for(shard_relpath(job, 1, 0, 1))
+    ours = keys.key(job, 1, 0, 1)
     s3.put_object(Bucket=bucket, Key=ours, Body=b"this job's step 1")
     _publish(
         settings,
         [
             *_forged_flushed(settings, job, 1, "other-team/precious.bin"),
             *_forged_flushed(settings, job, 2, other_job),
-            *_forged_flushed(settings, job, 3, keys.key_for(shard_relpath(job, 3, 0, 1))),
+            *_forged_flushed(settings, job, 3, keys.key(job, 3, 0, 1)),
         ],
     )
     a = agent("evict", settings=settings.replace(s3_keep_latest_k=1)).wait_ready()

@@ -23,6 +23,7 @@ from tierpipe.names import shard_relpath
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.s3 import S3Store
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +130,7 @@ def test_all_ranks_move_to_an_older_step_when_one_has_no_good_copy(
     saved = save_steps(settings, job, 2, [1, 2], events)
     flip(str(Path(settings.nvme_root).absolute() / shard_relpath(job, 2, 1, 2)))
     s3 = boto3.client("s3", **s3_server.client_kwargs())
-    key = str(shard_relpath(job, 2, 1, 2))
+    key = S3Store(settings).key(job, 2, 1, 2)
     body = bytearray(s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read())
     body[
         read_head(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, 1, 2)).data_offset + 7
@@ -326,10 +327,8 @@ def test_explicit_step_with_no_good_copy_is_refused_never_swapped(
     path.unlink()  # gone from NVMe after it was verified, and ...
 
     async def drop_object() -> None:  # ... from object storage after it was flushed
-        from tierpipe.storage.s3 import S3Store
-
         async with S3Store(settings) as store:
-            await store.remove(store.key_for(shard_relpath(job, 1, 0, 1)))
+            await store.remove(store.key(job, 1, 0, 1))
 
     import anyio
 

@@ -33,6 +33,7 @@ from tierpipe.schemas import (
     encode_event,
 )
 from tierpipe.settings import Settings
+from tierpipe.storage.s3 import S3Store
 
 pytestmark = pytest.mark.slow
 
@@ -174,7 +175,7 @@ def test_slot_releases_go_on_while_the_object_store_is_down(
             node = s.node or ""
             ident = dict(job=job, node=node, ts=time.time(), step=0, rank=0, world_size=1)
             path = str(Path(s.nvme_root) / shard_relpath(job, 0, 0, 1))
-            key = shard_relpath(job, 0, 0, 1)
+            key = S3Store(s).key(job, 0, 0, 1)
             publish(
                 s,
                 ShardWritten(**ident, path=path, nbytes=4096, header_digest=DIGEST, tensors=1,

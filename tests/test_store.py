@@ -174,7 +174,8 @@ async def test_s3_store_keeps_the_contract(tmp_path: Path, settings: Settings) -
     raw = path.read_bytes()
     async with S3Store(settings) as store:
         location = store.locate(JOB, 2, 0, 1)
-        key = f"{JOB}/step-000000000002/rank-00000-of-00001.shard"
+        key = store.key(JOB, 2, 0, 1)
+        assert key.endswith(f"/{JOB}/step-000000000002/rank-00000-of-00001.shard")
         assert location == f"s3://{settings.s3_bucket}/{key}"
 
         async def corrupt() -> None:  # the same object, one bit flipped

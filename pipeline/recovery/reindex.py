@@ -4,8 +4,10 @@ The stream is an index, not the only truth (JetStream can lose acknowledged writ
 faults, and a purge loses everything). Every shard file carries its identity and digests in its
 header, and every uploaded object its size, checksum and header digest, so `tierpipe reindex`
 republishes `written` + `verified` for the shards on this node's NVMe (re-reading each to verify
-it, unless told not to) and `flushed` for the objects under the prefix. Republishing is
-idempotent: message ids dedupe within the window, and folding an event twice changes nothing.
+it, unless told not to) and `flushed` for the job's objects under the prefix (listed under each
+of its 256 hash prefixes; a key whose hash does not match its job and rank is skipped).
+Republishing is idempotent: message ids dedupe within the window, and folding an event twice
+changes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import anyio
 import structlog
@@ -30,8 +32,6 @@ from tierpipe.storage.s3 import S3Store
 __all__ = ("Reindexed", "reindex")
 
 log = structlog.get_logger(__name__)
-
-_KEY = re.compile(r"(?:^|/)([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,7 @@ async def reindex(
                 nvme_count += 1
         if s3:
             async with S3Store(settings) as objects:
-                prefix = objects.key_for(PurePosixPath(job))
-                for key, size in await objects.list_objects(prefix + "/"):
+                for key, size in await objects.list_job(job):
                     flushed = await _s3_event(objects, key, size, job, node)
                     if flushed is None:
                         skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
@@ -101,14 +100,14 @@ def _nvme_events(
 async def _s3_event(
     objects: S3Store, key: str, size: int, job: str, node: str
 ) -> ShardFlushed | None:
-    m = _KEY.search(key)
-    if m is None or m.group(1) != job:
+    shard = objects.shard_of(key)  # None for a key whose hash does not match its job and rank
+    if shard is None or shard.job != job:
         return None
-    step, rank, world = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    _, step, rank, world = shard
     head = await objects.head(key)
     meta = (head or {}).get("Metadata", {})
     digest = meta.get("tp-header-digest", "")
-    if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest) or rank >= world:
+    if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest):
         return None
     # The node that uploaded it stays its owner (only it removes it); its save's epoch too.
     uploader = meta.get("tp-node", "")

@@ -1,5 +1,9 @@
 """The object-storage tier: shard files uploaded to any S3-compatible store, write-once.
 
+A shard's key is `<prefix>/<hh>/<job>/step-<n>/rank-<r>-of-<w>.shard` (`object_key`, the one
+place keys are made; `parse_object_key` the one place they are read): the two hex digits `hh`
+hash the job and rank, so a step's objects spread over 256 prefixes.
+
 One long-lived aioboto3 client per process. An upload is a multipart upload streamed from the
 NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC32C computed
 (awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies;
@@ -8,23 +12,27 @@ is write-once (`IfNoneMatch="*"`); an object already there with the same size an
 counts as done, and only an abandoned timeline's object (a rewound run's older epoch) may be
 replaced (see `s3_once`). Size and checksum are confirmed with a HEAD after completion. Objects
 record which node uploaded them, and retention deletes only its own node's (`delete_owned`).
-botocore's exceptions stop here (see `s3_errors`): callers see `StorageUnavailableError`
-(retryable) or `StorageAuthError` / `StorageConflictError` / `IntegrityError` (permanent).
+Every request goes through `Requests` (`s3_retry`): a throttled one backs off with jitter and
+shrinks the store's concurrency limit. botocore's exceptions stop here (see `s3_errors`): callers
+see `StorageUnavailableError` (retryable) or `StorageAuthError` / `StorageConflictError` /
+`IntegrityError` (permanent).
 """
 
 from __future__ import annotations
 
 import base64
 import mmap
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import anyio
 import structlog
+import xxhash
 from aiobotocore.config import AioConfig
 
 from tierpipe.errors import (
@@ -32,22 +40,73 @@ from tierpipe.errors import (
     ShardMissingError,
     StorageAuthError,
     StorageConflictError,
+    TierpipeError,
 )
-from tierpipe.names import node_name, shard_relpath
+from tierpipe.names import node_name, shard_relpath, validate_token
 from tierpipe.settings import Settings
 from tierpipe.storage import s3_delete
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.reader import check_image, deliver_image, image_head
-from tierpipe.storage.s3_errors import NotFound, translate_errors
+from tierpipe.storage.s3_errors import NotFound, first_error
 from tierpipe.storage.s3_once import Save, confirm, existing
 from tierpipe.storage.s3_parts import composite_checksum, download_parts, upload_parts
+from tierpipe.storage.s3_retry import ConcurrencyLimit, Requests
 from tierpipe.storage.s3_uploads import abort, abort_earlier, abort_orphans
 from tierpipe.storage.store import BlobSink, ReadBack, SealedFile, VerifyResult
 from tierpipe.throttle import Throttle
 
-__all__ = ("S3Store", "Uploaded")
+__all__ = ("S3Store", "ShardKey", "Uploaded", "object_key", "parse_object_key")
 
 log = structlog.get_logger(__name__)
+
+#: Listings of one job's hash prefixes in flight at once.
+_LIST_LANES = 16
+#: A shard key below the prefix: `<hh>/<job>/step-<step>/rank-<rank>-of-<world>.shard`.
+_SHARD_KEY = re.compile(
+    r"([0-9a-f]{2})/([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard"
+)
+#: Every hash prefix a key can have (the low byte of a 64-bit hash, as two hex digits).
+HASH_PREFIXES = tuple(f"{b:02x}" for b in range(256))
+
+
+class ShardKey(NamedTuple):
+    """The shard an object key names."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+
+
+def object_key(prefix: str, job: str, step: int, rank: int, world_size: int) -> str:
+    """The object key of a shard: `<prefix>/<hh>/<job>/step-<n>/rank-<r>-of-<w>.shard`.
+
+    The one place a key is made. `hh` is the low byte of xxh3_64 of `<job>/<rank>` as two hex
+    digits, so one step's objects spread over 256 key prefixes (S3 scales request rates per
+    prefix) while anyone can still derive a key from the job, step, rank and world size alone.
+
+    Raises:
+        InvalidNameError: `job` is not a valid job name.
+        ValueError: step or rank out of range.
+    """
+    relpath = shard_relpath(job, step, rank, world_size)
+    spread = f"{xxhash.xxh3_64_intdigest(f'{job}/{rank}'.encode()) & 0xFF:02x}"
+    return "/".join(p for p in (prefix, spread, str(relpath)) if p)
+
+
+def parse_object_key(prefix: str, key: str) -> ShardKey | None:
+    """The shard that `key` is the object of, or None: not under `prefix`, not a shard key, or
+    a hash that does not match its job and rank (a forged or misplaced object is no shard)."""
+    if prefix and not key.startswith(prefix + "/"):
+        return None
+    m = _SHARD_KEY.fullmatch(key[len(prefix) + 1 :] if prefix else key)
+    if m is None:
+        return None
+    shard = ShardKey(m.group(2), int(m.group(3)), int(m.group(4)), int(m.group(5)))
+    try:
+        return shard if object_key(prefix, *shard) == key else None
+    except (TierpipeError, ValueError):  # a reserved job name, a rank outside its world
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +149,10 @@ class S3Store:
         self.prefix = settings.s3_prefix.strip("/")
         self.throttle = throttle or Throttle(None)
         self.read_slot = read_slot
+        #: How many requests may be in flight now (lowered by throttling, see `s3_retry`).
+        self.limit = ConcurrencyLimit(settings.s3_max_concurrent_requests)
         self.client: Any = None
+        self._requests: Requests | None = None
         self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> S3Store:
@@ -100,9 +162,10 @@ class S3Store:
         config = AioConfig(
             connect_timeout=s.s3_connect_timeout_s,
             read_timeout=s.s3_read_timeout_s,
-            # One quick retry inside botocore for a dropped connection; anything longer is the
-            # stage's business (nak with growing delay), so an outage is noticed in seconds.
-            retries={"total_max_attempts": 2, "mode": "standard"},
+            # No retries inside botocore: `Requests` retries (a dropped connection once, quickly;
+            # a throttled request with jittered backoff under a shrinking concurrency limit),
+            # which botocore's policy, blind to that limit, would otherwise answer first.
+            retries={"total_max_attempts": 1, "mode": "standard"},
             max_pool_connections=max(10, s.part_concurrency * 2),
             # The CRC32C we send is a signed header and the store verifies it, so signing the
             # payload too (SHA-256, ~1 GB/s of CPU) adds nothing but cost on plain-HTTP stores.
@@ -118,19 +181,32 @@ class S3Store:
         self.client = await self._stack.enter_async_context(
             session.client("s3", endpoint_url=s.s3_endpoint, config=config)
         )
+        self._requests = Requests(self.client, self.limit, s)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
-        self.client = None
+        self.client = self._requests = None
 
-    def key_for(self, relpath: PurePosixPath) -> str:
-        return f"{self.prefix}/{relpath}" if self.prefix else str(relpath)
+    @property
+    def requests(self) -> Requests:
+        """Where every request of this store goes (see `s3_retry`)."""
+        if self._requests is None:
+            raise RuntimeError("S3Store used outside `async with`")
+        return self._requests
+
+    def key(self, job: str, step: int, rank: int, world_size: int) -> str:
+        """The object key of a shard under this store's prefix (see `object_key`)."""
+        return object_key(self.prefix, job, step, rank, world_size)
+
+    def shard_of(self, key: str) -> ShardKey | None:
+        """The shard whose object `key` is, or None (see `parse_object_key`)."""
+        return parse_object_key(self.prefix, key)
 
     # --- the ShardStore contract (see `store`)
 
     def locate(self, job: str, step: int, rank: int, world_size: int) -> str:
-        return f"s3://{self.bucket}/{self.key_for(shard_relpath(job, step, rank, world_size))}"
+        return f"s3://{self.bucket}/{self.key(job, step, rank, world_size)}"
 
     async def write(
         self, source: SealedFile, location: str, *, rewind_to: int | None = None
@@ -259,15 +335,18 @@ class S3Store:
         Raises:
             StorageConflictError: the condition failed (the key changed since it was looked at).
         """
-        await abort_earlier(self.client, self.bucket, key)
-        async with translate_errors(key):
-            created = await self.client.create_multipart_upload(
+        requests = self.requests
+        await abort_earlier(requests, self.bucket, key)
+        created = await requests(
+            key,
+            lambda: requests.client.create_multipart_upload(
                 Bucket=self.bucket, Key=key, ChecksumAlgorithm="CRC32C", Metadata=metadata
-            )
+            ),
+        )
         upload_id = created["UploadId"]
         try:
             parts = await upload_parts(
-                self.client,
+                requests,
                 self.bucket,
                 key,
                 upload_id,
@@ -277,33 +356,34 @@ class S3Store:
                 concurrency=self.settings.part_concurrency,
                 throttle=self.throttle,
             )
-            async with translate_errors(key):
-                done = await self.client.complete_multipart_upload(
+            sent = [{"PartNumber": n, "ETag": e, "ChecksumCRC32C": crc} for n, e, crc in parts]
+            done = await requests(
+                key,
+                lambda: requests.client.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
-                    MultipartUpload={
-                        "Parts": [
-                            {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": crc}
-                            for n, etag, crc in parts
-                        ]
-                    },
+                    MultipartUpload={"Parts": sent},
                     **condition,
-                )
+                ),
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await abort(self.client, self.bucket, key, upload_id)
+                await abort(requests, self.bucket, key, upload_id)
             raise
         return done, parts
 
     async def head(self, key: str) -> dict[str, Any] | None:
         """The object's HEAD (with its checksum), or None if there is none."""
+        requests = self.requests
         try:
-            async with translate_errors(key):
-                found: dict[str, Any] = await self.client.head_object(
+            found: dict[str, Any] = await requests(
+                key,
+                lambda: requests.client.head_object(
                     Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
-                )
-                return found
+                ),
+            )
+            return found
         except NotFound:
             return None
 
@@ -313,7 +393,7 @@ class S3Store:
         """Abort multipart uploads under the prefix that this node owns (`owned(key)`), or that
         are older than `max_age_s` whoever started them. Returns how many were aborted."""
         prefix = self.prefix + "/" if self.prefix else ""
-        return await abort_orphans(self.client, self.bucket, prefix, owned, max_age_s=max_age_s)
+        return await abort_orphans(self.requests, self.bucket, prefix, owned, max_age_s=max_age_s)
 
     async def download(
         self, key: str, nbytes: int, *, hold: Callable[[], Any] | None = None
@@ -330,7 +410,7 @@ class S3Store:
             StorageAuthError: the store refused the request (credentials, permissions).
         """
         return await download_parts(
-            self.client,
+            self.requests,
             self.bucket,
             key,
             nbytes,
@@ -341,27 +421,53 @@ class S3Store:
 
     async def list_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(key, size) of every object under `prefix`."""
-        found: list[tuple[str, int]] = []
-        async with translate_errors(prefix):
-            paginator = self.client.get_paginator("list_objects_v2")
+        requests = self.requests
+
+        async def listing() -> list[tuple[str, int]]:
+            found: list[tuple[str, int]] = []
+            paginator = requests.client.get_paginator("list_objects_v2")
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
-        return found
+            return found
+
+        return await requests(prefix, listing)
+
+    async def list_job(self, job: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under the job's folder of each of the 256 hash
+        prefixes, sorted by key (what `reindex` finds; `shard_of` says which are shards)."""
+        validate_token("job", job)
+        found: list[tuple[str, int]] = []
+        lanes = anyio.Semaphore(_LIST_LANES)
+
+        async def one(spread: str) -> None:
+            async with lanes:
+                found.extend(await self.list_objects(self._join(spread, job) + "/"))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for spread in HASH_PREFIXES:
+                    tg.start_soon(one, spread)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from group
+        return sorted(found)
+
+    def _join(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
 
     async def remove(self, key: str) -> None:
         """Remove an object (idempotent), whoever uploaded it."""
-        await s3_delete.remove(self.client, self.bucket, key)
+        await s3_delete.remove(self.requests, self.bucket, key)
 
     async def delete_owned(self, key: str, *, node: str, header_digest: str) -> bool:
         """Remove the object at `key` only if `node` uploaded it with `header_digest` (see
         `s3_delete.delete_owned`)."""
         return await s3_delete.delete_owned(
-            self.client, self.bucket, key, await self.head(key), node, header_digest
+            self.requests, self.bucket, key, await self.head(key), node, header_digest
         )
 
     async def delete_many(self, keys: list[str]) -> None:
         """Remove objects, 1,000 keys a request (see `s3_delete.delete_many`)."""
-        await s3_delete.delete_many(self.client, self.bucket, keys)
+        await s3_delete.delete_many(self.requests, self.bucket, keys)
 
     async def check(self) -> None:
         """Fail fast on a missing bucket or refused credentials (at worker start).
@@ -370,9 +476,9 @@ class S3Store:
             StorageAuthError: the bucket does not exist or the credentials are refused.
             StorageUnavailableError: the store cannot be reached.
         """
+        requests = self.requests
         try:
-            async with translate_errors(self.bucket):
-                await self.client.head_bucket(Bucket=self.bucket)
+            await requests(self.bucket, lambda: requests.client.head_bucket(Bucket=self.bucket))
         except NotFound:
             raise StorageAuthError(
                 f"bucket {self.bucket!r} does not exist (check s3_bucket)"

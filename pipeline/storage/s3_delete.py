@@ -2,18 +2,21 @@
 
 Retention's coordinator removes a step's objects with `delete_many` (DeleteObjects, 1,000 keys
 a request); `delete_owned` is the careful single removal the `ShardStore` contract's `delete`
-makes (a HEAD of the object's metadata, then a delete conditional on its ETag).
+makes (a HEAD of the object's metadata, then a delete conditional on its ETag). Each request
+goes through the store's `Requests` (`s3_retry`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import structlog
 
 from tierpipe.errors import StorageConflictError, StorageUnavailableError, StorageUnsupportedError
-from tierpipe.storage.s3_errors import NotFound, translate_errors
+from tierpipe.storage.s3_errors import NotFound
+from tierpipe.storage.s3_retry import Requests
 
 __all__ = ("delete_many", "delete_owned", "remove")
 
@@ -23,15 +26,19 @@ log = structlog.get_logger(__name__)
 BATCH = 1000
 
 
-async def remove(client: Any, bucket: str, key: str) -> None:
+async def remove(requests: Requests, bucket: str, key: str) -> None:
     """Remove an object (idempotent), whoever uploaded it."""
     with contextlib.suppress(NotFound):
-        async with translate_errors(key):
-            await client.delete_object(Bucket=bucket, Key=key)
+        await requests(key, lambda: requests.client.delete_object(Bucket=bucket, Key=key))
 
 
 async def delete_owned(
-    client: Any, bucket: str, key: str, head: dict[str, Any] | None, node: str, header_digest: str
+    requests: Requests,
+    bucket: str,
+    key: str,
+    head: dict[str, Any] | None,
+    node: str,
+    header_digest: str,
 ) -> bool:
     """Remove the object at `key` (as `head`, a HEAD of it, shows it) only if its metadata
     says `node` uploaded it with `header_digest`: never another node's or team's object. The
@@ -53,19 +60,21 @@ async def delete_owned(
         return False
     try:
         with contextlib.suppress(NotFound):
+            etag = head.get("ETag", "")
             try:
-                async with translate_errors(key):
-                    await client.delete_object(Bucket=bucket, Key=key, IfMatch=head.get("ETag", ""))
+                await requests(
+                    key, lambda: requests.client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+                )
             except StorageUnsupportedError:
                 # A store without conditional deletes: the HEAD just now is the check.
-                await remove(client, bucket, key)
+                await remove(requests, bucket, key)
     except StorageConflictError:
         log.warning("object_delete_refused", bucket=bucket, key=key, reason="replaced")
         return False
     return True
 
 
-async def delete_many(client: Any, bucket: str, keys: list[str]) -> None:
+async def delete_many(requests: Requests, bucket: str, keys: list[str]) -> None:
     """Remove objects, `BATCH` keys a request (DeleteObjects); absent ones count as removed.
 
     Raises:
@@ -74,10 +83,8 @@ async def delete_many(client: Any, bucket: str, keys: list[str]) -> None:
     """
     for i in range(0, len(keys), BATCH):
         batch = keys[i : i + BATCH]
-        async with translate_errors(batch[0]):
-            reply = await client.delete_objects(
-                Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-            )
+        one = functools.partial(_delete_objects, requests, bucket, batch)
+        reply = await requests(batch[0], one)
         errors = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
         if errors:
             first = errors[0]
@@ -85,3 +92,11 @@ async def delete_many(client: Any, bucket: str, keys: list[str]) -> None:
                 f"s3://{bucket}/{first.get('Key')}: {first.get('Code')}: "
                 f"{first.get('Message')} ({len(errors)} of {len(batch)} keys not removed)"
             )
+
+
+async def _delete_objects(requests: Requests, bucket: str, keys: list[str]) -> dict[str, Any]:
+    """One DeleteObjects request."""
+    reply: dict[str, Any] = await requests.client.delete_objects(
+        Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+    )
+    return reply

@@ -3,8 +3,9 @@
 Every S3 call runs inside `translate_errors(key)`: a refusal of credentials or a missing bucket
 is `StorageAuthError` (permanent), a failed write-once condition `StorageConflictError`, a
 request the store does not implement `StorageUnsupportedError`, an outage or timeout
-`StorageUnavailableError` (retryable), each with botocore's exception kept as the cause. A
-missing object is `NotFound`, which the store turns into its own answer (None, False,
+`StorageUnavailableError` (retryable), each with botocore's exception kept as the cause; a
+throttling reply (503 `SlowDown` and kin) is its subclass `Throttled`, which `s3_retry` backs off
+from. A missing object is `NotFound`, which the store turns into its own answer (None, False,
 `ShardMissingError`) and which never leaves it. Concurrent part transfers fail as exception
 groups; `first_error` and `download_error` pick the one error a caller sees.
 """
@@ -27,7 +28,7 @@ from tierpipe.errors import (
     TierpipeError,
 )
 
-__all__ = ("NotFound", "download_error", "first_error", "translate_errors")
+__all__ = ("NotFound", "Throttled", "download_error", "first_error", "translate_errors")
 
 _AUTH_CODES = {
     "InvalidAccessKeyId",
@@ -40,11 +41,28 @@ _AUTH_CODES = {
     "403",
 }
 _CONFIG_CODES = {"NoSuchBucket", "InvalidBucketName", "PermanentRedirect"}
+#: A store asking for fewer requests (S3: 503 SlowDown; a HEAD's error has no body, only "503").
+_THROTTLE_CODES = {
+    "SlowDown",
+    "RequestLimitExceeded",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestThrottled",
+    "503",
+    "429",
+}
+_THROTTLE_STATUSES = {429, 503}
 
 
 class NotFound(Exception):
     """No object (or multipart upload) at a key: the S3 store's private signal, never raised
     to its callers."""
+
+
+class Throttled(StorageUnavailableError):
+    """The store asked for fewer requests: `s3_retry` backs off and lowers its concurrency;
+    callers see it (as the outage it is) only once those retries ran out."""
 
 
 @contextlib.asynccontextmanager
@@ -71,7 +89,9 @@ async def translate_errors(key: str) -> AsyncIterator[None]:
             raise StorageAuthError(f"{code}: {message} (check s3_bucket / s3_endpoint)") from e
         if code == "NotImplemented" or status == 501:  # not an outage: it will never work
             raise StorageUnsupportedError(key, f"{code or status}: {message}") from e
-        if status >= 500 or code in ("SlowDown", "RequestTimeout", "BadDigest", "InternalError"):
+        if code in _THROTTLE_CODES or status in _THROTTLE_STATUSES:
+            raise Throttled(f"object store throttled {key} ({code or status}): {message}") from e
+        if status >= 500 or code in ("RequestTimeout", "BadDigest", "InternalError"):
             raise StorageUnavailableError(f"object store error on {key} ({code}): {message}") from e
         raise StorageAuthError(
             f"object store refused a request on {key} ({code}): {message}"

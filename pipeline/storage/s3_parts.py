@@ -6,7 +6,7 @@ cache stays clean) into one of a few reused aligned buffers, and its CRC32C comp
 arrival. The part then goes out as a `PacedBody`, ~1 MiB pieces each let through by the shared
 `Throttle`. `composite_checksum` is the checksum S3 reports for the whole object, to compare
 after completion. `download_parts` fetches an object with parallel ranged GETs into one
-page-aligned buffer.
+page-aligned buffer. Each request goes through the store's `Requests` (`s3_retry`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import anyio
 from awscrt import checksums
@@ -26,7 +25,8 @@ from awscrt import checksums
 from tierpipe.errors import RetryableError, ShardMissingError, StorageUnavailableError
 from tierpipe.schemas import ALIGN
 from tierpipe.storage.aligned import aligned_buffer, open_direct, pread_into, round_up
-from tierpipe.storage.s3_errors import NotFound, download_error, first_error, translate_errors
+from tierpipe.storage.s3_errors import NotFound, download_error, first_error
+from tierpipe.storage.s3_retry import Requests
 from tierpipe.throttle import Throttle
 
 __all__ = (
@@ -100,7 +100,7 @@ class PacedBody:
 
 
 async def upload_parts(
-    client: Any,
+    requests: Requests,
     bucket: str,
     key: str,
     upload_id: str,
@@ -112,7 +112,7 @@ async def upload_parts(
     throttle: Throttle,
 ) -> list[tuple[int, str, str]]:
     """Send the file at `path` as the parts of multipart upload `upload_id`, at most
-    `concurrency` at a time, through `client` (the store's aioboto3 S3 client).
+    `concurrency` at a time, through the store's `requests`.
 
     Returns:
         (part number, ETag, CRC32C) of every part, in order, for the completion.
@@ -144,17 +144,18 @@ async def upload_parts(
             try:
                 crc = await anyio.to_thread.run_sync(read_part, fd, buf, offset, size, path)
                 with memoryview(buf) as view:
-                    body = PacedBody(view[:size], throttle)
-                    async with translate_errors(key):
-                        r = await client.upload_part(
+                    r = await requests(
+                        key,
+                        lambda: requests.client.upload_part(
                             Bucket=bucket,
                             Key=key,
                             UploadId=upload_id,
                             PartNumber=index + 1,
-                            Body=body,
+                            Body=PacedBody(view[:size], throttle),  # a fresh one per attempt
                             ContentLength=size,
                             ChecksumCRC32C=crc,
-                        )
+                        ),
+                    )
                 results[index] = (index + 1, r["ETag"].strip('"'), r.get("ChecksumCRC32C", crc))
             finally:
                 free.append(buf)
@@ -172,7 +173,7 @@ async def upload_parts(
 
 
 async def download_parts(
-    client: Any,
+    requests: Requests,
     bucket: str,
     key: str,
     nbytes: int,
@@ -182,7 +183,7 @@ async def download_parts(
     hold: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> mmap.mmap:
     """Fetch object `key` with ranged GETs of `part_size_bytes`, at most `concurrency` at a time,
-    into a page-aligned buffer, through `client` (the store's aioboto3 S3 client).
+    into a page-aligned buffer, through the store's `requests`.
 
     Args:
         hold: a context manager factory taken around each GET; entered in a worker thread.
@@ -197,28 +198,31 @@ async def download_parts(
     buf = aligned_buffer(max(nbytes, 1))
     limiter = anyio.Semaphore(concurrency)
 
+    async def get(offset: int, size: int) -> None:
+        """One ranged GET into its place in `buf`, body and all (one request to retry)."""
+        r = await requests.client.get_object(
+            Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
+        )
+        got = 0
+        async for chunk in r["Body"].iter_chunks(1 << 20):
+            if got + len(chunk) > size:
+                raise StorageUnavailableError(f"{location}: long read at {offset}")
+            buf[offset + got : offset + got + len(chunk)] = chunk
+            got += len(chunk)
+        if got != size:
+            raise StorageUnavailableError(f"{location}: short read at {offset}")
+
     async def one(offset: int) -> None:
         size = min(part, nbytes - offset)
         async with limiter:
             guard = hold() if hold is not None else contextlib.nullcontext()
             await anyio.to_thread.run_sync(guard.__enter__)
             try:
-                async with translate_errors(key):
-                    r = await client.get_object(
-                        Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
-                    )
-                    got = 0
-                    async for chunk in r["Body"].iter_chunks(1 << 20):
-                        if got + len(chunk) > size:
-                            raise StorageUnavailableError(f"{location}: long read at {offset}")
-                        buf[offset + got : offset + got + len(chunk)] = chunk
-                        got += len(chunk)
+                await requests(key, lambda: get(offset, size))
             except NotFound:
                 raise ShardMissingError(location, "no such object") from None
             finally:
                 guard.__exit__(None, None, None)
-            if got != size:
-                raise StorageUnavailableError(f"{location}: short read at {offset}")
 
     try:
         async with anyio.create_task_group() as tg:

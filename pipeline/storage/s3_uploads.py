@@ -15,51 +15,65 @@ from typing import Any
 import structlog
 
 from tierpipe.errors import TierpipeError
-from tierpipe.storage.s3_errors import NotFound, translate_errors
+from tierpipe.storage.s3_errors import NotFound
+from tierpipe.storage.s3_retry import Requests
 
 __all__ = ("abort", "abort_earlier", "abort_orphans", "list_uploads")
 
 log = structlog.get_logger(__name__)
 
 
-async def list_uploads(client: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+async def list_uploads(requests: Requests, bucket: str, prefix: str) -> list[dict[str, Any]]:
     """In-progress multipart uploads under `prefix`."""
-    uploads: list[dict[str, Any]] = []
-    async with translate_errors(prefix):
-        paginator = client.get_paginator("list_multipart_uploads")
+
+    async def listing() -> list[dict[str, Any]]:
+        uploads: list[dict[str, Any]] = []
+        paginator = requests.client.get_paginator("list_multipart_uploads")
         async for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
             uploads += page.get("Uploads", [])
-    return uploads
+        return uploads
+
+    return await requests(prefix, listing)
 
 
-async def abort_earlier(client: Any, bucket: str, key: str) -> None:
+async def abort_earlier(requests: Requests, bucket: str, key: str) -> None:
     """Abort earlier attempts at this very key (a killed or failed uploader's)."""
-    for upload in await list_uploads(client, bucket, key):
+    for upload in await list_uploads(requests, bucket, key):
         if upload["Key"] == key:
-            await abort(client, bucket, key, upload["UploadId"])
+            await abort(requests, bucket, key, upload["UploadId"])
 
 
 async def abort_orphans(
-    client: Any, bucket: str, prefix: str, owned: Callable[[str], bool], *, max_age_s: float
+    requests: Requests,
+    bucket: str,
+    prefix: str,
+    owned: Callable[[str], bool],
+    *,
+    max_age_s: float,
 ) -> int:
     """Abort multipart uploads under `prefix` that this node owns (`owned(key)`), or that are
     older than `max_age_s` whoever started them. Returns how many were aborted."""
     now = datetime.now(UTC)
     aborted = 0
-    for upload in await list_uploads(client, bucket, prefix):
+    for upload in await list_uploads(requests, bucket, prefix):
         started = upload.get("Initiated")
         old = started is not None and (now - started).total_seconds() > max_age_s
         if owned(upload["Key"]) or old:
-            await abort(client, bucket, upload["Key"], upload["UploadId"])
+            await abort(requests, bucket, upload["Key"], upload["UploadId"])
             aborted += 1
     if aborted:
         log.info("orphan_uploads_aborted", count=aborted, bucket=bucket)
     return aborted
 
 
-async def abort(client: Any, bucket: str, key: str, upload_id: str) -> None:
+async def abort(requests: Requests, bucket: str, key: str, upload_id: str) -> None:
+    """Abort one multipart upload; a failure is logged, not raised."""
     try:
-        async with translate_errors(key):
-            await client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        await requests(
+            key,
+            lambda: requests.client.abort_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id
+            ),
+        )
     except (NotFound, TierpipeError) as e:
         log.warning("upload_abort_failed", key=key, error=str(e))
