@@ -112,6 +112,9 @@ class JobStore:
                     replicas=s.stream_replicas,
                     max_value_size=MAX_VALUE_BYTES,
                     storage=api.StorageType.FILE,
+                    # Reads by direct get: any replica answers, and a trainer's permissions
+                    # can name its own job's keys (`$JS.API.DIRECT.GET.KV_<bucket>.$KV...`).
+                    direct=True,
                 )
                 self._kv = await self._js.create_key_value(config)
         return self

@@ -26,8 +26,8 @@ from tierpipe.schemas.names import Token
 
 __all__ = ("RANKS_PER_CHUNK", "Floors", "JobHead", "Keep", "Lease", "RankDigests", "StepRecord")
 
-#: Ranks per `RankDigests` value: 24 bytes a rank, about 130 KiB a value as JSON (base64).
-RANKS_PER_CHUNK = 4096
+#: Ranks per `RankDigests` value: 24 bytes a rank, about 33 KiB a value as JSON (base64).
+RANKS_PER_CHUNK = 1024
 #: Bytes of one header digest (xxh3-128) and of one size in `RankDigests`.
 DIGEST_BYTES = 16
 SIZE_BYTES = 8
