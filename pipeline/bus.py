@@ -378,10 +378,10 @@ class Bus:
         return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
 
     def follow(
-        self, subject: str, *, start_seq: int
+        self, subject: str | list[str], *, start_seq: int
     ) -> contextlib.AbstractAsyncContextManager[Follow]:
-        """Every message on `subject` from `start_seq` on, then every later one, in batches
-        (see `tierpipe.history.follow`): for a reader that folds a lot of them."""
+        """Every message on `subject` (or any of several) from `start_seq` on, then every
+        later one, in batches (see `tierpipe.history.follow`): for a reader that folds a lot."""
         return history.follow(self.js, self.settings.stream, subject, start_seq=start_seq)
 
     async def _collect(

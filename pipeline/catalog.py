@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from tierpipe.names import job_subjects
 from tierpipe.schemas import (
     Event,
+    NodeBatch,
     RecoveryPlanned,
     RestoreReport,
     ShardEvent,
@@ -128,6 +129,8 @@ class Catalog:
         match event:
             case RecoveryPlanned():
                 return  # restore coordination, not copies
+            case NodeBatch():
+                return  # a node's report of events also published per rank (folded there)
             case RestoreReport():
                 self._loaded(event)
             case StageFailed():

@@ -331,7 +331,6 @@ class Checkpointer:
                 self._jobstore,
                 self.settings,
                 job=self.job,
-                rank=self.rank,
                 holder=f"{self.node}-rank-{self.rank}",
                 deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
             )

@@ -91,6 +91,11 @@ async def pull(bus: Bus, durable: str) -> Any:
     return await bus.js.pull_subscribe_bind(durable=durable, stream=bus.settings.stream)
 
 
+#: Messages a stage fetches at once: what it reports in one `NodeBatch` (the ranks of a node
+#: saving a step publish their `staged` events together).
+FETCH_BATCH = 16
+
+
 async def fetch(sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
     """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
     try:
@@ -122,9 +127,10 @@ class StageConsumer:
         return cls(bus, settings, stage, durable, filters, await pull(bus, durable))
 
     async def fetch(self, drain: Drain) -> list[Msg]:
-        """The next message, or none (after a failure has been dealt with)."""
+        """The next messages (up to `FETCH_BATCH`, whatever is there), or none (after a
+        failure has been dealt with)."""
         try:
-            msgs = await fetch(self.sub, batch=1, timeout=1.0)
+            msgs = await fetch(self.sub, batch=FETCH_BATCH, timeout=1.0)
         except Exception as e:  # whatever it is, the stage must go on fetching
             await self._recover(e, drain)
             return []

@@ -29,7 +29,7 @@ import structlog
 from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.names import job_subjects, plan_subject, shard_subject
+from tierpipe.names import plan_subject, shard_subject, state_subjects
 from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted
 from tierpipe.schemas.jobstate import Lease, StepRecord
 from tierpipe.settings import Settings
@@ -131,7 +131,7 @@ class Coordinator:
         renew_at = time.monotonic() + s.lease_ttl_s / 3
         keep_at = time.monotonic() + 5.0
         try:
-            async with self.bus.follow(job_subjects(job), start_seq=start) as events:
+            async with self.bus.follow(state_subjects(job), start_seq=start) as events:
                 while True:
                     deadline = time.monotonic() + s.coordinator_flush_s
                     while (left := deadline - time.monotonic()) > 0:

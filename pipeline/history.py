@@ -130,24 +130,28 @@ class Follow:
 
 @contextlib.asynccontextmanager
 async def follow(
-    js: JetStreamContext, stream: str, subject: str, *, start_seq: int
+    js: JetStreamContext, stream: str, subject: str | list[str], *, start_seq: int
 ) -> AsyncIterator[Follow]:
-    """Every message on `subject` from stream sequence `start_seq` on, then every later one,
-    in batches (an ordered push consumer, as `watch`'s, with a callback).
+    """Every message on `subject` (or on any of several) from stream sequence `start_seq` on,
+    then every later one, in batches (an ordered push consumer, as `watch`'s, with a callback).
 
     Raises:
         BusUnavailableError: JetStream did not answer.
         BusError: the server refused the consumer.
     """
     batches = Follow()
-    with translate(f"follow {subject}"):
+    subjects = [subject] if isinstance(subject, str) else subject
+    with translate(f"follow {' '.join(subjects)}"):
         sub = await js.subscribe(
-            subject,
+            subjects[0],
             stream=stream,
             cb=batches.on_msg,
             ordered_consumer=True,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=max(start_seq, 1)),
+            config=api.ConsumerConfig(
+                opt_start_seq=max(start_seq, 1),
+                filter_subjects=subjects if len(subjects) > 1 else None,
+            ),
             idle_heartbeat=1.0,
         )
     try:

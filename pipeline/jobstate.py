@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
-from tierpipe.schemas import Event, ShardEvent, ShardEvicted, StageFailed, Tier
+from tierpipe.schemas import Event, NodeBatch, ShardEvent, ShardEvicted, StageFailed, Tier
 from tierpipe.schemas.jobstate import (
     DIGEST_BYTES,
     RANKS_PER_CHUNK,
@@ -213,7 +213,12 @@ class JobState:
     # --- folding
 
     def apply(self, seq: int, event: Event) -> None:
-        """Fold one event of this job (stored at stream sequence `seq`)."""
+        """Fold one event of this job (stored at stream sequence `seq`; a node's batch is
+        its events, each folded)."""
+        if isinstance(event, NodeBatch):
+            for inner in event.events:
+                self.apply(seq, inner)
+            return
         step = getattr(event, "step", None)
         rank = getattr(event, "rank", None)
         if event.job != self.job:

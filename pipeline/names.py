@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import re
 import socket
+import typing
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit, urlunsplit
+
+import xxhash
 
 from tierpipe import schemas as ev
 from tierpipe.errors import InvalidNameError
@@ -19,6 +22,7 @@ __all__ = (
     "ALL_SUBJECTS",
     "CONTROL_FLUSH",
     "SUBJECT_ROOT",
+    "batch_subject",
     "consumer_name",
     "event_subject",
     "filter_subject",
@@ -30,6 +34,7 @@ __all__ = (
     "redact_url",
     "shard_relpath",
     "shard_subject",
+    "state_subjects",
     "validate_token",
 )
 
@@ -77,6 +82,8 @@ def event_subject(event: Event) -> str:
     `tp.<job>.plan`."""
     if isinstance(event, ev.RecoveryPlanned):
         return plan_subject(event.job)
+    if isinstance(event, ev.NodeBatch):
+        return batch_subject(event.job, event.node, event.batch)
     rank = getattr(event, "rank", None)
     return f"{SUBJECT_ROOT}.{event.job}.{_kind(event)}.{event.node}.{'_' if rank is None else rank}"
 
@@ -90,15 +97,34 @@ def shard_subject(job: str, kind: str, node: str, rank: int | str) -> str:
     return f"{SUBJECT_ROOT}.{job}.{kind}.{node}.{rank}"
 
 
+def batch_subject(job: str, node: str, kind: str) -> str:
+    """`tp.<job>.batch.<node>.<kind>`, a node's `NodeBatch` of one kind; `*` is a wildcard."""
+    return f"{SUBJECT_ROOT}.{job}.batch.{node}.{kind}"
+
+
 def filter_subject(kind: str, *, node: str, job: str = "*") -> str:
-    """Subject filter for one event kind on one node (all jobs and ranks by default); `*` for
-    `kind` or `node` matches every kind or node."""
+    """Subject filter for one event kind on one node (all jobs by default): the node's batches
+    of a kind agents report per node (`BatchKind`), else every rank's events of that kind; `*`
+    for `node` matches every node."""
+    if kind in typing.get_args(ev.BatchKind):
+        return batch_subject(job, node, kind)
     return f"{SUBJECT_ROOT}.{job}.{kind}.{node}.*"
 
 
 def job_subjects(job: str) -> str:
     """Every subject of one job (`tp.<job>.>`): its events, plans and restore reports."""
     return f"{SUBJECT_ROOT}.{job}.>"
+
+
+def state_subjects(job: str) -> list[str]:
+    """What the job's coordinator folds (`tierpipe.coordinator`): the nodes' batches, every
+    failure, the plans and restore reports; not the per-rank copies of what batches say."""
+    return [
+        batch_subject(job, "*", "*"),
+        shard_subject(job, "failed", "*", "*"),
+        plan_subject(job),
+        shard_subject(job, "restore", "*", "*"),
+    ]
 
 
 def flush_control_subject(node: str | None = None) -> str:
@@ -122,6 +148,9 @@ def msg_id(event: Event) -> str:
             f"{event.job}/restore/{event.restart}/{event.rank}/{event.phase}/{event.round}/"
             f"{round(event.ts * 1e6)}"
         )
+    if isinstance(event, ev.NodeBatch):
+        inner = xxhash.xxh3_64_hexdigest("|".join(msg_id(e) for e in event.events).encode())
+        return f"{event.job}/batch/{event.batch}/{event.node}/{inner}"
     if isinstance(event, ev.StageFailed):
         if event.step is None:
             return f"{event.job}/poison/{event.stage}/{event.node}/{event.stream_seq}"

@@ -47,13 +47,21 @@ import structlog
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
 from tierpipe.errors import PermanentError, RetryableError, TierpipeError, UnavailableError
 from tierpipe.faults import maybe_die
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
 from tierpipe.names import consumer_name, event_subject, filter_subject, node_name, validate_token
-from tierpipe.schemas import Event, ShardEvent, ShardStaged, StageFailed, decode_event
+from tierpipe.schemas import (
+    Event,
+    NodeBatch,
+    ShardEvent,
+    ShardStaged,
+    StageFailed,
+    decode_event,
+)
 from tierpipe.settings import Settings
 
 __all__ = ("Handler", "Output", "Stage", "run_agent", "run_stage", "serve")
@@ -137,10 +145,17 @@ async def serve(
     drain = _drain.get() or Drain(settings.drain_timeout_s)
     log.info("stage_started", stage=stage, node=node, consumer=durable)
     task_status.started()
-    worker = _Worker(bus, settings, stage, node, kinds, handler, drain)
+    worker = _Worker(bus, settings, stage, node, kinds, handler, drain, Batcher(bus))
     while not drain.stopping:
-        for msg in await consumer.fetch(drain):
-            await worker.process(msg)
+        msgs = await consumer.fetch(drain)
+        if not msgs:
+            continue
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.keep_alive, msgs)  # (acks wait for the batches)
+            for msg in msgs:
+                await worker.process(msg)
+            await worker.batcher.flush()
+            tg.cancel_scope.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +167,15 @@ class _Worker:
     kinds: tuple[str, ...]
     handler: Handler
     drain: Drain
+    batcher: Batcher
+
+    async def keep_alive(self, msgs: list[Msg]) -> None:
+        """Heartbeats for the messages of one fetch until they are settled (the ones waiting
+        their turn, and the ones whose acks wait for their batch)."""
+        while True:
+            await anyio.sleep(self.settings.ack_wait_s / 3)
+            for msg in msgs:
+                await quietly(msg.in_progress())
 
     async def process(self, msg: Msg) -> None:
         """Handle one message to its end (ack, nak or term); never raises, whatever the
@@ -174,6 +198,26 @@ class _Worker:
             await self._report(self._failure(msg, None, attempt, e, message, retryable=False))
             await quietly(msg.term())
             return
+        if not isinstance(event, NodeBatch):
+            name = await self._process_one(msg, event, attempt, settle=True)
+            if name == "done":
+                self.batcher.ack_later(msg)
+            return
+        # A node's batch: each of its events in turn; the message is settled once, after all.
+        names = []
+        for inner in event.events:
+            names.append(await self._process_one(msg, inner, attempt, settle=False))
+            if names[-1] in ("handed_back", "abandoned_on_stop"):
+                return  # (handed back already)
+        if "retrying" in names:
+            await quietly(msg.nak(delay=backoff(self.settings, attempt, jitter=False)))
+        else:  # (done, or failed for good and reported)
+            self.batcher.ack_later(msg)
+        await self.batcher.flush()
+
+    async def _process_one(self, msg: Msg, event: Event, attempt: int, *, settle: bool) -> str:
+        """Handle one event of `msg` to its end; the outcome's name. With `settle`, a failure
+        terminates or naks the message itself (else the caller settles it)."""
         unit: dict[str, Any] = {"stage": self.stage, "job": event.job}
         if isinstance(event, ShardEvent):
             unit.update(step=event.step, rank=event.rank)
@@ -181,7 +225,7 @@ class _Worker:
         with unit_of_work(**unit):
             outcome: _Outcome = ("abandoned_on_stop", {"attempt": attempt})
             with self.drain.work() as scope:
-                outcome = await self._handle(msg, event, attempt)
+                outcome = await self._handle(msg, event, attempt, settle=settle)
             if scope.cancelled_caught:
                 # The drain deadline passed mid-work: hand the message back for prompt redelivery.
                 outcome = ("abandoned_on_stop", {"attempt": attempt})
@@ -193,9 +237,11 @@ class _Worker:
                 level = logging.DEBUG  # it led to nothing (evict folding another node's event)
             seconds = round(time.perf_counter() - t0, 4)
             log.log(level, "message_handled", outcome=name, seconds=seconds, **fields)
+        return name
 
-    async def _handle(self, msg: Msg, event: Event, attempt: int) -> _Outcome:
-        """Handle `event` to its end; returns the outcome and its fields for the log line."""
+    async def _handle(self, msg: Msg, event: Event, attempt: int, *, settle: bool) -> _Outcome:
+        """Handle `event` to its end; returns the outcome and its fields for the log line
+        (success leaves the ack to the caller)."""
         tries = attempt
         published: list[str] = []
         error = await self._run(msg, event, tries, published)
@@ -221,14 +267,14 @@ class _Worker:
             tries += 1
             error = await self._run(msg, event, tries, published)
         if error is None:
-            await quietly(msg.ack())
             return "done", {"attempt": tries, "published": published}
         if not isinstance(error, PermanentError | RetryableError):
             # Not an error any stage raises on purpose: a bug, or input nobody foresaw.
             # Retrying cannot help; report it and keep serving the other messages.
             log.error("handler_crashed", attempt=tries, exc_info=error)
         retryable = isinstance(error, RetryableError) and not isinstance(error, PermanentError)
-        return await self._fail(msg, event, attempt, tries, error, retryable=retryable)
+        return await self._fail(msg, event, attempt, tries, error, retryable=retryable,
+                                settle=settle)  # fmt: skip
 
     async def _run(
         self, msg: Msg, event: Event, tries: int, published: list[str]
@@ -241,6 +287,7 @@ class _Worker:
             try:
                 for output in _outputs(await self.handler(event, tries)):
                     await self.bus.publish(output)
+                    self.batcher.add(output)
                     published.append(str(type(output).__struct_config__.tag))
             except Exception as e:
                 return _unwrap(e)
@@ -263,8 +310,9 @@ class _Worker:
             await quietly(msg.in_progress())
 
     async def _fail(
-        self, msg: Msg, event: Event, attempt: int, tries: int, e: BaseException, *, retryable: bool
-    ) -> _Outcome:
+        self, msg: Msg, event: Event, attempt: int, tries: int, e: BaseException, *,
+        retryable: bool, settle: bool = True,
+    ) -> _Outcome:  # fmt: skip
         final = not retryable or attempt >= self.settings.max_deliver
         message = text(e)
         if retryable and final:
@@ -272,14 +320,17 @@ class _Worker:
         fields = {"attempt": tries, "error": type(e).__name__, "message": message}
         if self._own_report(event):
             # Failing on this stage's own failure report: reporting that would feed itself.
-            await quietly(msg.term())
+            if settle:
+                await quietly(msg.term())
             return "terminated", {**fields, "reported": False}
         await self._report(self._failure(msg, event, tries, e, message, retryable=not final))
         if final:
-            await quietly(msg.term())
+            if settle:
+                await quietly(msg.term())
             return "terminated", fields
         delay = backoff(self.settings, attempt, jitter=False)
-        await quietly(msg.nak(delay=delay))
+        if settle:
+            await quietly(msg.nak(delay=delay))
         return "retrying", {**fields, "delay_s": delay}
 
     def _own_report(self, event: Event) -> bool:
@@ -326,7 +377,7 @@ class _Worker:
             log.error("failure_not_published", error=text(e), failure=failure.message)
 
     def _check_subject(self, event: Event, subject: str) -> None:
-        kind = type(event).__struct_config__.tag
+        kind = event.batch if isinstance(event, NodeBatch) else type(event).__struct_config__.tag
         if kind not in self.kinds:
             raise ValueError(f"a {kind!r} event where {'/'.join(self.kinds)} was expected")
         expected = event_subject(event)

@@ -15,10 +15,13 @@ import msgspec
 from tierpipe.schemas.names import Token
 
 __all__ = (
+    "BATCH_MAX",
     "SCHEMA_VERSION",
+    "BatchKind",
     "Event",
     "FlushAction",
     "FlushControl",
+    "NodeBatch",
     "RecoveryPlanned",
     "RestoreReport",
     "ShardEvent",
@@ -249,6 +252,32 @@ class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
     error: str = ""
 
 
+#: The kinds a node's agent also reports per node, as a `NodeBatch` (what stages consume).
+BatchKind = Literal["written", "verified", "flushed", "evicted"]
+#: The most events one batch carries (a node of more ranks reports in several batches).
+BATCH_MAX = 64
+
+
+class NodeBatch(_Event, frozen=True, kw_only=True, tag="batch"):
+    """One node's events of one kind, for any of its ranks and steps, on
+    `tp.<job>.batch.<node>.<kind>`: what the next stage and the job's coordinator consume (a
+    delivery per node, not per rank). Each event is also published on its own rank's subject,
+    for the trainers' save handles and for operators; the two carry the same facts."""
+
+    batch: BatchKind
+    events: list[ShardWritten | ShardVerified | ShardFlushed | ShardEvicted]
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.events) <= BATCH_MAX:
+            raise ValueError(f"a batch holds 1 to {BATCH_MAX} events, not {len(self.events)}")
+        for e in self.events:
+            if (e.job, e.node, e.__struct_config__.tag) != (self.job, self.node, self.batch):
+                raise ValueError(
+                    f"a {self.batch} batch of {self.job}@{self.node} holds a "
+                    f"{e.__struct_config__.tag} event of {e.job}@{e.node}"
+                )
+
+
 Event = (
     ShardStaged
     | ShardWritten
@@ -258,6 +287,7 @@ Event = (
     | StageFailed
     | RecoveryPlanned
     | RestoreReport
+    | NodeBatch
 )
 
 

@@ -31,6 +31,7 @@ import anyio
 import msgspec
 import structlog
 
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.coordinator import Coordinator, RestorePins
 from tierpipe.errors import ShardFormatError, TierpipeError
@@ -119,6 +120,8 @@ class Evict:
         self._waiting: set[str] = set()
         self.pins = RestorePins(settings.restore_timeout_s)
         self.coordinator = Coordinator(settings, bus, store, self.node, self.remove_objects)
+        #: This node's NVMe removals, reported per node as well.
+        self.batcher = Batcher(bus)
 
     async def handle(self, event: Event, attempt: int) -> None:
         """Release the staging slot `event` frees (this node's `verified`, or a save that
@@ -215,6 +218,7 @@ class Evict:
                     continue  # (a restore began meanwhile)
                 if await self._remove(copy, f"retention ({verdict})"):
                     removed.append(copy)
+            await self.batcher.flush()
         return removed
 
     async def relieve_pressure(self) -> list[LocalCopy]:
@@ -244,6 +248,7 @@ class Evict:
                 if await self._flushed(copy, floors) and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
                     free += copy.nbytes
+            await self.batcher.flush()
         return removed
 
     def _local_jobs(self) -> list[str]:
@@ -290,12 +295,12 @@ class Evict:
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await self.nvme.delete(copy.path, header_digest=copy.header_digest)
         if removed:
-            await self.bus.publish(
-                shard_event(
-                    ShardEvicted, copy, node=self.node, tier="nvme", location=str(copy.path),
-                    reason=reason,
-                )
+            evicted = shard_event(
+                ShardEvicted, copy, node=self.node, tier="nvme", location=str(copy.path),
+                reason=reason,
             )  # fmt: skip
+            await self.bus.publish(evicted)
+            self.batcher.add(evicted)  # (the coordinator reads the node's batch: `_removed`)
             log.info("copy_evicted", job=copy.job, step=copy.step, rank=copy.rank, tier="nvme",
                      location=str(copy.path), reason=reason)  # fmt: skip
         return removed

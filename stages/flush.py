@@ -27,7 +27,7 @@ import structlog
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.log import bind_io, unit_of_work
-from tierpipe.names import filter_subject, flush_control_subject, node_name
+from tierpipe.names import flush_control_subject, node_name, shard_subject
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -191,16 +191,16 @@ async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified
     """This node's newest `verified` per shard with no `flushed` of the same content, not
     evicted since, whose file is still there. Only this node's subjects are read."""
     verified: dict[tuple[str, int, int], ShardVerified] = {}
-    for e in await bus.history(filter_subject("verified", node=node)):
+    for e in await bus.history(shard_subject("*", "verified", node, "*")):
         if isinstance(e, ShardVerified):
             verified[(e.job, e.step, e.rank)] = e
     flushed = {
         (e.job, e.step, e.rank, e.header_digest)
-        for e in await bus.history(filter_subject("flushed", node=node))
+        for e in await bus.history(shard_subject("*", "flushed", node, "*"))
         if isinstance(e, ShardFlushed)
     }
     evicted: dict[tuple[str, int, int], float] = {}
-    for e in await bus.history(filter_subject("evicted", node=node)):
+    for e in await bus.history(shard_subject("*", "evicted", node, "*")):
         if isinstance(e, ShardEvicted) and e.tier == "nvme":
             evicted[(e.job, e.step, e.rank)] = e.ts
     pending = []

@@ -19,7 +19,7 @@ import pytest
 from tierpipe.bus import Bus
 from tierpipe.dev import NatsServer, S3Server
 from tierpipe.names import SUBJECT_ROOT
-from tierpipe.schemas import Event, ShardStaged
+from tierpipe.schemas import Event, NodeBatch, ShardStaged
 from tierpipe.settings import Settings, load_settings
 
 
@@ -188,12 +188,14 @@ class Events:
         self.settings, self.job = settings, job
 
     def all(self, kind: str = "*") -> list[Event]:
-        """Events of one kind (`*`: every per-shard kind; `plan`: rank 0's recovery plans)."""
+        """Events of one kind (`*`: every per-rank kind; `plan`: rank 0's recovery plans;
+        `batch`: the nodes' batches, which repeat the per-rank events)."""
         subject = f"{SUBJECT_ROOT}.{self.job}." + ("plan" if kind == "plan" else f"{kind}.>")
 
         async def replay() -> list[Event]:
             async with Bus(self.settings) as bus:
-                return await bus.history(subject)
+                found = await bus.history(subject)
+            return [e for e in found if kind == "batch" or not isinstance(e, NodeBatch)]
 
         return anyio.run(replay)
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import Agent
 from tests.test_retention import digest
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.kvstate import JobStore, lease_key
 from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
@@ -34,8 +35,11 @@ def saved(job: str, step: int, rank: int, node: str) -> list[Event]:
 def publish(settings: Settings, events: list[Event]) -> None:
     async def main() -> None:
         async with Bus(settings) as bus:
+            batches = Batcher(bus)  # (as agents do: the coordinator reads the nodes' batches)
             for event in events:
                 await bus.publish(event)
+                batches.add(event)
+            await batches.flush()
 
     anyio.run(main)
 

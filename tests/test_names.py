@@ -123,7 +123,8 @@ def test_filters_cover_what_their_readers_need() -> None:
     commands (every node or one)."""
     assert ALL_SUBJECTS == "tp.>"
     assert job_subjects("j1") == "tp.j1.>"
-    assert filter_subject("verified", node="n1") == "tp.*.verified.n1.*"
+    assert filter_subject("verified", node="n1") == "tp.*.batch.n1.verified"  # per node
+    assert filter_subject("failed", node="n1") == "tp.*.failed.n1.*"  # per rank
     assert filter_subject("*", node="*") == "tp.*.*.*.*"
     assert (flush_control_subject(), flush_control_subject("n1")) == (
         "tp.ctl.flush",

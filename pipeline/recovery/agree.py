@@ -125,7 +125,7 @@ class Restorer:
             self._survey = await survey(
                 self.store,
                 await current_head(
-                    self.bus, self.store, self.settings, job=self.job, rank=self.rank,
+                    self.bus, self.store, self.settings, job=self.job,
                     holder=f"{self.node}-rank-{self.rank}",
                     deadline=self._deadline - min(30.0, self.settings.restore_timeout_s / 4),
                 ),

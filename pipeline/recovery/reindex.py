@@ -20,6 +20,7 @@ from pathlib import Path
 import anyio
 import structlog
 
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.errors import TierpipeError
 from tierpipe.names import node_name, shard_relpath, validate_token
@@ -53,6 +54,7 @@ async def reindex(
     nvme_count = s3_count = 0
     async with Bus(settings, name=f"tierpipe-reindex-{node}") as bus:
         await bus.ensure_stream(update=False)
+        batches = Batcher(bus, id_suffix=suffix)  # (what the job's coordinator reads)
         with NvmeStore.from_settings(settings) as store:
             for path in sorted((store.root / job).glob("step-*/rank-*.shard")):
                 try:
@@ -64,7 +66,9 @@ async def reindex(
                     continue
                 for event in events:
                     await bus.publish(event, id_suffix=suffix)
+                    batches.add(event)
                 nvme_count += 1
+            await batches.flush()
         if s3:
             async with S3Store(settings) as objects:
                 for key, size in await objects.list_job(job):
@@ -73,7 +77,9 @@ async def reindex(
                         skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
                         continue
                     await bus.publish(flushed, id_suffix=suffix)
+                    batches.add(flushed)
                     s3_count += 1
+                await batches.flush()
     log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, skipped=len(skipped))
     return Reindexed(nvme_count, s3_count, skipped)
 

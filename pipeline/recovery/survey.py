@@ -24,7 +24,7 @@ from tierpipe.coordinator import Coordinator
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore
-from tierpipe.names import shard_subject
+from tierpipe.names import state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas.jobstate import JobHead, StepRecord
@@ -65,17 +65,20 @@ class Survey:
 
 
 async def current_head(
-    bus: Bus, store: JobStore, settings: Settings, *, job: str, rank: int, holder: str,
+    bus: Bus, store: JobStore, settings: Settings, *, job: str, holder: str,
     deadline: float,
 ) -> JobHead | None:  # fmt: skip
-    """The job's head in KV once it has folded `rank`'s own newest event (the saves before a
-    restart; this waits for the coordinator, a flush interval). A job with no live coordinator
-    (no agent runs evict, or the holder died and its lease expired) is folded up to that event
+    """The job's head in KV once it has folded the job's newest event the coordinator reads
+    (the saves before a restart; this waits for the coordinator, a flush interval). A job with
+    no live coordinator (no agent runs evict, or the holder died and its lease expired) is
+    folded up to that event
     here, as `holder`, under the lease (a dead holder's lease expires within `lease_ttl_s`).
     At `deadline` (`time.monotonic()`) it goes on with the state as it is, logged: that can
     only cost newer steps, never give a wrong one."""
-    newest = await bus.last_raw(shard_subject(job, "*", "*", rank))
-    seq = newest[0] if newest else 0
+    seq = 0
+    for subject in state_subjects(job):  # (what the coordinator folds; a few direct gets)
+        newest = await bus.last_raw(subject)
+        seq = max(seq, newest[0] if newest else 0)
     folded = False
     while True:
         head = await store.head(job)
