@@ -28,6 +28,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from tests.conftest import Agent, Events
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
@@ -303,11 +304,17 @@ def test_fuzzed_headers_load_or_fail_cleanly_within_the_file(
 
 
 def _publish(settings: Settings, events: list[Event]) -> None:
+    """Publish `events` as an agent does: per rank, and per node (what the coordinator reads;
+    a forger allowed to publish a node's events can forge its batches too)."""
+
     async def go() -> None:
         async with Bus(settings) as bus:
             await bus.ensure_stream()
+            batches = Batcher(bus)
             for event in events:
                 await bus.publish(event)
+                batches.add(event)
+            await batches.flush()
 
     anyio.run(go)
 
