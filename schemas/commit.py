@@ -5,8 +5,8 @@ The job's retention coordinator writes it once every rank's object of the step i
 removes the step's objects. It names the step's objects (their keys follow from job, step, rank
 and world size) and carries the same per-rank data as the job state's `RankDigests`: what
 `tierpipe reindex` needs to rebuild the job state from storage alone, when the stream and the
-KV are lost. Encoded as msgpack: 24 bytes a rank plus ~120 bytes, so ~310 bytes at 8 ranks and
-~1.9 MB at 80,000 (one PUT, far below any object size limit).
+KV are lost. Encoded as msgpack: 24 bytes a rank plus ~100 bytes (measured: 284 bytes at 8 ranks,
+1.92 MB at 80,000; one PUT, far below any object size limit).
 """
 
 from __future__ import annotations
