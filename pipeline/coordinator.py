@@ -139,6 +139,9 @@ class Coordinator:
         state = await self.store.load(job, keep)
         head = state.head()
         start = head.resume_seq or 1
+        # COMMITs left from an earlier term are dropped: the step may have been removed since
+        # (a COMMIT must not outlive its objects); the fold from `resume_seq` completes it again.
+        self._commits = {k: m for k, m in self._commits.items() if k[0] != job}
         self.leading.add(job)
         log.info("coordinator_leading", job=job, term=lease.term, resume_seq=start, seq=head.seq)
         pins = RestorePins(s.restore_timeout_s)

@@ -9,9 +9,10 @@ one prefix sees a trivial request rate.
 The coordinator creates a manifest with `IfNoneMatch="*"` (SeaweedFS honours it on PutObject, as
 S3 does: 412 on an existing key): it is never overwritten, but by a newer timeline's manifest of
 the same step (a rewound run saved the step again; its objects replaced the old ones the same
-way, see `s3_once`), and then only with `IfMatch` on the old one's ETag. Retention removes a
-step's COMMIT before its objects, so a manifest never outlives an object it names but by a
-failure in between, which `check_objects` (a HEAD of each object) catches when it is read.
+way, see `s3_once`; the epoch is in the object's metadata too), and then only with `IfMatch` on
+the old one's ETag. Retention removes a step's COMMIT before its objects, so a manifest never
+outlives an object it names but by a failure in between, which `check_objects` (a HEAD of each
+object) catches when it is read.
 Every request goes through the store's `Requests` (`s3_retry`).
 """
 
@@ -78,38 +79,37 @@ async def put_commit(store: S3Store, manifest: CommitManifest) -> bool:
     key = commit_key(store.prefix, manifest.job, manifest.step)
     body = encode_commit(manifest)
     try:
-        await _put(store, key, body, {"IfNoneMatch": "*"})
+        await _put(store, key, body, manifest.epoch, {"IfNoneMatch": "*"})
         return True
     except StorageConflictError:
         pass
-    found = await _get(store, key)
-    if found is None:  # (removed in between: retention got there first, nothing to commit)
+    # A HEAD, not a GET: the epoch is in the metadata (a manifest is ~2 MB at 80,000 ranks, and a
+    # new coordinator completes the steps in its window again, finding their COMMITs there).
+    head = await store.head(key)
+    if head is None:  # (removed in between: retention got there first, nothing to commit)
         return False
-    data, etag = found
-    try:
-        old: CommitManifest | None = decode_commit(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        old = None
-    if old is None or old.epoch >= manifest.epoch:
-        if old is None or old.epoch > manifest.epoch or old.digests != manifest.digests:
-            log.warning("commit_kept", key=key, epoch=manifest.epoch,
-                        found_epoch=old and old.epoch, readable=old is not None)  # fmt: skip
+    found = head.get("Metadata", {}).get("tp-epoch", "")
+    if not found.isdigit() or int(found) >= manifest.epoch:
+        if not found.isdigit() or int(found) > manifest.epoch:
+            log.warning("commit_kept", key=key, epoch=manifest.epoch, found_epoch=found)
         return False
     try:
-        await _put(store, key, body, {"IfMatch": etag})
+        await _put(store, key, body, manifest.epoch, {"IfMatch": head.get("ETag", "")})
     except StorageConflictError:
         return False  # (changed again in between: whoever replaced it was newer)
-    log.warning("superseded_commit_replaced", key=key, old_epoch=old.epoch, epoch=manifest.epoch)
+    log.warning("superseded_commit_replaced", key=key, old_epoch=int(found), epoch=manifest.epoch)
     return True
 
 
-async def _put(store: S3Store, key: str, body: bytes, condition: dict[str, str]) -> None:
+async def _put(
+    store: S3Store, key: str, body: bytes, epoch: int, condition: dict[str, str]
+) -> None:
     requests = store.requests
     await requests(
         key,
         lambda: requests.client.put_object(
             Bucket=store.bucket, Key=key, Body=body, ChecksumAlgorithm="CRC32C",
-            ContentType="application/msgpack", **condition,
+            ContentType="application/msgpack", Metadata={"tp-epoch": str(epoch)}, **condition,
         ),
     )  # fmt: skip
 
