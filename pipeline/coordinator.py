@@ -8,6 +8,8 @@ and then, until it loses it:
 - every `coordinator_flush_s`, stores what changed (compare-and-set, fenced by the lease);
 - removes the objects of the steps below the object-storage floor (DeleteObjects, 1,000 keys a
   request) once it stored the records that say they are gone;
+- writes the COMMIT manifest of each step that becomes complete in object storage
+  (`tierpipe.storage.s3_commit`), once it stored the records that say so;
 - pins the step an in-progress restore reads (the job's recovery plans are in its stream).
 
 Nodes watch the floors and remove their own NVMe copies (`tierpipe.stages.evict`). No node
@@ -31,7 +33,8 @@ from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import plan_subject, shard_subject, state_subjects
 from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted
-from tierpipe.schemas.jobstate import Lease, StepRecord
+from tierpipe.schemas.commit import CommitManifest
+from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Lease, StepRecord
 from tierpipe.settings import Settings
 
 if TYPE_CHECKING:
@@ -49,18 +52,33 @@ _HOLDING = ("hold", "ready")
 
 #: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
 RemoveObjects = Callable[[str, int, int], Awaitable[None]]
+#: Creates a step's COMMIT manifest in object storage; whether it was written (False: one was
+#: there already).
+CommitStep = Callable[[CommitManifest], Awaitable[bool]]
 
 
 class Coordinator:
     """This agent's bid to coordinate every job: `run()` until cancelled."""
 
     def __init__(
-        self, settings: Settings, bus: Bus, store: JobStore, node: str, remove: RemoveObjects
+        self,
+        settings: Settings,
+        bus: Bus,
+        store: JobStore,
+        node: str,
+        remove: RemoveObjects,
+        *,
+        commit: CommitStep | None = None,
     ) -> None:
+        """`commit`: writes COMMIT manifests (None: none are written, as when a restart folds
+        the state to read it)."""
         self.settings, self.bus, self.store, self.node = settings, bus, store, node
         self._remove = remove
+        self._commit = commit
         #: (job, step) -> its record: objects to remove, not removed yet.
         self._removals: dict[tuple[str, int], StepRecord] = {}
+        #: (job, step) -> its manifest: COMMITs to write, not written yet.
+        self._commits: dict[tuple[str, int], CommitManifest] = {}
         #: Jobs this agent leads now (for tests and the status line).
         self.leading: set[str] = set()
         #: job -> the lowest rank this node hosts a shard of.
@@ -121,6 +139,9 @@ class Coordinator:
         state = await self.store.load(job, keep)
         head = state.head()
         start = head.resume_seq or 1
+        # COMMITs left from an earlier term are dropped: the step may have been removed since
+        # (a COMMIT must not outlive its objects); the fold from `resume_seq` completes it again.
+        self._commits = {k: m for k, m in self._commits.items() if k[0] != job}
         self.leading.add(job)
         log.info("coordinator_leading", job=job, term=lease.term, resume_seq=start, seq=head.seq)
         pins = RestorePins(s.restore_timeout_s)
@@ -169,9 +190,16 @@ class Coordinator:
         restore plans to read them); each removal is published as `evicted`. A removal the
         store refuses now is retried at the next flush while this coordinator leads; one it
         never gets to leaves orphaned objects, never a missing copy."""
+        for step in changes.committed:
+            if self._commit is not None and (manifest := self._manifest(state, step)) is not None:
+                self._commits[(state.job, step)] = manifest
         for step, rec in changes.s3_removed.items():
             self._removals[(state.job, step)] = rec
+            # A step removed before its COMMIT was written gets none (written after the removal
+            # it would name removed objects).
+            self._commits.pop((state.job, step), None)
         await self.store.write(state, changes)
+        await self._write_commits(state.job)
         for (job, step), rec in sorted(self._removals.items()):
             if job != state.job:
                 continue
@@ -190,6 +218,38 @@ class Coordinator:
                     )
                 )  # fmt: skip
             log.info("objects_removed", job=job, step=step, ranks=rec.world_size)
+
+    def _manifest(self, state: JobState, step: int) -> CommitManifest | None:
+        """The COMMIT manifest of a step complete in object storage, from the state's record
+        and rank digests (None, logged: the state lacks a rank's digest)."""
+        rec = state.record(step)
+        if rec is None:
+            return None
+        chunks = [state.rank_digests(step, c) for c in range(-(-rec.world_size // RANKS_PER_CHUNK))]
+        try:
+            return CommitManifest.from_chunks(
+                state.job, step, rec.world_size, rec.epoch, [c for c in chunks if c is not None],
+                by=self.node, ts=time.time(),
+            )  # fmt: skip
+        except ValueError as e:
+            log.warning("step_commit_skipped", job=state.job, step=step, error=str(e))
+            return None
+
+    async def _write_commits(self, job: str) -> None:
+        """Write the job's pending COMMITs, oldest first; one the store refuses now waits for
+        the next flush (with those after it), as removals do."""
+        commit = self._commit
+        for (j, step), manifest in sorted(self._commits.items()):
+            if j != job or commit is None:
+                continue
+            try:
+                written = await commit(manifest)
+            except TierpipeError as e:
+                log.warning("step_commit_deferred", job=job, step=step, error=str(e))
+                return
+            del self._commits[(j, step)]
+            log.info("step_committed", job=job, step=step, ranks=manifest.world_size,
+                     epoch=manifest.epoch, written=written)  # fmt: skip
 
 
 class RestorePins:

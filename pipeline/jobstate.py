@@ -164,12 +164,23 @@ class Changes:
     #: (step, chunk) whose `RankDigests` changed; steps that left, with their chunk count.
     digests: set[tuple[int, int]] = field(default_factory=set)
     digests_deleted: dict[int, int] = field(default_factory=dict)
+    #: Steps that became complete in object storage (every rank's object confirmed): the
+    #: coordinator writes their COMMIT manifest. Not the steps complete when a fold starts from
+    #: the stored state (committed by whoever folded them), but again for one that completes
+    #: again (a rewound run's newer save of it; the manifest is created once per timeline).
+    committed: set[int] = field(default_factory=set)
     head: bool = False
     floors: bool = False
 
     def __bool__(self) -> bool:
         return bool(
-            self.put or self.deleted or self.s3_removed or self.digests or self.head or self.floors
+            self.put
+            or self.deleted
+            or self.s3_removed
+            or self.digests
+            or self.head
+            or self.floors
+            or self.committed
         )
 
 
@@ -209,6 +220,7 @@ class JobState:
         self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
         self._changes = Changes()
         self._recount()
+        self._changes.committed.clear()  # (complete already: committed by an earlier fold)
 
     # --- folding
 
@@ -341,6 +353,7 @@ class JobState:
             tier: [t for t in steps if self._steps[t].complete(tier)] for tier in self._complete
         }
         if complete != self._complete:
+            self._changes.committed |= set(complete["s3"]) - set(self._complete["s3"])
             self._complete = complete
             self._changes.head = True
             if move:
@@ -402,6 +415,7 @@ class JobState:
         self._first_seq.pop(step, None)
         self.catalog.forget(self.job, step)
         self._changes.put.discard(step)
+        self._changes.committed.discard(step)
         self._changes.deleted.add(step)
         self._changes.head = True
 

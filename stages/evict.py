@@ -12,7 +12,8 @@
   keep (the newest complete ones, those a restore reads) stay whatever the floors say. Below
   `nvme_min_free_bytes` free, the oldest flushed copies go first, kept steps excepted.
 - Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
-  by a lease; every agent runs one here, and any may hold a job's lease.
+  by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
+  objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
 
 Every removal is published as an `evicted` event. Holds the node's evict lock.
 """
@@ -47,12 +48,14 @@ from tierpipe.schemas import (
     decode_event,
     shard_event,
 )
+from tierpipe.schemas.commit import CommitManifest
 from tierpipe.schemas.jobstate import Floors, Keep
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3_commit import put_commit, remove_commit
 
 __all__ = ("KINDS", "STAGE", "Evict", "LocalCopy", "Verdict", "floor_verdict", "handle", "open")
 
@@ -119,7 +122,9 @@ class Evict:
         #: Jobs with copies below a floor whose save was not in object storage yet.
         self._waiting: set[str] = set()
         self.pins = RestorePins(settings.restore_timeout_s)
-        self.coordinator = Coordinator(settings, bus, store, self.node, self.remove_objects)
+        self.coordinator = Coordinator(
+            settings, bus, store, self.node, self.remove_objects, commit=self.commit_step
+        )
         #: This node's NVMe removals, reported per node as well.
         self.batcher = Batcher(bus)
 
@@ -308,10 +313,16 @@ class Evict:
     # --- object storage (the coordinator's removals)
 
     async def remove_objects(self, job: str, step: int, world_size: int) -> None:
-        """Remove every rank's object of one step (DeleteObjects, 1,000 keys a request)."""
+        """Remove one step's COMMIT, then every rank's object of it (DeleteObjects, 1,000 keys
+        a request): a COMMIT never names an object that is gone."""
         store = await self._object_store()
+        await remove_commit(store, job, step)
         keys = [store.key(job, step, rank, world_size) for rank in range(world_size)]
         await store.delete_many(keys)
+
+    async def commit_step(self, manifest: CommitManifest) -> bool:
+        """Create a step's COMMIT manifest (see `s3_commit.put_commit`)."""
+        return await put_commit(await self._object_store(), manifest)
 
     async def _object_store(self) -> S3Store:
         # Connected on first use: a node without object storage never needs it.

@@ -1,11 +1,22 @@
-"""Rebuild a job's events from the shards themselves, when the stream lost them.
+"""Rebuild a job's events, and its job state, from the shards themselves, when they are lost.
 
 The stream is an index, not the only truth (JetStream can lose acknowledged writes under some
-faults, and a purge loses everything). Every shard file carries its identity and digests in its
-header, and every uploaded object its size, checksum and header digest, so `tierpipe reindex`
-republishes `written` + `verified` for the shards on this node's NVMe (re-reading each to verify
-it, unless told not to) and `flushed` for the job's objects under the prefix (listed under each
-of its 256 hash prefixes; a key whose hash does not match its job and rank is skipped).
+faults, and a purge loses everything), and so is the job state in KV. Every shard file carries
+its identity and digests in its header, every uploaded object its size, checksum and header
+digest, and every step complete in object storage a COMMIT manifest (`s3_commit`). So
+`tierpipe reindex`:
+- republishes `written` + `verified` for the shards on this node's NVMe (re-reading each to
+  verify it, unless told not to);
+- reads the job's COMMIT manifests (one listing) and republishes `flushed` for each object a
+  manifest names, once a HEAD shows it there with the manifest's size and header digest (no
+  download); a rank that fails the check is skipped and listed;
+- republishes `flushed` for the job's other objects (steps without a COMMIT), found by listing
+  each of its 256 hash prefixes (a key whose hash does not match its job and rank is skipped);
+- when the KV has no state of the job (lost, or never written), folds what it republished into
+  one (`JobState`, the coordinator's fold: records with their bitmaps, rank digests, head) and
+  stores it under the job's lease, so a restart finds the job without any coordinator running.
+  That fold keeps every step: retention stays the coordinator's, which resumes from the
+  republished events and applies the job's policy.
 Republishing is idempotent: message ids dedupe within the window, and folding an event twice
 changes nothing.
 """
@@ -16,6 +27,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -23,16 +35,30 @@ import structlog
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.errors import TierpipeError
+from tierpipe.jobstate import JobState
+from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, validate_token
-from tierpipe.schemas import TOKEN_PATTERN, ShardFlushed, ShardVerified, ShardWritten, shard_event
+from tierpipe.schemas import (
+    TOKEN_PATTERN,
+    Event,
+    ShardFlushed,
+    ShardVerified,
+    ShardWritten,
+    shard_event,
+)
+from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3 import S3Store, ShardKey
+from tierpipe.storage.s3_commit import check_objects, read_commits
 
 __all__ = ("Reindexed", "reindex")
 
 log = structlog.get_logger(__name__)
+
+#: The policy of reindex's own fold: no step goes (the coordinator applies the job's own).
+_KEEP_ALL = Keep(nvme_keep_latest_k=2**31, s3_keep_latest_k=2**31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +66,35 @@ class Reindexed:
     nvme: int
     s3: int
     skipped: list[str]
+    #: Steps whose objects a COMMIT manifest named (their `flushed` among `s3`).
+    committed: list[int] | None = None
+    #: The job state was rebuilt in KV from what was republished.
+    rebuilt: bool = False
 
 
 async def reindex(
     settings: Settings, job: str, *, verify: bool = True, s3: bool = True
 ) -> Reindexed:
-    """Republish the events of `job` from the shard files on this node's NVMe and the objects
-    under the object-storage prefix. Bad or foreign files are skipped and listed."""
+    """Republish the events of `job` from the shard files on this node's NVMe, the job's
+    COMMIT manifests and the objects under the object-storage prefix, and rebuild its job
+    state if the KV has none. Bad or foreign files are skipped and listed."""
     validate_token("job", job)
     node = node_name(settings.node)
     suffix = f"/reindex/{time.time_ns()}"
     skipped: list[str] = []
+    committed: list[int] = []
+    published: list[tuple[int, Event]] = []
     nvme_count = s3_count = 0
     async with Bus(settings, name=f"tierpipe-reindex-{node}") as bus:
         await bus.ensure_stream(update=False)
         batches = Batcher(bus, id_suffix=suffix)  # (what the job's coordinator reads)
+        kv = await JobStore(bus.js, settings).open()
+        lost = await kv.head(job) is None
+
+        async def publish(event: Event) -> None:
+            published.append(((await bus.publish(event, id_suffix=suffix)).seq, event))
+            batches.add(event)
+
         with NvmeStore.from_settings(settings) as store:
             for path in sorted((store.root / job).glob("step-*/rank-*.shard")):
                 try:
@@ -65,23 +105,63 @@ async def reindex(
                     skipped.append(f"{path}: {e}")
                     continue
                 for event in events:
-                    await bus.publish(event, id_suffix=suffix)
-                    batches.add(event)
+                    await publish(event)
                 nvme_count += 1
             await batches.flush()
         if s3:
             async with S3Store(settings) as objects:
+                done: set[str] = set()  # keys a manifest vouched for
+                for manifest in await read_commits(objects, job):
+                    good, bad = await check_objects(objects, manifest)
+                    for rank, head in sorted(good.items()):
+                        shard = ShardKey(job, manifest.step, rank, manifest.world_size)
+                        key = objects.key(*shard)
+                        digest, size = manifest.of(rank) or ("", 0)
+                        await publish(_flushed(objects, key, shard, head, digest, size, node))
+                        done.add(key)
+                    skipped += [f"step {manifest.step} rank {r}: {why}" for r, why in bad.items()]
+                    committed.append(manifest.step)
+                    s3_count += len(good)
                 for key, size in await objects.list_job(job):
+                    if key in done:
+                        continue
                     flushed = await _s3_event(objects, key, size, job, node)
                     if flushed is None:
                         skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
                         continue
-                    await bus.publish(flushed, id_suffix=suffix)
-                    batches.add(flushed)
+                    await publish(flushed)
                     s3_count += 1
                 await batches.flush()
-    log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, skipped=len(skipped))
-    return Reindexed(nvme_count, s3_count, skipped)
+        rebuilt = lost and bool(published) and await _rebuild(kv, settings, job, node, published)
+    log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, committed=len(committed),
+             skipped=len(skipped), rebuilt=rebuilt)  # fmt: skip
+    return Reindexed(nvme_count, s3_count, skipped, committed, rebuilt)
+
+
+async def _rebuild(
+    kv: JobStore, settings: Settings, job: str, node: str, published: list[tuple[int, Event]]
+) -> bool:
+    """Fold the republished events into the job's state and store it, under the job's lease;
+    False if a coordinator holds the lease or stored a state meanwhile (it folds them itself)."""
+    holder = f"reindex-{node}"
+    lease = await kv.acquire(job, holder, settings.lease_ttl_s)
+    if lease is None:
+        log.info("job_state_not_rebuilt", job=job, reason="a coordinator holds the lease")
+        return False
+    try:
+        if await kv.head(job) is not None:
+            return False
+        state = JobState(job, _KEEP_ALL)
+        for seq, event in sorted(published, key=lambda p: p[0]):
+            state.apply(seq, event)
+        await kv.write(state, state.take_changes())
+        await kv.register(job)  # (the coordinators follow it; its policy, if it had none)
+    finally:
+        await kv.release(job, lease)
+    head = state.head()
+    log.info("job_state_rebuilt", job=job, steps=len(head.steps), s3_steps=head.s3_steps,
+             nvme_steps=head.nvme_steps, seq=head.seq)  # fmt: skip
+    return True
 
 
 def _nvme_events(
@@ -109,23 +189,35 @@ async def _s3_event(
     shard = objects.shard_of(key)  # None for a key whose hash does not match its job and rank
     if shard is None or shard.job != job:
         return None
-    _, step, rank, world = shard
     head = await objects.head(key)
-    meta = (head or {}).get("Metadata", {})
-    digest = meta.get("tp-header-digest", "")
+    digest = (head or {}).get("Metadata", {}).get("tp-header-digest", "")
     if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest):
         return None
+    return _flushed(objects, key, shard, head, digest, size, node)
+
+
+def _flushed(
+    objects: S3Store,
+    key: str,
+    shard: ShardKey,
+    head: dict[str, Any],
+    digest: str,
+    size: int,
+    node: str,
+) -> ShardFlushed:
+    """The `flushed` event of an object, from its HEAD."""
+    meta = head.get("Metadata", {})
     # The node that uploaded it stays its owner (only it removes it); its save's epoch too.
     uploader = meta.get("tp-node", "")
     epoch = meta.get("tp-epoch", "0")
     return ShardFlushed(
-        job=job,
+        job=shard.job,
         node=uploader if re.fullmatch(TOKEN_PATTERN, uploader) else node,
         epoch=int(epoch) if epoch.isdigit() else 0,
         ts=time.time(),
-        step=step,
-        rank=rank,
-        world_size=world,
+        step=shard.step,
+        rank=shard.rank,
+        world_size=shard.world_size,
         bucket=objects.bucket,
         key=key,
         etag=head.get("ETag", "").strip('"'),
