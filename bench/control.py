@@ -24,8 +24,9 @@ NVMe evictions (the fold caught up with the stream and no KV write for `QUIET_FL
 Figures (JSON keys):
 - `deliveries_per_ckpt_per_node`: JetStream deliveries per checkpoint per node, the sum of
   `stage_deliveries_per_ckpt_per_node` (FORMULA, the stages are not run: each node's durable
-  consumers take `staged` (nvme-write), `written` (verify), `verified` (flush) and `verified`
-  (evict) of its own ranks: 4 x ranks-per-node), `coordinator_deliveries_per_ckpt_per_node`
+  consumers take each rank's `staged` (nvme-write), then the node's batch of `written`
+  (verify) and of `verified` (flush, evict): ranks-per-node + 3; the simulated agents publish
+  the batches), `coordinator_deliveries_per_ckpt_per_node`
   (MEASURED: every consumer's delivered count from the server's `/jsz`, over the checkpoint's
   interval: the coordinator's ordered consumer of the job's events and its KV watchers) and
   `floor_watch_deliveries_per_ckpt_per_node` (MEASURED writes of the floor key per checkpoint x
@@ -217,7 +218,7 @@ class Publisher:
         from tierpipe.schemas import SCHEMA_VERSION, encode_event
 
         futures = []
-        for event in events:
+        for event in _with_batches(events):
             data = encode_event(event)
             self.max_bytes = max(self.max_bytes, len(data))
             headers = {
@@ -237,6 +238,28 @@ class Publisher:
                 raise RuntimeError(f"duplicate publish at seq {ack.seq}")
             self.last_seq = max(self.last_seq, ack.seq)
         self.count += len(futures)
+
+
+def _with_batches(events: Iterable[Event]) -> list[Event]:
+    """`events`, then each simulated node's `NodeBatch`es of them, as agents publish them."""
+    from tierpipe.schemas import BATCH_MAX, NodeBatch, ShardEvent
+
+    out = list(events)
+    grouped: dict[tuple[str, str, str], list[Event]] = {}
+    for e in out:
+        kind = str(type(e).__struct_config__.tag)
+        if getattr(e, "tier", None) == "ram":
+            continue  # (slot releases are reported per rank only, as evict does)
+        if isinstance(e, ShardEvent) and kind in ("written", "verified", "flushed", "evicted"):
+            grouped.setdefault((e.job, e.node, kind), []).append(e)
+    for (job, node, kind), found in grouped.items():
+        for i in range(0, len(found), BATCH_MAX):
+            batch = NodeBatch(
+                job=job, node=node, ts=time.time(), batch=kind,  # type: ignore[arg-type]
+                events=found[i : i + BATCH_MAX],  # type: ignore[arg-type]
+            )  # fmt: skip
+            out.append(batch)
+    return out
 
 
 # --- the coordinator, in its own thread
@@ -475,8 +498,11 @@ class Driver:
         return await self.store.head(self.job)
 
     async def last_seq(self) -> int:
-        info = await self.bus.js.stream_info(self.settings.stream)
-        return int(info.state.last_seq)
+        """The newest stream sequence of what the job's coordinator folds."""
+        from tierpipe.names import state_subjects
+
+        seqs = [await self.bus.last_raw(s) for s in state_subjects(self.job)]
+        return max((found[0] for found in seqs if found), default=0)
 
     async def wait_complete(self, step: int, timeout_s: float) -> None:
         """Until the KV head lists `step` as complete in object storage."""
@@ -690,10 +716,12 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     """The KV against a fresh fold of the job's stream as stored."""
     from tierpipe.jobstate import JobState
     from tierpipe.kvstate import floor_key, head_key
+    from tierpipe.schemas import ShardEvent
 
     state = JobState(d.job, keep)
     for seq, event in stored:
-        state.apply(seq, event)
+        if not isinstance(event, ShardEvent):  # (what the coordinator reads: `state_subjects`)
+            state.apply(seq, event)
     kv = d.store.kv
     records = {}
     prefix = f"{d.job}.step."
@@ -764,7 +792,7 @@ async def _main(
     cpu = _mean([c.cpu_s for c in steady])
     msgs = _mean([c.stream_msgs for c in steady])
     r = ranks_per_node
-    stage = 4 * r
+    stage = r + 3  # (see the module docstring: `staged` per rank, then the node's batches)
     coord = _mean([c.deliveries for c in steady])
     floor_watch = _mean([c.floor_writes for c in steady])
     ratio = None
@@ -808,7 +836,7 @@ async def _main(
         "notes": (
             "plan_s: null, the KV-based restore agreement is not built yet (restore replays the "
             "job stream: old_restore is rank 0's side of it on this job). "
-            "stage_deliveries_per_ckpt_per_node is a formula (4 x ranks per node: nvme-write, "
+            "stage_deliveries_per_ckpt_per_node is a formula (ranks per node + 3: nvme-write, "
             "verify, flush, evict consumers of the node's own events), the other deliveries are "
             "measured (/jsz). restart_s_history_ratio: restart-state read time after "
             f"{'/'.join(map(str, history_steps))} checkpoints of {HISTORY_NODES}-node jobs "
