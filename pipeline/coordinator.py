@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from tierpipe.batcher import Batcher
 from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
@@ -209,14 +210,17 @@ class Coordinator:
                 log.warning("object_removal_deferred", job=job, step=step, error=str(e))
                 return
             del self._removals[(job, step)]
+            # Reported per node only (a batch of 64 ranks a message): no trainer waits on these.
+            batches = Batcher(self.bus)
             for rank in ranks_of(rec.s3):
-                await self.bus.publish(
+                batches.add(
                     ShardEvicted(
                         job=job, node=self.node, ts=time.time(), step=step, rank=rank,
                         world_size=rec.world_size, epoch=rec.epoch, tier="s3", location="",
                         reason="retention",
                     )
                 )  # fmt: skip
+            await batches.flush()
             log.info("objects_removed", job=job, step=step, ranks=rec.world_size)
 
     def _manifest(self, state: JobState, step: int) -> CommitManifest | None:

@@ -18,7 +18,7 @@ import pytest
 
 from tierpipe.bus import Bus
 from tierpipe.dev import NatsServer, S3Server
-from tierpipe.names import SUBJECT_ROOT
+from tierpipe.names import SUBJECT_ROOT, msg_id
 from tierpipe.schemas import Event, NodeBatch, ShardStaged
 from tierpipe.settings import Settings, load_settings
 
@@ -188,14 +188,25 @@ class Events:
         self.settings, self.job = settings, job
 
     def all(self, kind: str = "*") -> list[Event]:
-        """Events of one kind (`*`: every per-rank kind; `plan`: rank 0's recovery plans;
-        `batch`: the nodes' batches, which repeat the per-rank events)."""
-        subject = f"{SUBJECT_ROOT}.{self.job}." + ("plan" if kind == "plan" else f"{kind}.>")
+        """Events of one kind (`*`: every kind; `plan`: rank 0's recovery plans; `batch`: the
+        nodes' batches as they are), each fact once: the per-rank events in stream order, then
+        what only a node's batch reported (the coordinator's object removals)."""
+        root = f"{SUBJECT_ROOT}.{self.job}."
+        subject = root + ("plan" if kind == "plan" else f"{kind}.>")
 
         async def replay() -> list[Event]:
             async with Bus(self.settings) as bus:
                 found = await bus.history(subject)
-            return [e for e in found if kind == "batch" or not isinstance(e, NodeBatch)]
+                if kind in ("plan", "batch"):
+                    return found
+                batches = await bus.history(root + f"batch.*.{kind}")
+            out = [e for e in found if not isinstance(e, NodeBatch)]
+            seen = {msg_id(e) for e in out}
+            for b in batches:
+                if isinstance(b, NodeBatch):
+                    out += [e for e in b.events if msg_id(e) not in seen]
+                    seen.update(msg_id(e) for e in b.events)
+            return out
 
         return anyio.run(replay)
 

@@ -110,7 +110,7 @@ class _Quiet:
     async def write(self, state: JobState, changes: object) -> None:
         pass
 
-    async def publish(self, event: Event) -> None:
+    async def publish(self, event: Event, *, id_suffix: str = "") -> None:
         pass
 
 
