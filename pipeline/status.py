@@ -131,7 +131,7 @@ def _header(view: JobView, now: float) -> list[str]:
             "not set (the agents' settings apply)"
             if view.keep is None
             else f"{view.keep.nvme_keep_latest_k} on NVMe, {view.keep.s3_keep_latest_k} in object"
-            f" storage, every {view.keep.s3_keep_period or '-'} (period), evict unflushed: "
+            f" storage, period {view.keep.s3_keep_period or 'off'}, evict unflushed: "
             f"{'yes' if view.keep.evict_unflushed else 'no'}"
         ),
         "coordinator: " + _lease(view.lease, now),
