@@ -21,9 +21,16 @@ RANKS_PER_NODE = 8
 DELIVERIES_BOUND = 11 * RANKS_PER_NODE + 2
 
 
+#: The CI size of `bench control` (issue 10: `--nodes 64`).
+NODES = 64
+
+
 @pytest.mark.slow
 def test_control_plane_invariants() -> None:
-    r = control.run(8, RANKS_PER_NODE, 4, history_steps=(2, 12))
+    """At 64 nodes: no message over the limit, deliveries per node per checkpoint bounded, the
+    KV equal to the fold of the events, a bounded restart read, and a restart through the real
+    agreement protocol in which every rank gets the same plan."""
+    r = control.run(NODES, RANKS_PER_NODE, 4, history_steps=(2, 12))
     assert r["max_msg_bytes"] <= control.MSG_LIMIT
     assert r["kv_equals_fold"] is True
     assert 0 < r["deliveries_per_ckpt_per_node"] <= DELIVERIES_BOUND
@@ -32,10 +39,17 @@ def test_control_plane_invariants() -> None:
     assert r["stream_msgs_per_ckpt"] == 7 * r["world_size"]  # (steady state)
     # Steady state: one step leaves object storage per checkpoint (steps 1..3 of 4).
     assert r["objects_removed_steps"] == 3
-    # Restart state: the head and the records of the kept steps, whatever the history.
+    # Restart state: the head, and the records and a digest chunk of a few candidate steps,
+    # whatever the history.
     assert r["restart_records"] <= control.KEEP_NVME + control.KEEP_S3
     assert set(r["restart_s_history"]) == {"2", "12"}
-    assert r["plan_s"] is None  # (the KV restore agreement is not built yet)
+    # The restart: every rank planned, all alike, in one round, from the newest step complete
+    # in object storage (no NVMe copy is on this machine: every rank reads object storage).
+    restart = r["restart"]
+    assert restart["ranks_planned"] == r["world_size"] and restart["same_plan"] is True
+    assert (restart["step"], restart["rounds"], restart["final_plan"]) == (4, 1, True)
+    assert restart["from_s3_ranks"] == r["world_size"]
+    assert 0 < r["plan_s"] <= restart["restore_s"]
 
 
 def test_cli_refuses_bad_sizes_and_control_options_elsewhere() -> None:
