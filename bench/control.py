@@ -696,6 +696,16 @@ class _NodeWatch:
             return None
 
 
+#: Newest-message lookups (`current_head`) the simulated ranks have in flight at once.
+LOOKUPS = 32
+_LOOKUP_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+
+def _lookups() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    return _LOOKUP_SLOTS.setdefault(loop, asyncio.Semaphore(LOOKUPS))
+
+
 class _NodeBus:
     """A simulated node's bus: the real one, but the node's ranks share ONE watch of the job's
     plan subject (fanned out here), as the ranks of a node could share one connection."""
@@ -707,6 +717,12 @@ class _NodeBus:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bus, name)
+
+    async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
+        # Thousands of these at once from one client time out (each wildcard lookup scans the
+        # stream's subjects on the server): at most `LOOKUPS` in flight, as nodes would spread.
+        async with _lookups():
+            return await self._bus.last_raw(subject)
 
     async def start(self, stack: contextlib.AsyncExitStack) -> asyncio.Task[None]:
         """Open the node's watch (closed with `stack`) and fan it out until cancelled."""
@@ -875,6 +891,15 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     return _kv_equals_fold(state, head, floors, records)
 
 
+async def _allow_consumers(bus: Bus, settings: Settings, nodes: int) -> None:
+    """Raise the stream's consumer limit for the restart's node watches: nats-server 2.15
+    gives a stream that sets none a limit of 1,000 consumers (`tierpipe.stream` sets none)."""
+    info = await bus.js.stream_info(settings.stream)
+    config = info.config
+    config.max_consumers = max(1000, 2 * nodes + 100)
+    await bus.js.update_stream(config)
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else 0.0
 
@@ -900,6 +925,7 @@ async def _main(
         )
         async with Bus(settings, name="bench-agents") as bus:
             await bus.ensure_stream()
+            await _allow_consumers(bus, settings, nodes)
             store = await JobStore(bus.js, settings).open()
             with CoordinatorThread(settings, profile=profile) as coordinator:
                 layout = Layout("control", nodes, ranks_per_node)
