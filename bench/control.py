@@ -37,23 +37,32 @@ Figures (JSON keys):
   `coordinator_events_per_cpu_s`: stream messages folded per second of it.
 - `fold_lag_s`: from the last `flushed` of the last step to the KV head listing that step as
   complete in object storage (`fold_lag_s_max`: the largest over all steps).
-- `max_msg_bytes`: the largest payload published: the simulated events, the coordinator's events
-  and every KV value the coordinator wrote. (The old restore protocol's plan message is not
-  published here: `old_restore.plan_msg_bytes` is its size at this world size.)
+- `max_msg_bytes`: the largest payload published: the simulated events, the coordinator's events,
+  the restart's `ready` report and plan, and every KV value the coordinator wrote. (The old
+  restore protocol's plan message is not published here: `old_restore.plan_msg_bytes` is its
+  size at this world size.)
 - `kv_bytes_per_ckpt`, `kv_writes_per_ckpt`: values the coordinator wrote per checkpoint (lease
   renewals excluded).
-- `restart_state_bytes`: what one rank reads from KV at restart: the head and the record of every
-  step it lists (`restart_records` of them, `record_bytes` each at this world size), measured by
-  reading them. With the default retention (3 on NVMe, 10 in object storage) a job keeps about
-  13 records: about head + 13 x `record_bytes`.
+- `restart_state_bytes`: what one rank reads from KV at restart (`tierpipe.recovery.survey`):
+  the head, and for each candidate step (the newest 3 with a record and the newest 2 complete
+  on each tier) its record and the chunk of header digests holding the rank (`restart_records`:
+  the records read; `record_bytes`: one record at this world size), measured by reading them.
 - `restart_s_history_ratio`: MEASURED on small separate jobs (`HISTORY_NODES` nodes, default
   retention, paced publishing): the median time to read that restart state after 1,000
   checkpoints over the same after 10 (`restart_s_history` has both).
-- `plan_s`: null. The KV-based restore agreement is not built yet; restore still replays the
-  job's stream (`tierpipe.recovery.agree`). `old_restore` measures that protocol's rank-0 side on
-  this job: the replay of the whole job stream into a catalog (`replay_s`, `replay_events`,
-  `replay_bytes`: what rank 0 reads at restart), `plan_recovery_s`, and `plan_msg_bytes`, the
-  one plan message every rank receives.
+- `plan_s`: MEASURED, from the restart until every simulated rank has its plan, through the
+  real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks in
+  this process): each rank waits for the fold of its own newest event (`current_head`),
+  surveys the real KV (`survey`), publishes its `ready` report; rank 0 collects them on its
+  watch, picks with `choose` and publishes the compact plan; every rank receives it, "loads",
+  reports `loaded`, and rank 0 publishes the final plan (`restart.restore_s`: until every rank
+  returned). Simulated: the ranks of a node share ONE watch of the plan subject (fanned out
+  here; a real rank opens its own); no NVMe copy is on this machine (each rank's disk check
+  finds none, so every rank reads object storage: the largest plan bitmap); loading returns at
+  once. `restart` has the details (`same_plan`: every rank got the same step and bitmap,
+  `plan_msg_bytes`, `ready_msg_bytes`). `old_restore` measures the old protocol's rank-0 side
+  on this job, for comparison: the replay of the whole job stream into a catalog
+  (`replay_s`, `replay_events`, `replay_bytes`), `plan_recovery_s`, and `plan_msg_bytes`.
 - `kv_equals_fold`: the KV (head, floors, every step record and no other step key) equals a
   fresh `JobState` fold of the job's stream as stored.
 """
@@ -61,6 +70,7 @@ Figures (JSON keys):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import importlib.util
 import json
@@ -70,7 +80,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -424,20 +434,27 @@ def _delivered_since(before: dict[str, int], after: dict[str, int]) -> int:
     return sum(n - before.get(name, 0) for name, n in after.items())
 
 
-async def _restart_read(kv: KeyValue, job: str) -> tuple[int, int]:
-    """What one rank reads at restart: the head, then the record of every step it lists.
-    (bytes, records)."""
+async def _restart_read(kv: KeyValue, job: str, rank: int = 0) -> tuple[int, int]:
+    """What one rank reads from KV at restart (`tierpipe.recovery.survey`): the head, then for
+    each candidate step its record and the digest chunk holding the rank. (bytes, records)."""
     import msgspec
+    import nats.js.errors
 
-    from tierpipe.kvstate import head_key, step_key
-    from tierpipe.schemas.jobstate import JobHead
+    from tierpipe.kvstate import digests_key, head_key, step_key
+    from tierpipe.recovery.survey import candidates
+    from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead
 
     entry = await kv.get(head_key(job))
     head = msgspec.json.decode(entry.value or b"", type=JobHead)
-    total = len(entry.value or b"")
-    for step in head.steps:
-        total += len((await kv.get(step_key(job, step))).value or b"")
-    return total, len(head.steps)
+    total, records = len(entry.value or b""), 0
+    for step in candidates(head):
+        for key in (step_key(job, step), digests_key(job, step, rank // RANKS_PER_CHUNK)):
+            try:
+                total += len((await kv.get(key)).value or b"")
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            records += key == step_key(job, step)
+    return total, records
 
 
 class Driver:
@@ -648,6 +665,175 @@ async def _replay(d: Driver) -> tuple[list[tuple[int, Event]], float]:
     return stored, time.perf_counter() - t0
 
 
+# --- a restart through the real agreement protocol
+
+
+class _NoNvme:
+    """A simulated rank's NVMe store: its copies are not on this machine (`locate` names paths
+    under an empty folder), so every rank's disk check finds none."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def locate(self, job: str, step: int, rank: int, world_size: int) -> str:
+        from tierpipe.names import shard_relpath
+
+        return str(self.root / shard_relpath(job, step, rank, world_size))
+
+
+@dataclass
+class _Loaded:
+    state: Any = None
+
+
+class _SimLoader:
+    """The part of `tierpipe.recovery.load.Loader` a `Restorer` uses, without tensors: loading
+    a shard is instant and notes when this rank had its plan."""
+
+    def __init__(self, layout: Layout, rank: int, nvme: _NoNvme, planned: dict[int, float]):
+        self.job, self.rank, self.world_size = layout.job, rank, layout.world_size
+        self.node = layout.node_of(rank)
+        self.nvme = nvme
+        self._planned = planned
+
+    async def first_good(
+        self, sources: list[Any], into: Any, *, step: int, attempt: int, deadline: float
+    ) -> tuple[Any, _Loaded] | str:
+        self._planned.setdefault(self.rank, time.perf_counter())
+        return (sources[0], _Loaded()) if sources else "no sources"
+
+    async def report(self, tier: str, step: int, e: Exception, **kw: Any) -> None:
+        raise AssertionError(f"rank {self.rank}: copy of step {step} on {tier} failed: {e}")
+
+    def settle(self, step: int | None) -> None:
+        pass
+
+
+class _NodeWatch:
+    """One rank's view of its node's shared watch of the plan subject."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def next(self, timeout: float) -> Any:
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(timeout, 0.001))
+        except TimeoutError:
+            return None
+
+
+#: Newest-message lookups (`current_head`) the simulated ranks have in flight at once.
+LOOKUPS = 32
+_LOOKUP_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+
+def _lookups() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    return _LOOKUP_SLOTS.setdefault(loop, asyncio.Semaphore(LOOKUPS))
+
+
+class _NodeBus:
+    """A simulated node's bus: the real one, but the node's ranks share ONE watch of the job's
+    plan subject (fanned out here), as the ranks of a node could share one connection."""
+
+    def __init__(self, bus: Bus, plan_subject: str) -> None:
+        self._bus, self._plan_subject = bus, plan_subject
+        self._ranks: list[_NodeWatch] = []
+        self._watch: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bus, name)
+
+    async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
+        # Thousands of these at once from one client time out (each wildcard lookup scans the
+        # stream's subjects on the server): at most `LOOKUPS` in flight, as nodes would spread.
+        async with _lookups():
+            return await self._bus.last_raw(subject)
+
+    async def start(self, stack: contextlib.AsyncExitStack) -> asyncio.Task[None]:
+        """Open the node's watch (closed with `stack`) and fan it out until cancelled."""
+        watch = await stack.enter_async_context(
+            self._bus.watch(self._plan_subject, each_subject=False)
+        )
+        return asyncio.create_task(self._pump(watch))
+
+    async def _pump(self, watch: Any) -> None:
+        while True:
+            stored = await watch.next(1.0)
+            if stored is not None:
+                for w in self._ranks:
+                    w.queue.put_nowait(stored)
+
+    @contextlib.asynccontextmanager
+    async def _shared(self) -> AsyncIterator[_NodeWatch]:
+        mine = _NodeWatch()
+        self._ranks.append(mine)
+        try:
+            yield mine
+        finally:
+            self._ranks.remove(mine)
+
+    def watch(self, subject: str, *, each_subject: bool = True) -> Any:
+        if subject == self._plan_subject and not each_subject:
+            return self._shared()
+        return self._bus.watch(subject, each_subject=each_subject)
+
+
+async def _restart(d: Driver, work: Path) -> dict[str, Any]:
+    """Every simulated rank restores through the real `Restorer` (survey of the real KV, real
+    `ready` reports, rank 0's real watch and `choose`, the real compact plan, `loaded` reports
+    and the final plan), with loading simulated; see the module docstring."""
+    from tierpipe.names import plan_subject, shard_subject
+    from tierpipe.recovery.agree import Restorer
+    from tierpipe.schemas import decode_event
+
+    lay = d.layout
+    nvme = _NoNvme(work / "no-nvme")
+    planned: dict[int, float] = {}
+    subject = plan_subject(lay.job)
+    node_buses = [_NodeBus(d.bus, subject) for _ in range(lay.nodes)]
+    restart = f"bench-{time.time_ns()}"
+    pumps: list[asyncio.Task[None]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        t0 = time.perf_counter()
+        try:
+            for nb in node_buses:
+                pumps.append(await nb.start(stack))
+            watches_s = time.perf_counter() - t0
+
+            async def one(rank: int) -> Any:
+                loader: Any = _SimLoader(lay, rank, nvme, planned)
+                bus: Any = d.bus if rank == 0 else node_buses[rank // lay.ranks_per_node]
+                return await Restorer(bus, d.settings, d.store, loader, restart=restart).run()
+
+            t0 = time.perf_counter()
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
+            restore_s = time.perf_counter() - t0
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+    results = [t.result() for t in tasks]
+    plans = {(r.step, tuple(r.from_s3), r.rounds) for r in results}
+    plan_msg = await d.bus.last_raw(subject)
+    ready = await d.bus.last_raw(shard_subject(lay.job, "restore", lay.node_of(0), 0))
+    final = decode_event(plan_msg[1]) if plan_msg else None
+    return {
+        "plan_s": max(planned.values()) - t0 if len(planned) == lay.world_size else None,
+        "restore_s": restore_s,
+        "node_watches_open_s": watches_s,
+        "ranks_planned": len(planned),
+        "same_plan": len(plans) == 1,
+        "step": results[0].step,
+        "from_s3_ranks": len(results[0].from_s3),
+        "rounds": results[0].rounds,
+        "final_plan": bool(final is not None and getattr(final, "final", False)),
+        "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,
+        "ready_msg_bytes": len(ready[1]) if ready else None,
+    }
+
+
 def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> dict[str, Any]:
     """Rank 0 of the old protocol: the catalog folded from the whole job stream, the plan, and
     the plan message every rank receives."""
@@ -733,6 +919,15 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     return _kv_equals_fold(state, head, floors, records)
 
 
+async def _allow_consumers(bus: Bus, settings: Settings, nodes: int) -> None:
+    """Raise the stream's consumer limit for the restart's node watches: nats-server 2.15
+    gives a stream that sets none a limit of 1,000 consumers (`tierpipe.stream` sets none)."""
+    info = await bus.js.stream_info(settings.stream)
+    config = info.config
+    config.max_consumers = max(1000, 2 * nodes + 100)
+    await bus.js.update_stream(config)
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else 0.0
 
@@ -758,6 +953,7 @@ async def _main(
         )
         async with Bus(settings, name="bench-agents") as bus:
             await bus.ensure_stream()
+            await _allow_consumers(bus, settings, nodes)
             store = await JobStore(bus.js, settings).open()
             with CoordinatorThread(settings, profile=profile) as coordinator:
                 layout = Layout("control", nodes, ranks_per_node)
@@ -778,6 +974,9 @@ async def _main(
                     log(f"  KV != fold: {p}")
                 old = _old_restore(d, stored, read_s) if old_restore else None
                 del stored
+                log(f"  restart: {layout.world_size} ranks through the agreement protocol")
+                restart = await _restart(d, work)
+                log(f"  restart: plan_s {restart['plan_s']}, restore_s {restart['restore_s']:.2f}")
                 history: dict[str, float] = {}
                 for n in history_steps:
                     hist = Layout(f"history{n}", HISTORY_NODES, ranks_per_node)
@@ -795,6 +994,7 @@ async def _main(
     stage = r + 3  # (see the module docstring: `staged` per rank, then the node's batches)
     coord = _mean([c.deliveries for c in steady])
     floor_watch = _mean([c.floor_writes for c in steady])
+    restart_max = max(restart["plan_msg_bytes"] or 0, restart["ready_msg_bytes"] or 0)
     ratio = None
     if len(history_steps) == 2 and history[str(history_steps[0])] > 0:
         ratio = history[str(history_steps[1])] / history[str(history_steps[0])]
@@ -818,8 +1018,8 @@ async def _main(
         "fold_lag_s_max": max(c.fold_lag_s for c in ckpts),
         "ckpt_wall_s": _mean([c.wall_s for c in steady]),
         "publish_s_per_ckpt": _mean([c.publish_s for c in steady]),
-        "max_msg_bytes": max(d.publisher.max_bytes, published_max, kv_max),
-        "max_event_bytes": max(d.publisher.max_bytes, published_max),
+        "max_msg_bytes": max(d.publisher.max_bytes, published_max, kv_max, restart_max),
+        "max_event_bytes": max(d.publisher.max_bytes, published_max, restart_max),
         "max_kv_value_bytes": kv_max,
         "kv_bytes_per_ckpt": _mean([c.kv_bytes for c in steady]),
         "kv_writes_per_ckpt": _mean([c.kv_writes for c in steady]),
@@ -828,17 +1028,22 @@ async def _main(
         "record_bytes": record_bytes,
         "restart_s_history_ratio": ratio,
         "restart_s_history": history,
-        "plan_s": None,
+        "plan_s": restart["plan_s"],
+        "restart": restart,
         "old_restore": old,
         "objects_removed_steps": removed,
         "kv_equals_fold": not problems,
         "msg_limit_bytes": MSG_LIMIT,
         "notes": (
-            "plan_s: null, the KV-based restore agreement is not built yet (restore replays the "
-            "job stream: old_restore is rank 0's side of it on this job). "
-            "stage_deliveries_per_ckpt_per_node is a formula (ranks per node + 3: nvme-write, "
-            "verify, flush, evict consumers of the node's own events), the other deliveries are "
-            "measured (/jsz). restart_s_history_ratio: restart-state read time after "
+            "plan_s: from the restart until every simulated rank had its plan, through the real "
+            "Restorer (KV survey, ready reports, rank 0's choose, compact plan; one plan watch "
+            "per simulated node; no NVMe copies on this machine, so every rank reads object "
+            "storage; loading is instant), all ranks in this one process on one connection. "
+            "old_restore: rank 0's side of the old replay protocol on this job, for comparison. "
+            "stage_deliveries_per_ckpt_per_node is a formula (ranks per node + 3: nvme-write "
+            "per rank, then the node's batches to verify, flush and evict), the other "
+            "deliveries are measured (/jsz). restart_s_history_ratio: restart-state read time "
+            "after "
             f"{'/'.join(map(str, history_steps))} checkpoints of {HISTORY_NODES}-node jobs "
             "(default retention). Retention of the measured job: "
             f"{KEEP_NVME} on NVMe, {KEEP_S3} in object storage."

@@ -10,16 +10,19 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import get_args
 
 import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
-from tierpipe.errors import BusUnavailableError, ConfigError, TierpipeError
+from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
+from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.log import configure_logging
 from tierpipe.names import (
     consumer_name,
@@ -27,11 +30,23 @@ from tierpipe.names import (
     flush_control_subject,
     job_subjects,
     node_name,
+    shard_relpath,
     validate_token,
 )
+from tierpipe.nats_conn import translate
 from tierpipe.schemas import FlushAction, FlushControl
+from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings, load_settings
-from tierpipe.status import plan_json, plan_now, shard_json, shard_table
+from tierpipe.status import (
+    JobView,
+    kv_plan,
+    lag_note,
+    rank_details,
+    rank_json,
+    rank_table,
+    step_json,
+    step_table,
+)
 
 __all__ = ("main", "parse_rate", "replay_catalog")
 
@@ -51,19 +66,42 @@ def main(argv: list[str] | None = None) -> int:
         help="stages to run in this process ('all': every stage of this node)",
     )
 
-    status = sub.add_parser("status", help="where every shard of a job is, from the event stream")
-    status.add_argument("--job", required=True)
-    status.add_argument("--json", action="store_true", help="one JSON object per shard")
-
-    plan = sub.add_parser("plan", help="what a restore would load now, and why")
-    plan.add_argument("--job", required=True)
-    plan.add_argument(
-        "--alive",
-        help="nodes that survived with their NVMe, comma-separated "
-        "(default: every node the job ran on)",
+    status = sub.add_parser(
+        "status",
+        help="a job's kept steps from its state in KV (per rank: --step N)",
+        description="One line per step the job keeps: world size, ranks with a good copy on "
+        "NVMe and in object storage, and on which tier the step is complete; above them the "
+        "newest complete steps, the retention floors and policy, and the coordinator's lease. "
+        "--step N lists that step's ranks instead (digest, size, NVMe path, object).",
     )
+    status.add_argument("--job", required=True)
+    status.add_argument("--step", type=int, help="per-rank detail of this step")
+    status.add_argument("--rank", type=int, help="with --step: only this rank")
+    status.add_argument(
+        "--json", action="store_true", help="one JSON object per step (per rank with --step)"
+    )
+
+    plan = sub.add_parser(
+        "plan",
+        help="which step a restore would pick now, from the job state in KV",
+        description="The newest candidate step a restart considers on which every rank has a "
+        "copy on some tier, and how many ranks would read NVMe and object storage, assuming "
+        "every rank's node still holds the NVMe copy the job state records (a restart also "
+        "checks each file on its disk). --json prints one object: job, step, world_size, "
+        "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
+        "candidates (newest first), rejected (step -> why), assumes (nvme_kept or nvme_lost), "
+        "folded_seq and stream_seq (the job state lags the stream when the first is lower).",
+    )
+    plan.add_argument("--job", required=True)
     plan.add_argument("--step", type=int, help="plan this step rather than the newest")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument(
+        "--nvme-lost",
+        action="store_true",
+        help="plan as if every NVMe copy were lost (every rank reads object storage)",
+    )
+    # Gone: the job state does not record which node holds a rank's NVMe copy.
+    plan.add_argument("--alive", help=argparse.SUPPRESS)
+    plan.add_argument("--json", action="store_true", help="one JSON object (see above)")
 
     reindex = sub.add_parser(
         "reindex", help="rebuild a job's events from this node's shard files and the objects"
@@ -123,12 +161,19 @@ def _run(args: argparse.Namespace) -> int:
             names = list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
             return _run_worker(settings, names)
         case "status":
-            return _status(settings, validate_token("job", args.job), as_json=args.json)
+            job = validate_token("job", args.job)
+            return _status(settings, job, step=args.step, rank=args.rank, as_json=args.json)
         case "flush":
             return _flush(settings, args.action, args.rate, args.node, force=args.force)
         case "plan":
-            alive = args.alive.split(",") if args.alive else None
-            return _plan(settings, validate_token("job", args.job), alive, args.step, args.json)
+            if args.alive is not None:
+                raise ConfigError(
+                    "--alive is gone: the job state does not record which node holds a rank's "
+                    "NVMe copy (a restart checks each rank's own disk); --nvme-lost plans as if "
+                    "every NVMe copy were lost"
+                )
+            job = validate_token("job", args.job)
+            return _plan(settings, job, args.step, nvme_lost=args.nvme_lost, as_json=args.json)
         case "reindex":
             return _reindex(settings, validate_token("job", args.job), args)
         case "demo":
@@ -286,40 +331,155 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
             raise BusUnavailableError(f"looking up job {job!r}: {e or type(e).__name__}") from e
 
 
-def _plan(
-    settings: Settings, job: str, alive: list[str] | None, step: int | None, as_json: bool
-) -> int:
-    plan = plan_now(_replay_known(settings, job), job, alive=alive, step=step)
-    print(json.dumps(plan_json(job, plan)) if as_json else plan.describe())
-    return 0
+def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
+    from tierpipe.recovery.survey import candidates
 
+    async def read() -> tuple[JobHead, int, dict[int, StepRecord]]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore(bus.js, settings).open()
+            head, stream_seq = await _folded_head(bus, store, job)
+            return head, stream_seq, await store.records(job, candidates(head, step))
 
-def _status(settings: Settings, job: str, *, as_json: bool) -> int:
-    shards = _replay_known(settings, job).shards(job)
+    head, stream_seq, records = anyio.run(read)
+    if step is not None and step not in records:
+        kept = ", ".join(map(str, head.steps)) or "none"
+        raise NoCheckpointError(
+            f"step {step} of job {job!r} has no record in its job state (the steps it keeps: "
+            f"{kept})"
+        )
+    plan = kv_plan(job, candidates(head, step), records, nvme_lost=nvme_lost)
     if as_json:
-        for s in shards:
-            print(json.dumps(shard_json(s)))
+        print(json.dumps({**plan.to_json(), "folded_seq": head.seq, "stream_seq": stream_seq}))
     else:
-        print(shard_table(shards))
+        note = lag_note(head.seq, stream_seq)
+        print(plan.describe() + (f"\n  {note}" if note else ""))
     return 0
 
 
-def _replay_known(settings: Settings, job: str) -> Catalog:
-    """The catalog of `job`, which must have shard events (else a clear error, not an empty
-    table: a mistyped job name is the likely cause).
+def _status(
+    settings: Settings, job: str, *, step: int | None, rank: int | None, as_json: bool
+) -> int:
+    if rank is not None and step is None:
+        raise ConfigError("--rank needs --step (the per-rank detail is of one step)")
+    if step is not None:
+        return _status_step(settings, job, step, rank, as_json=as_json)
+    view = anyio.run(_read_view, settings, job)
+    if as_json:
+        for s in view.head.steps:
+            print(json.dumps(step_json(job, s, view.records.get(s))))
+    else:
+        print(step_table(view))
+    return 0
+
+
+def _status_step(
+    settings: Settings, job: str, step: int, rank: int | None, *, as_json: bool
+) -> int:
+    from tierpipe.storage.s3 import S3Store
+
+    async def read() -> tuple[StepRecord, dict[int, RankDigests]]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore(bus.js, settings).open()
+            head, _ = await _folded_head(bus, store, job)
+            rec = await store.record(job, step)
+            if rec is None:
+                kept = ", ".join(map(str, head.steps)) or "none"
+                raise ConfigError(
+                    f"step {step} of job {job!r} has no record in its job state (the steps it "
+                    f"keeps: {kept})"
+                )
+            if rank is not None and not 0 <= rank < rec.world_size:
+                raise ConfigError(
+                    f"rank {rank} is not a rank of step {step} (world size {rec.world_size})"
+                )
+            last = -(-rec.world_size // RANKS_PER_CHUNK)
+            chunks = range(last) if rank is None else [rank // RANKS_PER_CHUNK]
+            return rec, {c: d for c in chunks if (d := await _digests(store, job, step, c))}
+
+    rec, chunks = anyio.run(read)
+    nvme_root = Path(settings.nvme_root)
+    details = rank_details(
+        job, rec, chunks, range(rec.world_size) if rank is None else [rank],
+        locate_nvme=lambda j, s, r, w: str(nvme_root / shard_relpath(j, s, r, w)),
+        locate_object=S3Store(settings).locate,
+    )  # fmt: skip
+    if as_json:
+        for d in details:
+            print(json.dumps(rank_json(job, rec, d)))
+    else:
+        print(rank_table(job, rec, details))
+    return 0
+
+
+async def _read_view(settings: Settings, job: str) -> JobView:
+    """The job's state in KV, once folded up to its newest event (see `_folded_head`)."""
+    async with Bus(settings, name="tierpipe-cli") as bus:
+        store = await JobStore(bus.js, settings).open()
+        head, stream_seq = await _folded_head(bus, store, job)
+        return JobView(
+            job=job,
+            head=head,
+            records=await store.records(job, head.steps),
+            floors=await store.floors(job),
+            keep=await store.keep(job),
+            lease=await store.lease(job),
+            stream_seq=stream_seq,
+        )
+
+
+async def _folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int]:
+    """The job's head in KV and the stream seq of its newest event: while a live coordinator
+    leads the job, once it has folded that event (a few flush intervals at most), so what an
+    operator just saw happen shows; without one, at once (the output says it lags).
 
     Raises:
-        ConfigError: the stream holds no shard event of `job` (or does not exist).
+        ConfigError: the job has no state in KV (a mistyped name, or a lost state).
     """
-    catalog = Catalog()
-    if anyio.run(_job_has_events, settings, job):
-        catalog = anyio.run(replay_catalog, settings, job)
-    if not catalog.shards(job):
-        raise ConfigError(
-            f"no events for job {job!r} on stream {settings.stream} (check the name; "
-            "`tierpipe reindex --job` rebuilds them from shard files and objects)"
+    settings = bus.settings
+    stream_seq = await _newest_seq(bus, job_subjects(job))
+    deadline = time.monotonic() + 2.0 + 10 * settings.coordinator_flush_s
+    while True:
+        head = await store.head(job)
+        if head is not None and head.seq >= stream_seq:
+            break
+        lease = await store.lease(job)
+        if lease is None or lease.expires < time.time() or time.monotonic() > deadline:
+            break
+        await anyio.sleep(0.05)
+    if head is None:
+        events = (
+            f"though stream {settings.stream} holds its events up to seq {stream_seq} (no "
+            "coordinator has folded them: an agent's evict stage does)"
+            if stream_seq
+            else f"and no events on stream {settings.stream} (check the name)"
         )
-    return catalog
+        raise ConfigError(
+            f"job {job!r} has no state in KV bucket {settings.kv_bucket} {events}; if its state "
+            f"was lost, `tierpipe reindex --job {job}` republishes its events from shard files "
+            "and objects"
+        )
+    return head, stream_seq
+
+
+async def _newest_seq(bus: Bus, subject: str) -> int:
+    """Stream seq of the newest message on `subject` (0: none, or no stream at all)."""
+    with translate(f"newest message on {subject}", keep=(nats.js.errors.NotFoundError,)):
+        try:
+            msg = await bus.js.get_msg(bus.settings.stream, subject=subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+    return int(msg.seq or 0)
+
+
+async def _digests(store: JobStore, job: str, step: int, chunk: int) -> RankDigests | None:
+    """One chunk of a step's header digests (None: not stored)."""
+    key = digests_key(job, step, chunk)
+    with translate(f"kv {key}", keep=(KeyNotFoundError, KeyDeletedError)):
+        try:
+            entry = await store.kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+    return msgspec.json.decode(entry.value, type=RankDigests) if entry.value else None
 
 
 if __name__ == "__main__":

@@ -1,27 +1,373 @@
-"""Where a job's shards are and what a restore would load, rendered from a catalog folded from the
-event stream: the tables and JSON of `tierpipe status` and `tierpipe plan`, and the demo's summary.
+"""What `tierpipe status` and `tierpipe plan` print, rendered from a job's state in KV (and the
+demo's shard table, rendered from a catalog folded from the event stream).
 
-Pure functions of a `Catalog`: the caller replays the events (the CLI, the demo), so this module
-does no I/O and prints nothing.
+Pure functions of the values the caller read (`JobView`, `RankDetail`): the CLI reads the KV, so
+this module does no I/O and prints nothing. A job of any size prints one line per kept step by
+default; per-rank detail is for one step at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import msgspec
+from tierpipe.catalog import Shard
+from tierpipe.errors import NoCheckpointError
+from tierpipe.jobstate import has_rank, ranks_of
+from tierpipe.schemas.jobstate import (
+    RANKS_PER_CHUNK,
+    Floors,
+    JobHead,
+    Keep,
+    Lease,
+    RankDigests,
+    StepRecord,
+)
 
-from tierpipe.catalog import Catalog, Shard
+__all__ = (
+    "ASSUME_NVME_KEPT",
+    "ASSUME_NVME_LOST",
+    "JobView",
+    "KvPlan",
+    "RankDetail",
+    "kv_plan",
+    "lag_note",
+    "rank_details",
+    "rank_json",
+    "rank_table",
+    "shard_table",
+    "step_json",
+    "step_table",
+)
 
-if TYPE_CHECKING:
-    from tierpipe.recovery.plan import Plan
+#: Ranks named in a rejection reason (the rest are counted).
+_NAMED_RANKS = 8
 
-__all__ = ("plan_json", "plan_now", "shard_json", "shard_table")
+ASSUME_NVME_KEPT = (
+    "assumes every rank's node still holds its NVMe copy; a restart also checks each rank's "
+    "file on its own disk (size, header, digest) and sends a rank without a good one to "
+    "object storage"
+)
+ASSUME_NVME_LOST = "assumes every NVMe copy is lost (--nvme-lost): every rank reads object storage"
+
+Complete = Literal["both", "nvme", "s3", "no"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job's state as the CLI read it from KV."""
+
+    job: str
+    head: JobHead
+    #: step -> its record, for the steps `head` lists (a missing one was removed meanwhile).
+    records: Mapping[int, StepRecord]
+    floors: Floors
+    #: None: the job set no policy (the agents' settings apply).
+    keep: Keep | None
+    lease: Lease | None
+    #: Stream sequence of the job's newest event (0: none or unknown).
+    stream_seq: int = 0
+
+
+def _count(bits: bytes, world_size: int) -> int:
+    """Ranks below `world_size` in a bitmap (bit r % 8 of byte r // 8)."""
+    return (int.from_bytes(bits, "little") & ((1 << world_size) - 1)).bit_count()
+
+
+def _complete(rec: StepRecord) -> Complete:
+    nvme = _count(rec.nvme, rec.world_size) == rec.world_size
+    s3 = not rec.s3_removed and _count(rec.s3, rec.world_size) == rec.world_size
+    return "both" if nvme and s3 else "nvme" if nvme else "s3" if s3 else "no"
+
+
+def step_json(job: str, step: int, rec: StepRecord | None) -> dict[str, Any]:
+    """One step as a JSON-ready object (a line of `tierpipe status --json`); `world_size` and
+    the counts are null for a step whose record went meanwhile."""
+    if rec is None:
+        return {"job": job, "step": step, "world_size": None, "epoch": None, "nvme_ranks": None,
+                "s3_ranks": None, "s3_removed": None, "complete": "no"}  # fmt: skip
+    return {
+        "job": job,
+        "step": step,
+        "world_size": rec.world_size,
+        "epoch": rec.epoch,
+        "nvme_ranks": _count(rec.nvme, rec.world_size),
+        "s3_ranks": _count(rec.s3, rec.world_size),
+        "s3_removed": rec.s3_removed,
+        "complete": _complete(rec),
+    }
+
+
+def step_table(view: JobView, *, now: float | None = None) -> str:
+    """The job's header (newest complete steps, floors, policy, coordinator) and one line per
+    step it keeps: world size, ranks on each tier, on which tier the step is complete."""
+    rows = [("STEP", "WORLD", "NVME", "S3", "COMPLETE")]
+    for step in view.head.steps:
+        rec = view.records.get(step)
+        if rec is None:
+            rows.append((str(step), "-", "-", "-", "no (record removed meanwhile)"))
+            continue
+        w = rec.world_size
+        s3 = "removed" if rec.s3_removed else f"{_count(rec.s3, w)}/{w}"
+        rows.append((str(step), str(w), f"{_count(rec.nvme, w)}/{w}", s3, _complete(rec)))
+    return "\n".join([*_header(view, time.time() if now is None else now), _table(rows)])
+
+
+def _header(view: JobView, now: float) -> list[str]:
+    head, floors = view.head, view.floors
+
+    def newest(steps: Sequence[int]) -> str:
+        return str(steps[-1]) if steps else "none"
+
+    lines = [
+        f"job {view.job}: world size {head.world_size}, newest complete step: NVMe "
+        f"{newest(head.nvme_steps)}, object storage {newest(head.s3_steps)}",
+        f"floors: NVMe {floors.nvme}, object storage {floors.s3}"
+        + (f", kept below them: {', '.join(map(str, floors.keep))}" if floors.keep else ""),
+        "keep: "
+        + (
+            "not set (the agents' settings apply)"
+            if view.keep is None
+            else f"{view.keep.nvme_keep_latest_k} on NVMe, {view.keep.s3_keep_latest_k} in object"
+            f" storage, period {view.keep.s3_keep_period or 'off'}, evict unflushed: "
+            f"{'yes' if view.keep.evict_unflushed else 'no'}"
+        ),
+        "coordinator: " + _lease(view.lease, now),
+    ]
+    note = lag_note(head.seq, view.stream_seq)
+    return lines + ([note] if note else [])
+
+
+def lag_note(folded_seq: int, stream_seq: int) -> str:
+    """What to tell operators when the job state has not folded the job's newest event ("" if
+    it has)."""
+    if stream_seq <= folded_seq:
+        return ""
+    return (
+        f"note: the job state has folded the job's events up to stream seq {folded_seq}, its "
+        f"newest is seq {stream_seq} (no live coordinator folds them: an agent's evict stage "
+        "does, and so does a restart)"
+    )
+
+
+def _lease(lease: Lease | None, now: float) -> str:
+    if lease is None:
+        return "none (no agent has led the job)"
+    left = lease.expires - now
+    when = f"expires in {left:.0f} s" if left >= 0 else f"expired {-left:.0f} s ago"
+    return f"{lease.holder} (term {lease.term}), {when}"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+# --- one step, rank by rank
+
+
+@dataclass(frozen=True, slots=True)
+class RankDetail:
+    """One rank of one step, as the job state has it."""
+
+    rank: int
+    nvme: bool
+    s3: bool
+    #: Header digest and size of its verified copy (None: none recorded).
+    header_digest: str | None
+    nbytes: int | None
+    #: Where its copy is on NVMe (on the node that saved it) and in object storage.
+    nvme_path: str
+    object_key: str
+
+
+#: (job, step, rank, world size) -> where that shard is on a tier.
+Locate = Callable[[str, int, int, int], str]
+
+
+def rank_details(
+    job: str,
+    rec: StepRecord,
+    chunks: Mapping[int, RankDigests],
+    ranks: Iterable[int],
+    *,
+    locate_nvme: Locate,
+    locate_object: Locate,
+) -> list[RankDetail]:
+    """`ranks` of `rec`'s step; `chunks`: the step's `RankDigests` by chunk index (a missing
+    chunk: no digest for its ranks)."""
+    out = []
+    for r in ranks:
+        chunk = chunks.get(r // RANKS_PER_CHUNK)
+        found = None if chunk is None else chunk.of(r)
+        w, s = rec.world_size, rec.step
+        out.append(
+            RankDetail(
+                rank=r,
+                nvme=has_rank(rec.nvme, r),
+                s3=has_rank(rec.s3, r) and not rec.s3_removed,
+                header_digest=found[0] if found else None,
+                nbytes=found[1] if found else None,
+                nvme_path=locate_nvme(job, s, r, w),
+                object_key=locate_object(job, s, r, w),
+            )
+        )
+    return out
+
+
+def rank_table(job: str, rec: StepRecord, details: Sequence[RankDetail]) -> str:
+    """One step's ranks: on which tier each has a good copy, its digest, size and locations."""
+    w = rec.world_size
+    lines = [
+        f"job {job} step {rec.step}: world size {w}, epoch {rec.epoch}, NVMe "
+        f"{_count(rec.nvme, w)}/{w}, object storage "
+        + ("removed" if rec.s3_removed else f"{_count(rec.s3, w)}/{w}")
+        + f", complete: {_complete(rec)}"
+    ]
+    rows = [("RANK", "NVME", "S3", "HEADER DIGEST", "BYTES", "NVME PATH", "OBJECT")]
+    for d in details:
+        rows.append((
+            str(d.rank), "yes" if d.nvme else "no", "yes" if d.s3 else "no",
+            d.header_digest or "-", "-" if d.nbytes is None else str(d.nbytes),
+            d.nvme_path, d.object_key,
+        ))  # fmt: skip
+    return "\n".join([*lines, _table(rows)])
+
+
+def rank_json(job: str, rec: StepRecord, d: RankDetail) -> dict[str, Any]:
+    """One rank of one step as a JSON-ready object (`tierpipe status --step N --json`)."""
+    return {
+        "job": job,
+        "step": rec.step,
+        "world_size": rec.world_size,
+        "rank": d.rank,
+        "nvme": d.nvme,
+        "s3": d.s3,
+        "header_digest": d.header_digest,
+        "nbytes": d.nbytes,
+        "nvme_path": d.nvme_path,
+        "object_key": d.object_key,
+    }
+
+
+# --- what a restore would pick
+
+
+@dataclass(frozen=True, slots=True)
+class KvPlan:
+    """The step a restore would pick from the job state alone, and where its ranks read."""
+
+    job: str
+    step: int
+    world_size: int
+    #: Ranks that read object storage (the others their own node's NVMe copy), ascending.
+    s3_ranks: list[int]
+    #: The candidate steps considered, newest first.
+    candidates: list[int]
+    #: newer candidate step -> why it could not be used.
+    rejected: dict[int, str] = field(default_factory=dict)
+    nvme_lost: bool = False
+
+    @property
+    def from_nvme(self) -> int:
+        return self.world_size - len(self.s3_ranks)
+
+    def describe(self) -> str:
+        """For operators: the step, the count per tier, the rejected steps, the assumption."""
+        lines = [
+            f"restore step {self.step} of job {self.job!r} ({self.world_size} ranks): "
+            f"{self.from_nvme} from NVMe, {len(self.s3_ranks)} from object storage"
+        ]
+        if 0 < len(self.s3_ranks) < self.world_size:
+            lines.append(f"  from object storage: {_named(self.s3_ranks)}")
+        for step, why in sorted(self.rejected.items(), reverse=True):
+            lines.append(f"  step {step} rejected: {why}")
+        lines.append(f"  candidates: {', '.join(map(str, self.candidates))}")
+        lines.append(f"  note: {ASSUME_NVME_LOST if self.nvme_lost else ASSUME_NVME_KEPT}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """`tierpipe plan --json`."""
+        return {
+            "job": self.job,
+            "step": self.step,
+            "world_size": self.world_size,
+            "from_nvme": self.from_nvme,
+            "from_s3": len(self.s3_ranks),
+            "s3_ranks": self.s3_ranks,
+            "candidates": self.candidates,
+            "rejected": {str(s): why for s, why in self.rejected.items()},
+            "assumes": "nvme_lost" if self.nvme_lost else "nvme_kept",
+        }
+
+
+def kv_plan(
+    job: str,
+    candidates: Sequence[int],
+    records: Mapping[int, StepRecord],
+    *,
+    nvme_lost: bool = False,
+) -> KvPlan:
+    """The newest of `candidates` (newest first, as a restart considers them) on which every
+    rank has a copy on some tier, as the records say: each rank reads NVMe where the record has
+    its copy there (unless `nvme_lost`), else object storage. The world size is the newest
+    candidate's (a restart of another size would be refused); steps of another size are
+    rejected.
+
+    Raises:
+        NoCheckpointError: no candidate has a copy of every rank (says why, per step).
+    """
+    newest = next((records[s] for s in candidates if s in records), None)
+    if newest is None:
+        raise NoCheckpointError(
+            f"job {job!r} has no step record in its job state"
+            + (f" (candidates: {', '.join(map(str, candidates))})" if candidates else "")
+        )
+    world = newest.world_size
+    everyone = (1 << world) - 1
+    rejected: dict[int, str] = {}
+    for s in candidates:
+        rec = records.get(s)
+        if rec is None:
+            rejected[s] = "no record of the step in the job state (retention removed it?)"
+            continue
+        if rec.world_size != world:
+            rejected[s] = f"saved with world size {rec.world_size}"
+            continue
+        nvme = 0 if nvme_lost else int.from_bytes(rec.nvme, "little") & everyone
+        s3 = 0 if rec.s3_removed else int.from_bytes(rec.s3, "little") & everyone
+        lacking = everyone & ~(nvme | s3)
+        if not lacking:
+            return KvPlan(job, s, world, _ranks(everyone & ~nvme), list(candidates), rejected,
+                          nvme_lost)  # fmt: skip
+        missing = _ranks(lacking)
+        rejected[s] = f"{len(missing)} of {world} ranks have no copy ({_named(missing)})" + (
+            " (objects removed by retention)" if rec.s3_removed else ""
+        )
+    detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
+    raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
+
+
+def _ranks(bits: int) -> list[int]:
+    """The ranks set in a bitmap read as one little-endian integer, ascending."""
+    return ranks_of(bits.to_bytes((bits.bit_length() + 7) // 8, "little"))
+
+
+def _named(ranks: Sequence[int]) -> str:
+    named = ", ".join(f"rank {r}" for r in ranks[:_NAMED_RANKS])
+    more = f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else ""
+    return named + more
+
+
+# --- the demo's summary (from a catalog)
 
 
 def shard_table(shards: list[Shard]) -> str:
-    """A human-readable table of shards and where their copies are."""
+    """A human-readable table of shards and where their copies are (the demo's summary)."""
     rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "S3", "NVME PATH")]
     for s in shards:
         ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
@@ -44,77 +390,4 @@ def shard_table(shards: list[Shard]) -> str:
                 "" if nvme is None or nvme.evicted else nvme.location,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
-def shard_json(s: Shard) -> dict[str, Any]:
-    """One shard and its copies as a JSON-ready object (a line of `tierpipe status --json`)."""
-    return {
-        "job": s.job,
-        "step": s.step,
-        "rank": s.rank,
-        "world_size": s.world_size,
-        "copies": [
-            {
-                "tier": c.tier,
-                "node": c.node,
-                "location": c.location,
-                "nbytes": c.nbytes,
-                "verified": c.verified,
-                "corrupt": c.corrupt,
-                "evicted": c.evicted,
-            }
-            for c in s.copies.values()
-        ],
-        "failures": [f.message for f in s.failures],
-    }
-
-
-def plan_now(
-    catalog: Catalog, job: str, *, alive: Collection[str] | None = None, step: int | None = None
-) -> Plan:
-    """What a restore of `job` would load now: the world size of its newest complete step and
-    every rank on the node of its newest NVMe (or RAM) copy.
-
-    Args:
-        catalog: the job's events folded (it must hold shards of `job`).
-        alive: nodes that survived with their NVMe; None: every node the job ran on.
-        step: plan this step rather than the newest restorable one.
-
-    Raises:
-        WorldSizeMismatchError, NoCheckpointError: as `plan_recovery`.
-    """
-    from tierpipe.recovery.plan import plan_recovery  # here: only `tierpipe plan` needs it
-
-    steps = catalog.steps(job)
-    # The world size of the newest complete step (a stray event of another size cannot set it).
-    done = catalog.complete_steps(job, ("nvme", "s3"))
-    world = steps[done[-1] if done else max(steps)][0].world_size
-    rank_nodes: dict[int, str] = {}
-    for shards in steps.values():  # each rank's node, from its newest NVMe copy
-        for s in shards:
-            for (tier, node), _ in s.copies.items():
-                if tier in ("nvme", "ram") and node:
-                    rank_nodes[s.rank] = node
-    rank_nodes = {r: rank_nodes.get(r, "?") for r in range(world)}
-    nodes = set(rank_nodes.values()) if alive is None else set(alive)
-    return plan_recovery(
-        catalog, job, world_size=world, alive=nodes, rank_nodes=rank_nodes, step=step
-    )
-
-
-def plan_json(job: str, plan: Plan) -> dict[str, Any]:
-    """A plan as a JSON-ready object (`tierpipe plan --json`)."""
-    return {
-        "job": job,
-        "step": plan.step,
-        "world_size": plan.world_size,
-        "sources": {
-            str(r): [msgspec.to_builtins(s) for s in srcs] for r, srcs in plan.sources.items()
-        },
-        "rejected": {str(s): why for s, why in plan.rejected.items()},
-        "notes": plan.notes,
-    }
+    return _table(rows)

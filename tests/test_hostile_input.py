@@ -447,7 +447,21 @@ def test_unknown_job_is_an_error(settings: Settings, job: str, command: str) -> 
 def test_plan_into_a_closed_pipe_exits_quietly(settings: Settings, job: str) -> None:
     """`tierpipe plan --json` whose reader has gone (`| head -c 10`) stops without a traceback
     or any other word on stderr, exiting as a filter killed by SIGPIPE would (141)."""
-    _publish(settings, _saved(settings, job))
+    from tierpipe.jobstate import JobState
+    from tierpipe.kvstate import JobStore
+    from tierpipe.schemas.jobstate import Keep
+
+    saved = _saved(settings, job)
+    _publish(settings, saved)
+    state = JobState(job, Keep())  # the job's state, as its coordinator would store it
+    for seq, event in enumerate(saved, 1):
+        state.apply(seq, event)
+
+    async def store() -> None:
+        async with Bus(settings) as bus:
+            await (await JobStore(bus.js, settings).open()).write(state, state.take_changes())
+
+    anyio.run(store)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierpipe.cli", "plan", "--job", job, "--json"],
         env={**os.environ, **settings.as_env()},
