@@ -117,7 +117,17 @@ class JobStore:
                     direct=True,
                 )
                 self._kv = await self._js.create_key_value(config)
+                await self._admit_watchers()
         return self
+
+    async def _admit_watchers(self) -> None:
+        """Let the bucket's stream take every agent's watchers (2 each): nats-server admits
+        1,000 consumers a stream unless the stream says otherwise (500 agents)."""
+        stream = f"KV_{self.settings.kv_bucket}"
+        config = (await self._js.stream_info(stream)).config
+        if config.max_consumers != self.settings.stream_max_consumers:
+            config.max_consumers = self.settings.stream_max_consumers
+            await self._js.update_stream(config)
 
     @property
     def kv(self) -> KeyValue:

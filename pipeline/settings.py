@@ -66,6 +66,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     stream_max_age_s: float = 30 * 86400.0
     #: The stream's size limit in bytes (-1: none); the oldest events go first.
     stream_max_bytes: int = -1
+    #: Consumers the stream admits: 4 durable ones per node (a stage each) plus short-lived
+    #: readers. nats-server's own default is 1,000, which stops a cluster at 250 nodes.
+    stream_max_consumers: int = 100_000
     duplicate_window_s: float = 120.0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 10.0
@@ -186,6 +189,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "stream_max_bytes",
             self.stream_max_bytes,
         )
+        _check(self.stream_max_consumers >= 1, "stream_max_consumers", self.stream_max_consumers)
         _check(self.agent_lock_timeout_s >= 0, "agent_lock_timeout_s", self.agent_lock_timeout_s)
         # The newest NVMe copy may still be in flight, so one is never enough on the fast tier.
         _check(self.nvme_keep_latest_k >= 2, "nvme_keep_latest_k", self.nvme_keep_latest_k)

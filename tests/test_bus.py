@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from nats.js import api
 from structlog.testing import capture_logs
 
 from tests.conftest import make_staged as staged
@@ -53,6 +54,22 @@ async def test_ensure_stream_is_idempotent_and_applies_changes(own_server: NatsS
         await bus.ensure_stream()
         info = await bus.js.stream_info(s.stream)
         assert info.config.max_bytes == 1 << 30 and info.config.duplicate_window == 30
+
+
+async def test_stream_takes_the_consumers_of_thousands_of_nodes(own_server: NatsServer) -> None:
+    """nats-server caps a stream at 1,000 consumers unless the stream says otherwise (250 nodes
+    of 4 durable stage consumers each): the stream allows `stream_max_consumers`, also when an
+    older stream is updated."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.js.add_stream(name=s.stream, subjects=["tp.>"])  # (as an older tierpipe made)
+        await bus.ensure_stream()
+        info = await bus.js.stream_info(s.stream)
+        assert info.config.max_consumers == s.stream_max_consumers >= 40_000
+        for i in range(1_001):
+            await bus.js.add_consumer(
+                s.stream, api.ConsumerConfig(durable_name=f"c{i}", ack_policy="explicit")
+            )
 
 
 async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) -> None:

@@ -7,6 +7,7 @@ import time
 
 import anyio
 import pytest
+from nats.js import api
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,6 +67,24 @@ async def assert_digests_are_the_fold(
 
 def _fields(event: Event) -> dict[str, object]:
     return {f: getattr(event, f) for f in event.__struct_fields__}
+
+
+@pytest.mark.anyio
+async def test_the_bucket_takes_the_watchers_of_thousands_of_agents(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """Every agent watches the floors and the jobs (2 consumers each): the bucket's stream
+    admits `stream_max_consumers`, not nats-server's default of 1,000 (500 agents)."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        await JobStore(bus.js, s).open()
+        stream = f"KV_{s.kv_bucket}"
+        assert (await bus.js.stream_info(stream)).config.max_consumers == s.stream_max_consumers
+        for i in range(1_001):
+            await bus.js.add_consumer(
+                stream, api.ConsumerConfig(durable_name=f"w{i}", ack_policy="explicit")
+            )
+        await bus.js.delete_stream(stream)  # (1,001 consumers: not left to the other tests)
 
 
 @pytest.mark.anyio
