@@ -7,9 +7,9 @@ import time
 
 import anyio
 import pytest
-from nats.js import api
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats.js import api
 
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus import Bus
