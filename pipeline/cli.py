@@ -31,6 +31,7 @@ from tierpipe.names import (
     job_subjects,
     node_name,
     shard_relpath,
+    state_subjects,
     validate_token,
 )
 from tierpipe.nats_conn import translate
@@ -428,7 +429,8 @@ async def _read_view(settings: Settings, job: str) -> JobView:
 
 
 async def _folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int]:
-    """The job's head in KV and the stream seq of its newest event: while a live coordinator
+    """The job's head in KV and the stream seq of its newest event the coordinator folds
+    (`state_subjects`): while a live coordinator
     leads the job, once it has folded that event (a few flush intervals at most), so what an
     operator just saw happen shows; without one, at once (the output says it lags).
 
@@ -436,7 +438,7 @@ async def _folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, in
         ConfigError: the job has no state in KV (a mistyped name, or a lost state).
     """
     settings = bus.settings
-    stream_seq = await _newest_seq(bus, job_subjects(job))
+    stream_seq = max([await _newest_seq(bus, subject) for subject in state_subjects(job)])
     deadline = time.monotonic() + 2.0 + 10 * settings.coordinator_flush_s
     while True:
         head = await store.head(job)

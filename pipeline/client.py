@@ -28,7 +28,7 @@ from tierpipe.portal import BusPortal
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
-from tierpipe.recovery.survey import current_head
+from tierpipe.recovery.survey import current_head, node_subjects
 from tierpipe.schemas import Event, FlushControl, ShardStaged
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
@@ -333,6 +333,7 @@ class Checkpointer:
                 job=self.job,
                 holder=f"{self.node}-rank-{self.rank}",
                 deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
+                subjects=node_subjects(self.job, self.node),
             )
             return [] if head is None else sorted(set(head.nvme_steps) | set(head.s3_steps))
 

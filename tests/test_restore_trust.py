@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
+from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.client import Checkpointer
@@ -491,10 +492,13 @@ def test_forged_events_move_neither_latest_step_nor_plan_nor_restore(
                      header_digest="a" * 32, nbytes=8192, seconds=0),
     ]  # fmt: skip
 
-    async def publish() -> None:
+    async def publish() -> None:  # as an agent does: per rank, and the node's batch
         async with Bus(settings) as bus:
+            batches = Batcher(bus)
             for e in forged:
                 await bus.publish(e)
+                batches.add(e)
+            await batches.flush()
 
     anyio.run(publish)
     env = {**os.environ, **settings.as_env()}

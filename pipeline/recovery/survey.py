@@ -24,14 +24,14 @@ from tierpipe.coordinator import Coordinator
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore
-from tierpipe.names import state_subjects
+from tierpipe.names import batch_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas.jobstate import JobHead, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 
-__all__ = ("Survey", "candidates", "current_head", "survey")
+__all__ = ("Survey", "candidates", "current_head", "node_subjects", "survey")
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class Survey:
 
 async def current_head(
     bus: Bus, store: JobStore, settings: Settings, *, job: str, holder: str,
-    deadline: float,
+    deadline: float, subjects: list[str] | None = None,
 ) -> JobHead | None:  # fmt: skip
     """The job's head in KV once it has folded the job's newest event the coordinator reads
     (the saves before a restart; this waits for the coordinator, a flush interval). A job with
@@ -74,9 +74,13 @@ async def current_head(
     folded up to that event
     here, as `holder`, under the lease (a dead holder's lease expires within `lease_ttl_s`).
     At `deadline` (`time.monotonic()`) it goes on with the state as it is, logged: that can
-    only cost newer steps, never give a wrong one."""
+    only cost newer steps, never give a wrong one.
+
+    `subjects`: whose newest event to wait for; default everything the coordinator folds
+    (wildcard lookups, which the server answers by scanning the job's subjects: rank 0 only).
+    Other ranks pass `node_subjects`: exact subjects, answered at once at any job size."""
     seq = 0
-    for subject in state_subjects(job):  # (what the coordinator folds; a few direct gets)
+    for subject in subjects or state_subjects(job):  # (a few direct gets)
         newest = await bus.last_raw(subject)
         seq = max(seq, newest[0] if newest else 0)
     folded = False
@@ -93,6 +97,12 @@ async def current_head(
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
         await anyio.sleep(0.05)
+
+
+def node_subjects(job: str, node: str) -> list[str]:
+    """This node's batches of `verified` and `flushed` for `job`: what a rank on it waits for
+    (its own saves, folded), by exact subject."""
+    return [batch_subject(job, node, "verified"), batch_subject(job, node, "flushed")]
 
 
 async def _no_removal(job: str, step: int, world_size: int) -> None:
