@@ -34,6 +34,7 @@ from tierpipe.errors import (
     TierpipeError,
     UnavailableError,
 )
+from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
@@ -228,10 +229,24 @@ class Loader:
             from tierpipe.storage.s3 import S3Store
 
             s = self.settings
-            reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
+            reads = NodeSlots(s.staging_root, "s3-reads", await self._reads_per_node())
             store = S3Store(s, read_slot=reads.hold)
             self._store = await self._stack.enter_async_context(store)
         return self._store
+
+    async def _reads_per_node(self) -> int:
+        """Concurrent object GETs this node's ranks may hold: `restore_s3_reads_per_node`, or
+        this node's share of the job's GET budget if lower (one KV read; unreadable: the
+        node's own cap alone)."""
+        cap = self.settings.restore_s3_reads_per_node
+        try:
+            shares = await (await JobStore(self.bus.js, self.settings).open()).shares(self.job)
+        except TierpipeError as e:
+            log.warning("restore_shares_unread", job=self.job, error=str(e))
+            return cap
+        if shares.restore_gets_per_node:
+            cap = min(cap, shares.restore_gets_per_node)
+        return cap
 
     def _hold(self, held: tuple[int, mmap.mmap, Head] | None) -> None:
         """Keep `held` for `settle` (an image of an earlier round is closed)."""
