@@ -50,7 +50,16 @@ from tierpipe.storage.store import ShardStore
 if TYPE_CHECKING:
     from tierpipe.storage.s3 import S3Store
 
-__all__ = ("Expected", "Loaded", "Loader", "check_head", "load_image", "load_into", "load_shard")
+__all__ = (
+    "Expected",
+    "Loaded",
+    "Loader",
+    "check_head",
+    "load_image",
+    "load_into",
+    "load_shard",
+    "s3_reads_per_node",
+)
 
 log = structlog.get_logger(__name__)
 
@@ -229,30 +238,32 @@ class Loader:
             from tierpipe.storage.s3 import S3Store
 
             s = self.settings
-            reads = NodeSlots(s.staging_root, "s3-reads", await self._reads_per_node())
+            cap = await s3_reads_per_node(s, self.bus, self.job)
+            reads = NodeSlots(s.staging_root, "s3-reads", cap)
             store = S3Store(s, read_slot=reads.hold)
             self._store = await self._stack.enter_async_context(store)
         return self._store
-
-    async def _reads_per_node(self) -> int:
-        """Concurrent object GETs this node's ranks may hold: `restore_s3_reads_per_node`, or
-        this node's share of the job's GET budget if lower (one KV read; unreadable: the
-        node's own cap alone)."""
-        cap = self.settings.restore_s3_reads_per_node
-        try:
-            shares = await (await JobStore(self.bus.js, self.settings).open()).shares(self.job)
-        except TierpipeError as e:
-            log.warning("restore_shares_unread", job=self.job, error=str(e))
-            return cap
-        if shares.restore_gets_per_node:
-            cap = min(cap, shares.restore_gets_per_node)
-        return cap
 
     def _hold(self, held: tuple[int, mmap.mmap, Head] | None) -> None:
         """Keep `held` for `settle` (an image of an earlier round is closed)."""
         if self._held is not None:
             close_quietly(self._held[1])
         self._held = held
+
+
+async def s3_reads_per_node(settings: Settings, bus: Bus, job: str) -> int:
+    """Concurrent object GETs a node's ranks may hold while restoring `job`:
+    `restore_s3_reads_per_node`, or the node's share of the job's GET budget if lower (one KV
+    read; unreadable: the node's own cap alone)."""
+    cap = settings.restore_s3_reads_per_node
+    try:
+        shares = await (await JobStore(bus.js, settings).open()).shares(job)
+    except TierpipeError as e:
+        log.warning("restore_shares_unread", job=job, error=str(e))
+        return cap
+    if shares.restore_gets_per_node:
+        cap = min(cap, shares.restore_gets_per_node)
+    return cap
 
 
 @dataclass(frozen=True, slots=True)
