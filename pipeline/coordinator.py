@@ -252,7 +252,8 @@ class Coordinator:
             stored.restore_gets_per_node,
             stored.nodes,
         )
-        if unchanged or (budget == Budget() and not stored.nodes):
+        uncapped = not (stored.flush_bytes_per_s_per_node or stored.restore_gets_per_node)
+        if unchanged or (budget == Budget() and uncapped):  # (no budget: nothing to divide)
             return stored
         await self.store.write_shares(job, want)
         log.info("budget_shares_stored", job=job, nodes=want.nodes,
