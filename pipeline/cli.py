@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     flush.add_argument("--node", help="only this node (default: every node)")
     flush.add_argument(
+        "--job",
+        help="`rate` for this job as a whole: its coordinator divides it among the job's "
+        "active nodes (each node keeps its own rate too: the lower applies)",
+    )
+    flush.add_argument(
         "--force",
         action="store_true",
         help="send to --node even if it has no flush worker and no events yet",
@@ -165,7 +170,9 @@ def _run(args: argparse.Namespace) -> int:
             job = validate_token("job", args.job)
             return _status(settings, job, step=args.step, rank=args.rank, as_json=args.json)
         case "flush":
-            return _flush(settings, args.action, args.rate, args.node, force=args.force)
+            return _flush(
+                settings, args.action, args.rate, args.node, force=args.force, job=args.job
+            )
         case "plan":
             if args.alive is not None:
                 raise ConfigError(
@@ -275,9 +282,14 @@ def _flush(
     node: str | None,
     *,
     force: bool = False,
+    job: str | None = None,
 ) -> int:
     if (action == "rate") != (rate is not None):
         raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
+    if job is not None:
+        if action != "rate" or node:
+            raise ConfigError("--job sets a job's rate only (not with pause/resume or --node)")
+        return _flush_budget(settings, validate_token("job", job), parse_rate(rate or "0"))
     control = FlushControl(
         action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0, ts=time.time()
     )
@@ -297,6 +309,21 @@ def _flush(
 
     seq = anyio.run(send)
     print(f"{action} sent on {subject} (stream seq {seq})")
+    return 0
+
+
+def _flush_budget(settings: Settings, job: str, rate: int) -> int:
+    """Store `job`'s flush budget (bytes/s for the whole job, 0: none); its GET budget stays."""
+    from tierpipe.kvstate import JobStore  # (here: the import block is another change's)
+
+    async def store() -> None:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            jobs = await JobStore(bus.js, settings).open()
+            budget = await jobs.budget(job)
+            await jobs.set_budget(job, msgspec.structs.replace(budget, flush_bytes_per_s=rate))
+
+    anyio.run(store)
+    print(f"flush budget of job {job} set to {rate} bytes/s (divided among its active nodes)")
     return 0
 
 

@@ -10,7 +10,10 @@ and then, until it loses it:
   request) once it stored the records that say they are gone;
 - writes the COMMIT manifest of each step that becomes complete in object storage
   (`tierpipe.storage.s3_commit`), once it stored the records that say so;
-- pins the step an in-progress restore reads (the job's recovery plans are in its stream).
+- pins the step an in-progress restore reads (the job's recovery plans are in its stream);
+- divides the job's admission budgets (`<job>.budget`) among its active nodes (`ActiveNodes`:
+  those that reported one of the newest checkpoints) and stores each node's part
+  (`<job>.shares`) whenever the budget or the number of active nodes changes.
 
 Nodes watch the floors and remove their own NVMe copies (`tierpipe.stages.evict`). No node
 keeps a catalog of the whole job; the work per event is O(1) in the number of steps kept.
@@ -20,8 +23,10 @@ A coordinator that is paused past its lease's expiry finds its next write refuse
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -33,20 +38,26 @@ from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import plan_subject, shard_subject, state_subjects
-from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted
+from tierpipe.schemas import Event, NodeBatch, RecoveryPlanned, RestoreReport, ShardEvicted
 from tierpipe.schemas.commit import CommitManifest
-from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Lease, StepRecord
+from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Budget, Lease, Shares, StepRecord
 from tierpipe.settings import Settings
 
 if TYPE_CHECKING:
     from tierpipe.bus import Bus
 
-__all__ = ("Coordinator", "RestorePins")
+__all__ = ("ACTIVE_STEPS", "ActiveNodes", "Coordinator", "RestorePins", "divide")
 
 log = structlog.get_logger(__name__)
 
 #: The agents of the nodes that host a rank below this bid for a job's lease at once.
 CANDIDATE_RANKS = 32
+
+#: A node is active (has a part of the job's budgets) while it has reported one of the job's
+#: newest `ACTIVE_STEPS` checkpoints: a node that missed two in a row is gone.
+ACTIVE_STEPS = 2
+#: How often a coordinator reads its job's retention policy and budgets again.
+POLICY_READ_S = 5.0
 
 #: Rank 0's reports that hold retention still until its plan.
 _HOLDING = ("hold", "ready")
@@ -151,7 +162,9 @@ class Coordinator:
             if newest is not None:
                 pins.note(newest)
         renew_at = time.monotonic() + s.lease_ttl_s / 3
-        keep_at = time.monotonic() + 5.0
+        keep_at = time.monotonic() + POLICY_READ_S
+        budget, shares = await self.store.budget(job), await self.store.shares(job)
+        active = ActiveNodes()
         try:
             async with self.bus.follow(state_subjects(job), start_seq=start) as events:
                 while True:
@@ -165,6 +178,8 @@ class Coordinator:
                             if isinstance(stored.event, RecoveryPlanned | RestoreReport):
                                 pins.note(stored.event)  # pinned before later events fold
                                 state.pin(pins.steps(job), hold=held or pins.held(job))
+                            if isinstance(stored.event, NodeBatch):
+                                active.note(stored.event)
                             state.apply(stored.seq, stored.event)
                         if not batch:
                             break
@@ -175,10 +190,12 @@ class Coordinator:
                         renew_at = time.monotonic() + s.lease_ttl_s / 3
                     if time.monotonic() >= keep_at:
                         state.keep = await self.store.keep(job) or state.keep
-                        keep_at = time.monotonic() + 5.0
+                        budget = await self.store.budget(job)
+                        keep_at = time.monotonic() + POLICY_READ_S
                     changes = state.take_changes()
                     if changes:
                         await self._store(state, changes)
+                    shares = await self._share(job, budget, len(active), shares, lease.term)
                     if until is not None and state.seq >= until:
                         return
         finally:
@@ -223,6 +240,27 @@ class Coordinator:
             await batches.flush()
             log.info("objects_removed", job=job, step=step, ranks=rec.world_size)
 
+    async def _share(
+        self, job: str, budget: Budget, active: int, stored: Shares, term: int
+    ) -> Shares:
+        """Store the job's budgets divided among its `active` nodes if that changes what is
+        stored (O(1): no write while neither changes); what is stored now. With no node
+        active (a new term before any report, a job at rest) the last division stands."""
+        want = divide(budget, active or stored.nodes, term)
+        unchanged = (want.flush_bytes_per_s_per_node, want.restore_gets_per_node, want.nodes) == (
+            stored.flush_bytes_per_s_per_node,
+            stored.restore_gets_per_node,
+            stored.nodes,
+        )
+        uncapped = not (stored.flush_bytes_per_s_per_node or stored.restore_gets_per_node)
+        if unchanged or (budget == Budget() and uncapped):  # (no budget: nothing to divide)
+            return stored
+        await self.store.write_shares(job, want)
+        log.info("budget_shares_stored", job=job, nodes=want.nodes,
+                 flush_bytes_per_s_per_node=want.flush_bytes_per_s_per_node,
+                 restore_gets_per_node=want.restore_gets_per_node)  # fmt: skip
+        return want
+
     def _manifest(self, state: JobState, step: int) -> CommitManifest | None:
         """The COMMIT manifest of a step complete in object storage, from the state's record
         and rank digests (None, logged: the state lacks a rank's digest)."""
@@ -254,6 +292,60 @@ class Coordinator:
             del self._commits[(j, step)]
             log.info("step_committed", job=job, step=step, ranks=manifest.world_size,
                      epoch=manifest.epoch, written=written)  # fmt: skip
+
+
+def divide(budget: Budget, nodes: int, term: int = 0) -> Shares:
+    """Each of `nodes` nodes' part of `budget`: rounded down, so the parts never add up to
+    more than the budget, but never 0 where the budget is set (0 would mean "no cap")."""
+    n = max(nodes, 1)
+    return Shares(
+        flush_bytes_per_s_per_node=max(1, budget.flush_bytes_per_s // n)
+        if budget.flush_bytes_per_s
+        else 0,
+        restore_gets_per_node=max(1, budget.restore_gets // n) if budget.restore_gets else 0,
+        nodes=nodes,
+        term=term,
+    )
+
+
+class ActiveNodes:
+    """The nodes of one job that reported (`written` or `verified`) one of its newest
+    `ACTIVE_STEPS` checkpoints, counted as the coordinator folds the nodes' batches: O(1) per
+    batch and per count, whatever the number of nodes. Checkpoints are ordered by (epoch,
+    step), so a rewound run's saves are the newest ones."""
+
+    def __init__(self, steps: int = ACTIVE_STEPS) -> None:
+        self._steps = steps
+        #: node -> the newest (epoch, step) it reported.
+        self._newest: dict[str, tuple[int, int]] = {}
+        #: (epoch, step) -> how many nodes have it as their newest.
+        self._count: Counter[tuple[int, int]] = Counter()
+        #: The newest `steps` checkpoints reported, ascending.
+        self._recent: list[tuple[int, int]] = []
+
+    def note(self, batch: NodeBatch) -> None:
+        """Take a node's batch into account (any kind other than written/verified: ignored)."""
+        if batch.batch not in ("written", "verified") or not batch.events:
+            return
+        key = max((e.epoch, e.step) for e in batch.events)
+        old = self._newest.get(batch.node)
+        if old is not None and old >= key:
+            return
+        self._newest[batch.node] = key
+        if old is not None and self._count.get(old):
+            self._count[old] -= 1
+        self._count[key] += 1
+        if key in self._recent or (len(self._recent) >= self._steps and key < self._recent[0]):
+            return
+        bisect.insort(self._recent, key)
+        if len(self._recent) > self._steps:
+            del self._recent[0]
+            # Nodes whose newest report is older are no longer counted (nor kept count of).
+            for gone in [k for k in self._count if k < self._recent[0]]:
+                del self._count[gone]
+
+    def __len__(self) -> int:
+        return sum(self._count[k] for k in self._recent)
 
 
 class RestorePins:

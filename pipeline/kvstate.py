@@ -28,16 +28,18 @@ from tierpipe.jobstate import Changes, JobState
 from tierpipe.nats_conn import translate
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
+    Budget,
     Floors,
     JobHead,
     Keep,
     Lease,
     RankDigests,
+    Shares,
     StepRecord,
 )
 from tierpipe.settings import Settings
 
-__all__ = ("JobStore", "default_keep", "head_key", "step_key")
+__all__ = ("JobStore", "budget_key", "default_keep", "head_key", "shares_key", "step_key")
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +77,14 @@ def keep_key(job: str) -> str:
 
 def lease_key(job: str) -> str:
     return f"{job}.lease"
+
+
+def budget_key(job: str) -> str:
+    return f"{job}.budget"
+
+
+def shares_key(job: str) -> str:
+    return f"{job}.shares"
 
 
 def step_key(job: str, step: int) -> str:
@@ -160,6 +170,16 @@ class JobStore:
         found = await self._get(keep_key(job), Keep)
         return found[0] if found else None
 
+    async def budget(self, job: str) -> Budget:
+        """The job's admission budgets (none set: no job-wide cap)."""
+        found = await self._get(budget_key(job), Budget)
+        return found[0] if found else Budget()
+
+    async def shares(self, job: str) -> Shares:
+        """This node's part of the job's budgets (none yet: no job-wide cap)."""
+        found = await self._get(shares_key(job), Shares)
+        return found[0] if found else Shares()
+
     async def record(self, job: str, step: int) -> StepRecord | None:
         found = await self._get(step_key(job, step), StepRecord)
         return found[0] if found else None
@@ -215,7 +235,15 @@ class JobStore:
             except msgspec.ValidationError as e:
                 log.warning("kv_value_ignored", key=f"{job}.floor", error=str(e))
 
-    # --- the trainer's side
+    async def watch_shares(self) -> AsyncIterator[tuple[str, Shares]]:
+        """(job, shares) of every job as stored now, then at each change."""
+        async for job, value in self._watch("*.shares"):
+            try:
+                yield job, msgspec.json.decode(value, type=Shares)
+            except msgspec.ValidationError as e:
+                log.warning("kv_value_ignored", key=f"{job}.shares", error=str(e))
+
+    # --- the trainer's and operators' side
 
     async def register(self, job: str, keep: Keep | None = None) -> None:
         """Make the job known to the coordinators: with its retention policy `keep` (the
@@ -229,6 +257,13 @@ class JobStore:
                 await self.kv.put(key, _json.encode(keep))
             else:
                 await self.kv.create(key, _json.encode(default_keep(self.settings)))
+
+    async def set_budget(self, job: str, budget: Budget) -> None:
+        """Set the job's admission budgets (an operator's or the trainer's: the newest wins);
+        the job's coordinator divides them among its active nodes within a few seconds."""
+        key = budget_key(job)
+        with _translated(f"kv {key}"):
+            await self.kv.put(key, _json.encode(budget))
 
     # --- the coordinator's side
 
@@ -314,6 +349,15 @@ class JobStore:
             with _translated(f"kv {key}"):
                 await self.kv.delete(key)
             self._revs.pop(key, None)
+
+    async def write_shares(self, job: str, shares: Shares) -> None:
+        """Store each node's part of the job's budgets (compare-and-set, fenced by the lease
+        like every key the coordinator writes).
+
+        Raises:
+            LeaseLostError: another coordinator wrote the key since this one did.
+        """
+        await self._cas(job, shares_key(job), _json.encode(shares))
 
     async def _cas(self, job: str, key: str, value: bytes) -> None:
         """Put `value` if the key is as this writer left it (or, the first time, as it is)."""

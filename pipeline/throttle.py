@@ -5,17 +5,39 @@ flush trickles at the configured rate instead of bursting a whole part at line s
 holds at most `burst_bytes` of credit; a request larger than that simply waits longer. Rate
 changes and pauses take effect for requests already waiting.
 
+A job with a job-wide budget (`tierpipe flush rate --job`) is paced by its own throttle as well
+as the node's: `also_paced_by(job_throttle)` around its upload makes every `acquire` in it (and in
+the tasks it starts) wait on both, so the upload goes at the lower of the two rates and a pause
+of the node's throttle still holds it.
+
 Why not aiolimiter: it cannot change its rate or pause while tasks wait, and refuses requests
 larger than its capacity; both are needed here (`tp.ctl.flush` re-rates and pauses at run time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import anyio
 
-__all__ = ("Throttle",)
+__all__ = ("JobThrottles", "Throttle", "also_paced_by")
+
+#: A second throttle that every `acquire` in this context waits on too (`also_paced_by`).
+_ALSO: ContextVar[Throttle | None] = ContextVar("tierpipe_also_paced_by", default=None)
+
+
+@contextlib.contextmanager
+def also_paced_by(throttle: Throttle | None) -> Iterator[None]:
+    """Within this block (and the tasks started in it), every throttle's `acquire` also waits
+    on `throttle` (None: nothing more)."""
+    token = _ALSO.set(throttle)
+    try:
+        yield
+    finally:
+        _ALSO.reset(token)
 
 
 class Throttle:
@@ -63,7 +85,14 @@ class Throttle:
         self._wake()
 
     async def acquire(self, nbytes: int) -> None:
-        """Wait until `nbytes` may be sent (first come, first served)."""
+        """Wait until `nbytes` may be sent (first come, first served), and until the throttle
+        of `also_paced_by` lets them through too."""
+        await self._take(nbytes)
+        also = _ALSO.get()
+        if also is not None and also is not self:
+            await also._take(nbytes)
+
+    async def _take(self, nbytes: int) -> None:
         async with self._lock:
             while True:
                 changed = self._changed
@@ -97,3 +126,25 @@ class Throttle:
         if not rate > 0 or math.isinf(rate):
             raise ValueError(f"rate must be a positive number of bytes/s or 0/None (got {rate})")
         return float(rate)
+
+
+class JobThrottles:
+    """One throttle per job that has a job-wide flush budget, at this node's share of it
+    (`tierpipe.schemas.jobstate.Shares`); a job without one has none (the node's rate alone)."""
+
+    def __init__(self) -> None:
+        self._throttles: dict[str, Throttle] = {}
+
+    def set_share(self, job: str, rate_bytes_per_s: int) -> None:
+        """This node's share of `job`'s budget is now `rate_bytes_per_s` (0: no job cap);
+        uploads of the job already waiting go on at the new rate."""
+        if not rate_bytes_per_s:
+            self._throttles.pop(job, None)
+        elif (throttle := self._throttles.get(job)) is not None:
+            throttle.set_rate(rate_bytes_per_s)
+        else:
+            self._throttles[job] = Throttle(rate_bytes_per_s)
+
+    def of(self, job: str) -> Throttle | None:
+        """The job's own throttle, or None if it has no job-wide budget."""
+        return self._throttles.get(job)

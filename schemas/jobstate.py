@@ -13,7 +13,9 @@ Keys (job names are tokens, so a key's parts never contain a dot):
 - `<job>.step.<step>.ranks.<chunk>`: `RankDigests`, the header digest and size of each rank's
   verified copy, `RANKS_PER_CHUNK` ranks a key (what a restoring rank checks its copy against);
 - `<job>.keep`: `Keep`, the job's retention policy (set by the trainer);
-- `<job>.lease`: `Lease`, who coordinates the job.
+- `<job>.lease`: `Lease`, who coordinates the job;
+- `<job>.budget`: `Budget`, the job-wide admission budgets (`tierpipe flush rate --job`);
+- `<job>.shares`: `Shares`, each active node's part of them (written by the coordinator).
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ import msgspec
 
 from tierpipe.schemas.names import Token
 
-__all__ = ("RANKS_PER_CHUNK", "Floors", "JobHead", "Keep", "Lease", "RankDigests", "StepRecord")
+__all__ = (
+    "RANKS_PER_CHUNK",
+    "Budget",
+    "Floors",
+    "JobHead",
+    "Keep",
+    "Lease",
+    "RankDigests",
+    "Shares",
+    "StepRecord",
+)
 
 #: Ranks per `RankDigests` value: 24 bytes a rank, about 33 KiB a value as JSON (base64).
 RANKS_PER_CHUNK = 1024
@@ -144,3 +156,26 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     term: PosInt
     #: Wall-clock time (s since the epoch) after which the lease is free.
     expires: float
+
+
+class Budget(msgspec.Struct, frozen=True, kw_only=True):
+    """A job's admission budgets for object storage, for the whole job (0: no job-wide cap);
+    the coordinator divides them among the job's active nodes (`Shares`)."""
+
+    #: Upload bytes/s of every node of the job together.
+    flush_bytes_per_s: NonNegInt = 0
+    #: Concurrent object GETs of every node of the job together, during a restore.
+    restore_gets: NonNegInt = 0
+
+
+class Shares(msgspec.Struct, frozen=True, kw_only=True):
+    """Each node's part of the job's `Budget`: the budget divided by the active nodes, rounded
+    down (so the parts never add up to more), at least 1 GET (a node must read to restore).
+    0 means no job-wide cap. A node's own settings still apply: it uses the lower of the two."""
+
+    flush_bytes_per_s_per_node: NonNegInt = 0
+    restore_gets_per_node: NonNegInt = 0
+    #: How many nodes the budget was divided among.
+    nodes: NonNegInt = 0
+    #: The lease term of the coordinator that wrote it.
+    term: NonNegInt = 0

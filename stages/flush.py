@@ -10,7 +10,9 @@ node that was never flushed (an older agent gave up on it) is uploaded again.
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
 so a restarted worker keeps the rate the job asked for. A command of an unknown schema version is
-refused, never guessed at.
+refused, never guessed at. A job with a job-wide budget (`tierpipe flush rate --job`) has its
+uploads paced by this node's share of it too (`<job>.shares` in KV, watched): the lower of the
+node's rate and the share applies.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import structlog
 
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
+from tierpipe.kvstate import JobStore
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.names import flush_control_subject, node_name, shard_subject
 from tierpipe.schemas import (
@@ -39,7 +42,7 @@ from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3 import S3Store
 from tierpipe.storage.store import SealedFile
-from tierpipe.throttle import Throttle
+from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
 
 __all__ = ("KINDS", "STAGE", "Flush", "apply_control", "handle", "open")
 
@@ -59,6 +62,8 @@ class Flush:
     #: One upload per key at a time: the start-up re-drive and a redelivered message may meet,
     #: and an upload aborts earlier uploads at its key.
     uploads: _KeyLocks = field(default_factory=lambda: _KeyLocks())
+    #: This node's share of each job's flush budget.
+    jobs: JobThrottles = field(default_factory=JobThrottles)
 
 
 @asynccontextmanager
@@ -75,6 +80,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
         ):
             ctx = Flush(settings, bus, node, nvme, s3)
             tg.start_soon(_abort_orphans, ctx)
+            tg.start_soon(_follow_shares, settings, bus, ctx.jobs)
             await _follow_controls(bus, throttle, node)
             tg.start_soon(_redrive, ctx)
             yield ctx
@@ -91,7 +97,8 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
     location = ctx.s3.locate(*shard)
     source = SealedFile(path, event.header_digest, event.epoch, event.step)
     async with ctx.uploads.hold(location):
-        done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
+        with also_paced_by(ctx.jobs.of(event.job)):  # (the job's share, if it has a budget)
+            done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
     bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
     return event.follow(
         ShardFlushed, node=ctx.node, header_digest=event.header_digest, **done.fields()
@@ -122,6 +129,24 @@ async def _follow_controls(bus: Bus, throttle: Throttle, node: str) -> None:
 
     for subject in subjects:
         await bus.subscribe(subject, on_control)
+
+
+async def _follow_shares(settings: Settings, bus: Bus, jobs: JobThrottles) -> None:
+    """Keep each job's throttle at this node's share of its flush budget, as the jobs'
+    coordinators store them; through an outage, watch again once it is over."""
+    delay = settings.retry_base_s
+    while True:
+        try:
+            store = await JobStore(bus.js, settings).open()
+            async for job, shares in store.watch_shares():
+                delay = settings.retry_base_s
+                jobs.set_share(job, shares.flush_bytes_per_s_per_node)
+                log.info("flush_share_applied", job=job, nodes=shares.nodes,
+                         rate_bytes_per_s=shares.flush_bytes_per_s_per_node)  # fmt: skip
+        except TierpipeError as e:
+            log.warning("flush_shares_unwatched", error=str(e), retry_s=delay)
+        await anyio.sleep(delay)
+        delay = min(delay * 2, settings.retry_max_s)
 
 
 async def _abort_orphans(ctx: Flush) -> None:

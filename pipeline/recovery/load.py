@@ -34,6 +34,7 @@ from tierpipe.errors import (
     TierpipeError,
     UnavailableError,
 )
+from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
@@ -49,7 +50,16 @@ from tierpipe.storage.store import ShardStore
 if TYPE_CHECKING:
     from tierpipe.storage.s3 import S3Store
 
-__all__ = ("Expected", "Loaded", "Loader", "check_head", "load_image", "load_into", "load_shard")
+__all__ = (
+    "Expected",
+    "Loaded",
+    "Loader",
+    "check_head",
+    "load_image",
+    "load_into",
+    "load_shard",
+    "s3_reads_per_node",
+)
 
 log = structlog.get_logger(__name__)
 
@@ -228,7 +238,8 @@ class Loader:
             from tierpipe.storage.s3 import S3Store
 
             s = self.settings
-            reads = NodeSlots(s.staging_root, "s3-reads", s.restore_s3_reads_per_node)
+            cap = await s3_reads_per_node(s, self.bus, self.job)
+            reads = NodeSlots(s.staging_root, "s3-reads", cap)
             store = S3Store(s, read_slot=reads.hold)
             self._store = await self._stack.enter_async_context(store)
         return self._store
@@ -238,6 +249,21 @@ class Loader:
         if self._held is not None:
             close_quietly(self._held[1])
         self._held = held
+
+
+async def s3_reads_per_node(settings: Settings, bus: Bus, job: str) -> int:
+    """Concurrent object GETs a node's ranks may hold while restoring `job`:
+    `restore_s3_reads_per_node`, or the node's share of the job's GET budget if lower (one KV
+    read; unreadable: the node's own cap alone)."""
+    cap = settings.restore_s3_reads_per_node
+    try:
+        shares = await (await JobStore(bus.js, settings).open()).shares(job)
+    except TierpipeError as e:
+        log.warning("restore_shares_unread", job=job, error=str(e))
+        return cap
+    if shares.restore_gets_per_node:
+        cap = min(cap, shares.restore_gets_per_node)
+    return cap
 
 
 @dataclass(frozen=True, slots=True)
