@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 
 from tierpipe.bus import Bus
 from tierpipe.dev import NatsServer, S3Server
@@ -38,6 +39,14 @@ def make_staged(job: str, node: str, step: int = 1) -> ShardStaged:
         tensors=1,
         stall_s=0.0,
     )
+
+
+@pytest.fixture(autouse=True)
+def fresh_logging() -> Iterator[None]:
+    """Each test starts from structlog's defaults: one that configures logging (a level, a CLI
+    run in-process) must not filter out the lines another test captures."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")
