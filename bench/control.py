@@ -919,15 +919,6 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     return _kv_equals_fold(state, head, floors, records)
 
 
-async def _allow_consumers(bus: Bus, settings: Settings, nodes: int) -> None:
-    """Raise the stream's consumer limit for the restart's node watches: nats-server 2.15
-    gives a stream that sets none a limit of 1,000 consumers (`tierpipe.stream` sets none)."""
-    info = await bus.js.stream_info(settings.stream)
-    config = info.config
-    config.max_consumers = max(1000, 2 * nodes + 100)
-    await bus.js.update_stream(config)
-
-
 def _mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs)) if xs else 0.0
 
@@ -953,7 +944,6 @@ async def _main(
         )
         async with Bus(settings, name="bench-agents") as bus:
             await bus.ensure_stream()
-            await _allow_consumers(bus, settings, nodes)
             store = await JobStore(bus.js, settings).open()
             with CoordinatorThread(settings, profile=profile) as coordinator:
                 layout = Layout("control", nodes, ranks_per_node)
