@@ -282,24 +282,40 @@ class JobState:
         shard = self.catalog.shard(self.job, step, rank)
         if shard is None or shard.world_size != s.world_size or rank >= s.world_size:
             return
-        epoch = max([s.epoch] + [c.epoch for c in shard.copies.values()])
+        # One pass over the shard's copies (this runs for every event of every rank): the
+        # newest epoch, and per tier whether a usable copy exists and the first with a digest.
+        epoch = s.epoch
+        nvme = s3 = False
+        first_nvme = first_s3 = None
+        for (tier, _), c in shard.copies.items():
+            if c.epoch > epoch:
+                epoch = c.epoch
+            if tier == "ram" or not c.usable:
+                continue
+            if tier == "nvme":
+                nvme = True
+                if first_nvme is None and c.header_digest:
+                    first_nvme = c
+            else:
+                s3 = True
+                if first_s3 is None and c.header_digest:
+                    first_s3 = c
         changed = epoch != s.epoch
         s.epoch = epoch
         before = s.status()
-        for tier in _TIERS:
-            if tier == "nvme" or not s.s3_removed:  # (removed objects: `s3` keeps their ranks)
-                changed |= s.set(tier, rank, bool(shard.usable(tier)))
+        counts = (s.count["nvme"], s.count["s3"], s.either)
+        changed |= s.set("nvme", rank, nvme)
+        if not s.s3_removed:  # (removed objects: `s3` keeps their ranks)
+            changed |= s.set("s3", rank, s3)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
-        copy = next((c for t in _TIERS for c in shard.usable(t) if c.header_digest), None)
-        if (
-            copy is not None
-            and copy.header_digest
-            and s.note_copy(rank, copy.header_digest, copy.nbytes)
+        copy = first_nvme or first_s3
+        if copy is not None and copy.header_digest and s.note_copy(
+            rank, copy.header_digest, copy.nbytes
         ):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
         if changed:
             self._changes.put.add(step)
-        if s.status() != before:
+        if counts != (s.count["nvme"], s.count["s3"], s.either) and s.status() != before:
             self._recount()
 
     def _apply_to_record(self, step: int, rank: int, event: Event) -> None:
