@@ -309,8 +309,10 @@ class JobState:
             changed |= s.set("s3", rank, s3)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
         copy = first_nvme or first_s3
-        if copy is not None and copy.header_digest and s.note_copy(
-            rank, copy.header_digest, copy.nbytes
+        if (
+            copy is not None
+            and copy.header_digest
+            and s.note_copy(rank, copy.header_digest, copy.nbytes)
         ):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
         if changed:
