@@ -50,10 +50,6 @@ class Batcher:
         """Ack `msg` once the batches holding its outputs are out."""
         self._acks.append(msg)
 
-    @property
-    def pending(self) -> list[Msg]:
-        return list(self._acks)
-
     async def flush(self) -> None:
         """Publish the batches, then ack their messages (nak them if a batch could not go)."""
         events, acks = self._events, self._acks

@@ -227,21 +227,22 @@ class JobStore:
         async for job, _ in self._watch("*.keep"):
             yield job
 
-    async def watch_floors(self) -> AsyncIterator[tuple[str, Floors]]:
+    def watch_floors(self) -> AsyncIterator[tuple[str, Floors]]:
         """(job, floors) of every job as stored now, then at each change."""
-        async for job, value in self._watch("*.floor"):
-            try:
-                yield job, msgspec.json.decode(value, type=Floors)
-            except msgspec.ValidationError as e:
-                log.warning("kv_value_ignored", key=f"{job}.floor", error=str(e))
+        return self._watch_values("floor", Floors)
 
-    async def watch_shares(self) -> AsyncIterator[tuple[str, Shares]]:
+    def watch_shares(self) -> AsyncIterator[tuple[str, Shares]]:
         """(job, shares) of every job as stored now, then at each change."""
-        async for job, value in self._watch("*.shares"):
+        return self._watch_values("shares", Shares)
+
+    async def _watch_values(self, name: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
+        """(job, value) of every job's `<job>.<name>` key, decoded (a value that does not
+        decode is logged and skipped)."""
+        async for job, value in self._watch(f"*.{name}"):
             try:
-                yield job, msgspec.json.decode(value, type=Shares)
+                yield job, msgspec.json.decode(value, type=kind)
             except msgspec.ValidationError as e:
-                log.warning("kv_value_ignored", key=f"{job}.shares", error=str(e))
+                log.warning("kv_value_ignored", key=f"{job}.{name}", error=str(e))
 
     # --- the trainer's and operators' side
 

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-from tierpipe.schemas.jobstate import DIGEST_BYTES, SIZE_BYTES, RankDigests
+from tierpipe.schemas.jobstate import DIGEST_BYTES, SIZE_BYTES, RankDigests, digest_at
 from tierpipe.schemas.names import Token
 
 __all__ = ("COMMIT_VERSION", "CommitManifest", "decode_commit", "encode_commit")
@@ -82,11 +82,7 @@ class CommitManifest(msgspec.Struct, frozen=True, kw_only=True):
 
     def of(self, rank: int) -> tuple[str, int] | None:
         """(header digest as hex, size) of `rank`'s object, or None (no such rank)."""
-        if not 0 <= rank < self.world_size:
-            return None
-        size = int.from_bytes(self.sizes[rank * SIZE_BYTES : (rank + 1) * SIZE_BYTES], "little")
-        digest = self.digests[rank * DIGEST_BYTES : (rank + 1) * DIGEST_BYTES]
-        return (digest.hex(), size) if size else None
+        return digest_at(self.digests, self.sizes, rank)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -85,12 +85,17 @@ class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
 
     def of(self, rank: int) -> tuple[str, int] | None:
         """(header digest as hex, size) of `rank`, or None if it has no verified copy."""
-        i = rank - self.first
-        if not 0 <= i < len(self.sizes) // SIZE_BYTES:
-            return None
-        size = int.from_bytes(self.sizes[i * SIZE_BYTES : (i + 1) * SIZE_BYTES], "little")
-        digest = self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
-        return (digest.hex(), size) if size else None
+        return digest_at(self.digests, self.sizes, rank - self.first)
+
+
+def digest_at(digests: bytes, sizes: bytes, i: int) -> tuple[str, int] | None:
+    """(header digest as hex, size) of entry `i` of packed `digests` and `sizes` (as in
+    `RankDigests`), or None: out of range, or size zero (no verified copy)."""
+    if not 0 <= i < len(sizes) // SIZE_BYTES:
+        return None
+    size = int.from_bytes(sizes[i * SIZE_BYTES : (i + 1) * SIZE_BYTES], "little")
+    digest = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+    return (digest.hex(), size) if size else None
 
 
 class JobHead(msgspec.Struct, frozen=True, kw_only=True):

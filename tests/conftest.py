@@ -237,6 +237,17 @@ def events(settings: Settings, job: str) -> Events:
     return Events(settings, job)
 
 
+def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """`tierpipe <args>` as an operator runs it, with `settings` in its environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @pytest.fixture
 def cpu_hog() -> Iterator[None]:
     """Another process spinning on every core for the test's length: races hide on an idle

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
+from tests.test_coordinator import saved
 from tests.test_recovery import restore_all, save_steps
 from tests.test_retention import digest
 from tierpipe.bus import Bus
@@ -24,7 +25,7 @@ from tierpipe.coordinator import Coordinator
 from tierpipe.errors import StorageUnavailableError
 from tierpipe.jobstate import JobState
 from tierpipe.kvstate import JobStore
-from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.schemas import Event
 from tierpipe.schemas.commit import CommitManifest, decode_commit, encode_commit
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Keep, RankDigests
 from tierpipe.settings import Settings, load_settings
@@ -39,17 +40,6 @@ def manifest(world: int, *, step: int = 3, epoch: int = 0, job: str = "j") -> Co
         sizes=b"".join((4096 + r).to_bytes(8, "little") for r in range(world)),
         by="node-a", ts=time.time(),
     )  # fmt: skip
-
-
-def saved(job: str, step: int, rank: int, world: int = 2) -> list[Event]:
-    ident = dict(job=job, node="n", ts=time.time(), step=step, rank=rank, world_size=world)
-    where = dict(path=f"/x/{step}/{rank}", nbytes=4096, header_digest=digest(step, rank))
-    return [
-        ShardWritten(**ident, **where, tensors=1, seconds=0),
-        ShardVerified(**ident, **where, seconds=0),
-        ShardFlushed(**ident, bucket="b", key=f"{job}/{step}/{rank}", etag="e", checksum="c",
-                     header_digest=digest(step, rank), nbytes=4096, seconds=0),
-    ]  # fmt: skip
 
 
 # --- the manifest and the fold (pure)
@@ -85,11 +75,11 @@ def test_fold_says_committed_once_a_step_is_complete_in_object_storage() -> None
     a coordinator takes over from the stored state."""
     state = JobState("j", Keep())
     seq = 0
-    for event in saved("j", 1, 0):
+    for event in saved("j", 1, 0, "n"):
         seq += 1
         state.apply(seq, event)
     assert state.take_changes().committed == set()
-    for event in saved("j", 1, 1):
+    for event in saved("j", 1, 1, "n"):
         seq += 1
         state.apply(seq, event)
     changes = state.take_changes()
@@ -132,13 +122,13 @@ def test_a_commit_the_store_refuses_is_written_at_the_next_flush() -> None:
         quiet: Any = _Quiet()
         coord = Coordinator(load_settings(env={}), quiet, quiet, "n", remove, commit=commit)
         state = JobState("j", Keep())
-        for seq, event in enumerate([*saved("j", 1, 0), *saved("j", 1, 1)], 1):
+        for seq, event in enumerate([*saved("j", 1, 0, "n"), *saved("j", 1, 1, "n")], 1):
             state.apply(seq, event)
         await coord._store(state, state.take_changes())
         assert tried == [1] and list(coord._commits) == [("j", 1)]
         await coord._store(state, state.take_changes())
         assert tried == [1, 1] and not coord._commits
-        for seq, event in enumerate([*saved("j", 2, 0), *saved("j", 2, 1)], 100):
+        for seq, event in enumerate([*saved("j", 2, 0, "n"), *saved("j", 2, 1, "n")], 100):
             state.apply(seq, event)
         changes = state.take_changes()
         changes.s3_removed[2] = state.record(2)  # type: ignore[assignment]

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, run_cli
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.dev import S3Server
@@ -402,16 +402,6 @@ def _wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str 
 # --- item 21: bad CLI input ---------------------------------------------------------------------
 
 
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", *args],
-        env={**os.environ, **settings.as_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def _saved(settings: Settings, job: str, step: int = 1) -> list[Event]:
     """The `written` and `verified` events of a shard of `job` on this test's node."""
     ident: dict[str, Any] = dict(
@@ -437,7 +427,7 @@ def _last_on(settings: Settings, subject: str) -> tuple[int, bytes] | None:
 def test_unknown_job_is_an_error(settings: Settings, job: str, command: str) -> None:
     """`status` and `reindex` on a job with no events, no files and no objects exit non-zero
     with a message naming the job."""
-    out = _cli(settings, command, "--job", job)
+    out = run_cli(settings, command, "--job", job)
     assert out.returncode != 0, out.stdout
     assert "tierpipe: error: " in out.stderr and repr(job) in out.stderr
     assert "Traceback" not in out.stderr
@@ -480,7 +470,7 @@ def test_flush_command_to_an_unknown_node_is_refused(settings: Settings, uid: st
     """`flush pause --node <typo>` exits non-zero naming the node and `--force`, and sends
     nothing."""
     typo = f"typo-{uid}"
-    out = _cli(settings, "flush", "pause", "--node", typo)
+    out = run_cli(settings, "flush", "pause", "--node", typo)
     assert out.returncode != 0 and repr(typo) in out.stderr and "--force" in out.stderr
     assert _last_on(settings, f"{CONTROL_FLUSH}.{typo}") is None
 
@@ -489,7 +479,7 @@ def test_flush_command_to_an_unknown_node_is_refused(settings: Settings, uid: st
 def test_forced_flush_command_to_an_unknown_node_is_sent(settings: Settings, uid: str) -> None:
     """`--force` sends a flush command to a node the stream does not know yet."""
     typo = f"typo-{uid}"
-    out = _cli(settings, "flush", "pause", "--node", typo, "--force")
+    out = run_cli(settings, "flush", "pause", "--node", typo, "--force")
     assert out.returncode == 0, out.stderr
     assert _last_on(settings, f"{CONTROL_FLUSH}.{typo}") is not None
 
@@ -498,6 +488,6 @@ def test_forced_flush_command_to_an_unknown_node_is_sent(settings: Settings, uid
 def test_flush_command_to_a_node_known_by_its_events_is_sent(settings: Settings, job: str) -> None:
     """A node that has published events, though it runs no flush worker now, is accepted."""
     _publish(settings, _saved(settings, job))
-    out = _cli(settings, "flush", "resume", "--node", settings.node)
+    out = run_cli(settings, "flush", "resume", "--node", settings.node)
     assert out.returncode == 0, out.stderr
     assert _last_on(settings, f"{CONTROL_FLUSH}.{settings.node}") is not None

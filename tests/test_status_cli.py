@@ -4,9 +4,6 @@ whatever the job's size, per-rank detail for one step, and the step a restore wo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -14,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.conftest import run_cli
 from tierpipe.bus import Bus
 from tierpipe.jobstate import JobState
 from tierpipe.kvstate import JobStore
@@ -62,16 +60,6 @@ def _store_state(settings: Settings, job: str, events: list[Event]) -> None:
     anyio.run(write)
 
 
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", *args],
-        env={**os.environ, **settings.as_env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.fixture
 def big_job(settings: Settings, job: str) -> str:
     """A 1,000-rank job: step 1 complete on both tiers, step 2 on NVMe with half its ranks in
@@ -84,7 +72,7 @@ def big_job(settings: Settings, job: str) -> str:
 
 def test_status_of_a_large_job_is_one_line_per_step(settings: Settings, big_job: str) -> None:
     """`tierpipe status` of a 1,000-rank job prints a header and one line per kept step."""
-    out = _cli(settings, "status", "--job", big_job)
+    out = run_cli(settings, "status", "--job", big_job)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) <= 10, out.stdout
@@ -97,7 +85,7 @@ def test_status_of_a_large_job_is_one_line_per_step(settings: Settings, big_job:
     }
     js = [
         json.loads(x)
-        for x in _cli(settings, "status", "--job", big_job, "--json").stdout.split("\n")
+        for x in run_cli(settings, "status", "--job", big_job, "--json").stdout.split("\n")
         if x
     ]
     assert [(o["step"], o["nvme_ranks"], o["s3_ranks"], o["complete"]) for o in js] == [
@@ -108,11 +96,11 @@ def test_status_of_a_large_job_is_one_line_per_step(settings: Settings, big_job:
 def test_status_of_one_step_lists_every_rank(settings: Settings, big_job: str) -> None:
     """`--step N` prints one line per rank of that step; `--rank R --json` that rank's tiers,
     digest, size and locations."""
-    out = _cli(settings, "status", "--job", big_job, "--step", "2")
+    out = run_cli(settings, "status", "--job", big_job, "--step", "2")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 + WORLD
-    (one,) = [json.loads(x) for x in _cli(
+    (one,) = [json.loads(x) for x in run_cli(
         settings, "status", "--job", big_job, "--step", "2", "--rank", "700", "--json"
     ).stdout.splitlines()]  # fmt: skip
     rel = str(shard_relpath(big_job, 2, 700, WORLD))
@@ -128,15 +116,15 @@ def test_status_of_one_step_lists_every_rank(settings: Settings, big_job: str) -
 def test_plan_picks_the_newest_step_every_rank_has(settings: Settings, big_job: str) -> None:
     """`tierpipe plan` skips a step a rank lacks and counts the ranks per tier; with
     `--nvme-lost` only a step complete in object storage qualifies."""
-    out = _cli(settings, "plan", "--job", big_job, "--json")
+    out = run_cli(settings, "plan", "--job", big_job, "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert (plan["step"], plan["from_nvme"], plan["from_s3"]) == (2, WORLD, 0)
     assert plan["rejected"]["3"].startswith("1 of 1000 ranks have no copy (rank 999)")
     assert plan["assumes"] == "nvme_kept"
-    lost = json.loads(_cli(settings, "plan", "--job", big_job, "--nvme-lost", "--json").stdout)
+    lost = json.loads(run_cli(settings, "plan", "--job", big_job, "--nvme-lost", "--json").stdout)
     assert (lost["step"], lost["from_s3"], lost["assumes"]) == (1, WORLD, "nvme_lost")
-    text = _cli(settings, "plan", "--job", big_job).stdout
+    text = run_cli(settings, "plan", "--job", big_job).stdout
     assert text.startswith(f"restore step 2 of job {big_job!r} (1000 ranks): 1000 from NVMe, 0")
     assert "still holds its NVMe copy" in text
 
@@ -144,13 +132,13 @@ def test_plan_picks_the_newest_step_every_rank_has(settings: Settings, big_job: 
 def test_plan_refuses_alive(settings: Settings, big_job: str) -> None:
     """`--alive` is refused with a message pointing at `--nvme-lost` (the job state does not
     record which node holds a rank's copy)."""
-    out = _cli(settings, "plan", "--job", big_job, "--alive", "a,b")
+    out = run_cli(settings, "plan", "--job", big_job, "--alive", "a,b")
     assert out.returncode == 2 and "--nvme-lost" in out.stderr, out.stderr
 
 
 def test_status_of_a_job_without_state_suggests_reindex(settings: Settings, job: str) -> None:
     """A job with no state in KV is an error naming the job and `tierpipe reindex`."""
     for command in ("status", "plan"):
-        out = _cli(settings, command, "--job", job)
+        out = run_cli(settings, command, "--job", job)
         assert out.returncode == 2, out.stdout
         assert repr(job) in out.stderr and f"tierpipe reindex --job {job}" in out.stderr

@@ -88,11 +88,12 @@ async def current_head(
         head = await store.head(job)
         if not seq or (head is not None and head.seq >= seq):
             return head
-        lease = await store.lease(job) if not folded else None
-        if not folded and (lease is None or lease.expires < time.time()):
-            coordinator = Coordinator(settings, bus, store, holder, _no_removal)
-            folded = await coordinator.catch_up(job, seq)
-            continue
+        if not folded:
+            lease = await store.lease(job)
+            if lease is None or lease.expires < time.time():
+                coordinator = Coordinator(settings, bus, store, holder, _no_removal)
+                folded = await coordinator.catch_up(job, seq)
+                continue
         if time.monotonic() > deadline:
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
