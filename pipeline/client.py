@@ -28,7 +28,7 @@ from tierpipe.portal import BusPortal
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
-from tierpipe.recovery.survey import current_head, node_subjects
+from tierpipe.recovery.survey import current_head, own_events
 from tierpipe.schemas import Event, FlushControl, ShardStaged
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
@@ -333,7 +333,7 @@ class Checkpointer:
                 job=self.job,
                 holder=f"{self.node}-rank-{self.rank}",
                 deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
-                subjects=node_subjects(self.job, self.node),
+                own=own_events(self.job, self.node, self.rank),
             )
             return [] if head is None else sorted(set(head.nvme_steps) | set(head.s3_steps))
 

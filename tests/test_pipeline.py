@@ -76,6 +76,19 @@ def test_save_is_written_and_verified_with_exact_bytes(
     events.wait_for(lambda e: getattr(e, "tier", None) == "ram", kind="evicted")
 
 
+def test_a_verified_save_is_listed_at_once(
+    settings: Settings, job: str, agent: Callable[..., Agent], cpu_hog: None
+) -> None:
+    """Once save().result() returns (its rank's `verified`), all_steps() lists the step: it
+    waits for the node's batch that carries that `verified` to be folded, which is published
+    a moment after the rank's own event."""
+    agent().wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(step, {"w": torch.full((1000,), float(step))}).result(timeout=30)
+            assert step in ckpt.all_steps()
+
+
 def test_overlapped_save_with_guard_never_stores_a_mutated_state(
     ckpt: Checkpointer, agent: Callable[..., Agent]
 ) -> None:

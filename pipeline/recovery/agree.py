@@ -41,7 +41,7 @@ from tierpipe.names import plan_subject, shard_subject
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loaded, Loader
 from tierpipe.recovery.plan import Choice, Source, choose
-from tierpipe.recovery.survey import Survey, current_head, node_subjects, survey
+from tierpipe.recovery.survey import Survey, current_head, own_events, survey
 from tierpipe.schemas import (
     RecoveryPlanned,
     RestoreReport,
@@ -128,7 +128,7 @@ class Restorer:
                     self.bus, self.store, self.settings, job=self.job,
                     holder=f"{self.node}-rank-{self.rank}",
                     deadline=self._deadline - min(30.0, self.settings.restore_timeout_s / 4),
-                    subjects=None if self.rank == 0 else node_subjects(self.job, self.node),
+                    own=None if self.rank == 0 else own_events(self.job, self.node, self.rank),
                 ),
                 job=self.job, rank=self.rank,
                 world_size=self.world_size, node=self.node, step=step,

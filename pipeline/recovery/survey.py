@@ -24,14 +24,14 @@ from tierpipe.coordinator import Coordinator
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore
-from tierpipe.names import batch_subject, state_subjects
+from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas.jobstate import JobHead, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 
-__all__ = ("Survey", "candidates", "current_head", "node_subjects", "survey")
+__all__ = ("Survey", "candidates", "current_head", "own_events", "survey")
 
 log = structlog.get_logger(__name__)
 
@@ -66,23 +66,23 @@ class Survey:
 
 async def current_head(
     bus: Bus, store: JobStore, settings: Settings, *, job: str, holder: str,
-    deadline: float, subjects: list[str] | None = None,
+    deadline: float, own: list[tuple[str, str]] | None = None,
 ) -> JobHead | None:  # fmt: skip
     """The job's head in KV once it has folded the job's newest event the coordinator reads
     (the saves before a restart; this waits for the coordinator, a flush interval). A job with
     no live coordinator (no agent runs evict, or the holder died and its lease expired) is
-    folded up to that event
-    here, as `holder`, under the lease (a dead holder's lease expires within `lease_ttl_s`).
-    At `deadline` (`time.monotonic()`) it goes on with the state as it is, logged: that can
-    only cost newer steps, never give a wrong one.
+    folded up to that event here, as `holder`, under the lease (a dead holder's lease expires
+    within `lease_ttl_s`). At `deadline` (`time.monotonic()`) it goes on with the state as it
+    is, logged: that can only cost newer steps, never give a wrong one.
 
-    `subjects`: whose newest event to wait for; default everything the coordinator folds
-    (wildcard lookups, which the server answers by scanning the job's subjects: rank 0 only).
-    Other ranks pass `node_subjects`: exact subjects, answered at once at any job size."""
-    seq = 0
-    for subject in subjects or state_subjects(job):  # (a few direct gets)
-        newest = await bus.last_raw(subject)
-        seq = max(seq, newest[0] if newest else 0)
+    `own`: wait for the node batches that carry this rank's own newest events (`own_events`),
+    by exact subject, answered at once at any job size. Default: everything the coordinator
+    folds (wildcard lookups, which the server answers by scanning the job's subjects: rank 0
+    only)."""
+    if own is None:
+        seq = max([await _newest(bus, subject) for subject in state_subjects(job)])
+    else:
+        seq = max([await _batch_after(bus, *pair, deadline) for pair in own])
     folded = False
     while True:
         head = await store.head(job)
@@ -100,10 +100,30 @@ async def current_head(
         await anyio.sleep(0.05)
 
 
-def node_subjects(job: str, node: str) -> list[str]:
-    """This node's batches of `verified` and `flushed` for `job`: what a rank on it waits for
-    (its own saves, folded), by exact subject."""
-    return [batch_subject(job, node, "verified"), batch_subject(job, node, "flushed")]
+def own_events(job: str, node: str, rank: int) -> list[tuple[str, str]]:
+    """(this rank's subject, its node's batch subject) of `verified` and `flushed`: a rank's
+    event is published a moment before the batch that carries it, which is what the
+    coordinator folds."""
+    return [
+        (shard_subject(job, kind, node, rank), batch_subject(job, node, kind))
+        for kind in ("verified", "flushed")
+    ]
+
+
+async def _newest(bus: Bus, subject: str) -> int:
+    found = await bus.last_raw(subject)
+    return found[0] if found else 0
+
+
+async def _batch_after(bus: Bus, mine: str, batch: str, deadline: float) -> int:
+    """Stream seq of the newest batch on `batch`, once it is newer than the newest message on
+    `mine` (the batch carrying it is on its way; by `deadline`, whatever is there)."""
+    after = await _newest(bus, mine)
+    while True:
+        newest = await _newest(bus, batch)
+        if newest > after or not after or time.monotonic() > deadline:
+            return newest
+        await anyio.sleep(0.02)
 
 
 async def _no_removal(job: str, step: int, world_size: int) -> None:
