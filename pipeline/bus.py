@@ -34,6 +34,7 @@ from tierpipe.log import register_secrets, scrub, settings_secrets
 from tierpipe.names import event_subject, msg_id, redact_url
 from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
+from tierpipe.schemas.facts import Fact
 from tierpipe.settings import Settings
 
 __all__ = ("Bus", "Published", "redact_url")
@@ -378,11 +379,18 @@ class Bus:
         return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
 
     def follow(
-        self, subject: str | list[str], *, start_seq: int
+        self,
+        subject: str | list[str],
+        *,
+        start_seq: int,
+        decode: Callable[[bytes], Event | Fact] = decode_event,
     ) -> contextlib.AbstractAsyncContextManager[Follow]:
         """Every message on `subject` (or any of several) from `start_seq` on, then every
-        later one, in batches (see `tierpipe.history.follow`): for a reader that folds a lot."""
-        return history.follow(self.js, self.settings.stream, subject, start_seq=start_seq)
+        later one, in batches (see `tierpipe.history.follow`): for a reader that folds a lot.
+        `decode`: what a body becomes (default: an event; the coordinator takes facts)."""
+        return history.follow(
+            self.js, self.settings.stream, subject, start_seq=start_seq, decode=decode
+        )
 
     async def _collect(
         self, subject: str, policy: api.DeliverPolicy, *, seqs: bool

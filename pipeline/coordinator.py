@@ -38,8 +38,16 @@ from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import plan_subject, shard_subject, state_subjects
-from tierpipe.schemas import Event, NodeBatch, RecoveryPlanned, RestoreReport, ShardEvicted
+from tierpipe.schemas import (
+    Event,
+    NodeBatch,
+    RecoveryPlanned,
+    RestoreReport,
+    ShardEvicted,
+    decode_event,
+)
 from tierpipe.schemas.commit import CommitManifest
+from tierpipe.schemas.facts import BatchFact, Fact, PlanFact, RestoreFact, decode_fact
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Budget, Lease, Shares, StepRecord
 from tierpipe.settings import Settings
 
@@ -166,7 +174,8 @@ class Coordinator:
         budget, shares = await self.store.budget(job), await self.store.shares(job)
         active = ActiveNodes()
         try:
-            async with self.bus.follow(state_subjects(job), start_seq=start) as events:
+            follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
+            async with follow as events:
                 while True:
                     deadline = time.monotonic() + s.coordinator_flush_s
                     while (left := deadline - time.monotonic()) > 0:
@@ -178,7 +187,7 @@ class Coordinator:
                             if isinstance(stored.event, RecoveryPlanned | RestoreReport):
                                 pins.note(stored.event)  # pinned before later events fold
                                 state.pin(pins.steps(job), hold=held or pins.held(job))
-                            if isinstance(stored.event, NodeBatch):
+                            if isinstance(stored.event, BatchFact):
                                 active.note(stored.event)
                             state.apply(stored.seq, stored.event)
                         if not batch:
@@ -294,6 +303,13 @@ class Coordinator:
                      epoch=manifest.epoch, written=written)  # fmt: skip
 
 
+def _decode(data: bytes) -> Event | Fact:
+    """What the coordinator folds, as facts (`tierpipe.schemas.facts`: a quarter of a full
+    decode's cost); restore reports and plans in full, for its pins."""
+    fact = decode_fact(data)
+    return decode_event(data) if isinstance(fact, RestoreFact | PlanFact) else fact
+
+
 def divide(budget: Budget, nodes: int, term: int = 0) -> Shares:
     """Each of `nodes` nodes' part of `budget`: rounded down, so the parts never add up to
     more than the budget, but never 0 where the budget is set (0 would mean "no cap")."""
@@ -323,7 +339,7 @@ class ActiveNodes:
         #: The newest `steps` checkpoints reported, ascending.
         self._recent: list[tuple[int, int]] = []
 
-    def note(self, batch: NodeBatch) -> None:
+    def note(self, batch: NodeBatch | BatchFact) -> None:
         """Take a node's batch into account (any kind other than written/verified: ignored)."""
         if batch.batch not in ("written", "verified") or not batch.events:
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -18,8 +18,9 @@ from nats.js import JetStreamContext, api
 from tierpipe.errors import BusError, BusUnavailableError
 from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.schemas import Event, decode_event
+from tierpipe.schemas.facts import Fact
 
-__all__ = ("Follow", "Stored", "Watch", "collect", "follow", "watch")
+__all__ = ("Folded", "Follow", "Stored", "Watch", "collect", "follow", "watch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,17 @@ class Stored:
     subject: str
     #: None when the body is no event this version knows (readers skip it, as `history` does).
     event: Event | None
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """One message of the stream, as a `Follow` delivers it: an event, or (the coordinator's
+    decode) its facts."""
+
+    seq: int
+    subject: str
+    #: None when the body is no event this version knows.
+    event: Event | Fact | None
 
 
 class Watch:
@@ -103,21 +115,23 @@ async def watch(
 class Follow:
     """Messages on a subject as the stream stores them, taken in batches: a callback queues
     them as they arrive (no task or timer per message, as `Watch.next` has), and `batch()`
-    hands over what is queued (see `Bus.follow`)."""
+    hands over what is queued (see `Bus.follow`). `decode` turns a body into an event (or, for
+    the coordinator, its facts)."""
 
-    def __init__(self) -> None:
-        self._queued: list[Stored] = []
+    def __init__(self, decode: Callable[[bytes], Event | Fact] = decode_event) -> None:
+        self._decode = decode
+        self._queued: list[Folded] = []
         self._arrived = asyncio.Event()
 
     async def on_msg(self, msg: Msg) -> None:
         try:
-            event: Event | None = decode_event(msg.data)
+            event: Event | Fact | None = self._decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             event = None
-        self._queued.append(Stored(msg.metadata.sequence.stream, msg.subject, event))
+        self._queued.append(Folded(msg.metadata.sequence.stream, msg.subject, event))
         self._arrived.set()
 
-    async def batch(self, timeout: float) -> list[Stored]:
+    async def batch(self, timeout: float) -> list[Folded]:
         """What arrived since the last batch, in stream order; waits up to `timeout` seconds
         for the first message when none is queued (an empty list then)."""
         if not self._queued:
@@ -130,7 +144,12 @@ class Follow:
 
 @contextlib.asynccontextmanager
 async def follow(
-    js: JetStreamContext, stream: str, subject: str | list[str], *, start_seq: int
+    js: JetStreamContext,
+    stream: str,
+    subject: str | list[str],
+    *,
+    start_seq: int,
+    decode: Callable[[bytes], Event | Fact] = decode_event,
 ) -> AsyncIterator[Follow]:
     """Every message on `subject` (or on any of several) from stream sequence `start_seq` on,
     then every later one, in batches (an ordered push consumer, as `watch`'s, with a callback).
@@ -139,7 +158,7 @@ async def follow(
         BusUnavailableError: JetStream did not answer.
         BusError: the server refused the consumer.
     """
-    batches = Follow()
+    batches = Follow(decode)
     subjects = [subject] if isinstance(subject, str) else subject
     with translate(f"follow {' '.join(subjects)}"):
         sub = await js.subscribe(

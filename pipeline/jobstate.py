@@ -6,6 +6,10 @@ changed in JetStream KV (`tierpipe.kvstate`); restarts, retention and operators 
 never the history. Pure (no I/O), so property tests can hold it against a fold of the whole
 history (`tierpipe.catalog.Catalog`) on arbitrary event sequences.
 
+It folds an event's facts (`tierpipe.schemas.facts`, what the coordinator decodes on its hot
+path; a full event is taken to its facts first) into a ledger of the window's copies with the
+catalog's evidence rules, kept lean: a few slots per copy, no history of failures or doubts.
+
 Memory stays bounded by what is kept, not by the history: the steps in the window (the NVMe
 retention window and what is in flight) are folded from their events, with the evidence rules
 of the catalog; older steps that are still kept (object storage, the period rule) are known by
@@ -19,8 +23,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tierpipe.catalog import EVIDENCE_ERRORS, Catalog
-from tierpipe.schemas import Event, NodeBatch, ShardEvent, ShardEvicted, StageFailed, Tier
+from tierpipe.catalog import EVIDENCE_ERRORS
+from tierpipe.schemas import Event, Tier
+from tierpipe.schemas.facts import (
+    BaseFact,
+    BatchFact,
+    EvictedFact,
+    Fact,
+    FailedFact,
+    FlushedFact,
+    RestoreFact,
+    StagedFact,
+    VerifiedFact,
+    WrittenFact,
+    fact_of,
+)
 from tierpipe.schemas.jobstate import (
     DIGEST_BYTES,
     RANKS_PER_CHUNK,
@@ -151,6 +168,180 @@ class _Step:
         )
 
 
+class _Copy:
+    """One copy of a shard on one tier of one node (what `tierpipe.catalog.Copy` says of it
+    that the state needs)."""
+
+    __slots__ = (
+        "corrupt", "epoch", "evicted", "header_digest", "location", "nbytes", "superseded",
+        "verified",
+    )  # fmt: skip
+
+    def __init__(
+        self, location: str, nbytes: int, digest: str, epoch: int, *, verified: bool = False
+    ) -> None:
+        self.location, self.nbytes, self.header_digest = location, nbytes, digest
+        self.epoch, self.verified = epoch, verified
+        self.corrupt = self.evicted = self.superseded = False
+
+    @property
+    def usable(self) -> bool:
+        return self.verified and not (self.corrupt or self.evicted or self.superseded)
+
+
+class _Shard:
+    __slots__ = ("copies", "rank", "step", "world_size")
+
+    def __init__(self, step: int, rank: int, world_size: int) -> None:
+        self.step, self.rank, self.world_size = step, rank, world_size
+        #: (tier, node) -> the copy; node "" for object storage.
+        self.copies: dict[tuple[str, str], _Copy] = {}
+
+
+class _Ledger:
+    """The copies of the steps still folded from their events, with the evidence rules of
+    `tierpipe.catalog.Catalog` (its docstring says them; the property tests hold the two
+    together): a `verified` counts only after a matching `written` of the same node, a
+    `flushed` only if it matches a verified NVMe copy (or was reindexed), only evidence marks a
+    copy corrupt, and a rank's rewind supersedes its older epochs' copies of later steps."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[int, _Shard]] = {}
+        self._by_rank: dict[int, list[_Shard]] = {}
+        #: rank -> its rewinds: (epoch, rewind_to).
+        self._rewinds: dict[int, set[tuple[int, int]]] = {}
+
+    def shard(self, step: int, rank: int) -> _Shard | None:
+        ranks = self._steps.get(step)
+        return None if ranks is None else ranks.get(rank)
+
+    def steps(self) -> list[int]:
+        """The steps with a copy in the ledger."""
+        return sorted(self._steps)
+
+    def forget(self, step: int) -> None:
+        for shard in self._steps.pop(step, {}).values():
+            self._by_rank[shard.rank].remove(shard)
+
+    def apply(self, f: Fact) -> None:
+        """Fold one fact of this job (a batch's facts one by one, by the caller)."""
+        t = type(f)
+        if t is VerifiedFact:
+            assert isinstance(f, VerifiedFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            nvme = shard.copies.get(("nvme", f.node))
+            if nvme is not None and _same_file(nvme, f.path, f.nbytes, f.header_digest):
+                nvme.verified, nvme.evicted, nvme.corrupt = True, False, False
+        elif t is WrittenFact:
+            assert isinstance(f, WrittenFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            key = ("nvme", f.node)
+            nvme = shard.copies.get(key)
+            if nvme is not None and nvme.epoch > f.epoch:
+                return  # (a `written` of an older epoch)
+            if nvme is None or not _same_file(nvme, f.path, f.nbytes, f.header_digest):
+                nvme = shard.copies[key] = _Copy(f.path, f.nbytes, f.header_digest, f.epoch)
+            self._mark(shard, nvme)
+        elif t is FlushedFact:
+            assert isinstance(f, FlushedFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            backed = f.origin == "reindex" or any(
+                c.verified and c.header_digest == f.header_digest and c.nbytes == f.nbytes
+                for (tier, _), c in shard.copies.items()
+                if tier == "nvme"
+            )
+            known = shard.copies.get(("s3", ""))
+            if backed and (known is None or known.epoch <= f.epoch):
+                copy = _Copy("", f.nbytes, f.header_digest, f.epoch, verified=True)
+                shard.copies[("s3", "")] = self._mark(shard, copy)
+        elif t is EvictedFact:
+            assert isinstance(f, EvictedFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            found = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
+            if found is not None and found.epoch <= f.epoch:
+                found.evicted = True
+        elif t is StagedFact:
+            assert isinstance(f, StagedFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            ram = shard.copies.get(("ram", f.node))
+            if ram is None or ram.epoch < f.epoch:
+                copy = _Copy(f.staging_path, f.nbytes, "", f.epoch)
+                shard.copies[("ram", f.node)] = self._mark(shard, copy)
+        elif t is FailedFact:
+            assert isinstance(f, FailedFact)
+            self._failed(f)
+        elif t is RestoreFact:
+            assert isinstance(f, RestoreFact)
+            self._loaded(f)
+
+    def _failed(self, f: FailedFact) -> None:
+        if f.step is None or f.rank is None:
+            return
+        shard = self._shard(f.step, f.rank, f.world_size or 0)
+        bad = f.tier or ("nvme" if f.stage == "verify" else None)
+        copy = shard.copies.get((bad, "" if bad == "s3" else f.node)) if bad else None
+        # Only evidence marks a copy corrupt (see `tierpipe.catalog.Catalog._failed`).
+        proof = f.error in EVIDENCE_ERRORS or f.stage == "verify"
+        if copy is not None and not f.retryable and proof:
+            copy.corrupt = True
+
+    def _loaded(self, f: RestoreFact) -> None:
+        """A restore loaded this copy, every digest checked: it is good after all."""
+        if f.phase != "loaded" or f.step is None or f.tier is None:
+            return
+        shard = self.shard(f.step, f.rank)
+        copy = None
+        if shard is not None:
+            copy = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
+        if copy is not None and copy.verified:
+            copy.corrupt = False
+
+    def rewind(self, rank: int, epoch: int, rewind_to: int) -> None:
+        """Record a rewind of `rank` and supersede the copies it abandons."""
+        known = self._rewinds.setdefault(rank, set())
+        if (epoch, rewind_to) in known:
+            return
+        known.add((epoch, rewind_to))
+        for shard in self._by_rank.get(rank, []):
+            if shard.step > rewind_to:
+                for copy in shard.copies.values():
+                    if copy.epoch < epoch:
+                        copy.superseded = True
+
+    def _mark(self, shard: _Shard, copy: _Copy) -> _Copy:
+        """`copy`, marked superseded if a known rewind of its rank abandoned it."""
+        rewinds = self._rewinds.get(shard.rank)
+        copy.superseded = bool(rewinds) and any(
+            copy.epoch < epoch and shard.step > rewind_to for epoch, rewind_to in rewinds or ()
+        )
+        return copy
+
+    def _shard(
+        self, step: int, rank: int, world_size: int, epoch: int = 0, rewind_to: int | None = None
+    ) -> _Shard:
+        """The shard, made if new; a shard event's rewind is recorded first."""
+        if rewind_to is not None:
+            self.rewind(rank, epoch, rewind_to)
+        ranks = self._steps.get(step)
+        if ranks is None:
+            ranks = self._steps[step] = {}
+        shard = ranks.get(rank)
+        if shard is None:
+            shard = ranks[rank] = _Shard(step, rank, world_size)
+            self._by_rank.setdefault(rank, []).append(shard)
+        elif world_size and not shard.world_size:
+            shard.world_size = world_size
+        return shard
+
+
+_SHARD_FACTS = (StagedFact, WrittenFact, VerifiedFact, FlushedFact, EvictedFact)
+
+
+def _same_file(copy: _Copy, path: str, nbytes: int, digest: str) -> bool:
+    """The fact names this very NVMe copy (same path, size and header digest)."""
+    return copy.location == path and copy.nbytes == nbytes and copy.header_digest == digest
+
+
 @dataclass
 class Changes:
     """What the events folded since the last `take_changes()` changed, for the KV writer."""
@@ -204,7 +395,7 @@ class JobState:
     ) -> None:
         self.job = job
         self.keep = keep
-        self.catalog = Catalog()
+        self._ledger = _Ledger()
         self.seq = head.seq if head else 0
         window = head.window if head else 0
         self._steps = {t: _Step.of(r) for t, r in records.items() if t < window}
@@ -224,31 +415,35 @@ class JobState:
 
     # --- folding
 
-    def apply(self, seq: int, event: Event) -> None:
-        """Fold one event of this job (stored at stream sequence `seq`; a node's batch is
-        its events, each folded)."""
-        if isinstance(event, NodeBatch):
-            for inner in event.events:
-                self.apply(seq, inner)
-            return
-        step = getattr(event, "step", None)
-        rank = getattr(event, "rank", None)
-        if event.job != self.job:
+    def apply(self, seq: int, event: Event | Fact) -> None:
+        """Fold one event of this job, or its facts (stored at stream sequence `seq`; a
+        node's batch is its events, each folded)."""
+        fact = event if isinstance(event, BaseFact) else fact_of(event)
+        if isinstance(fact, BatchFact):
+            for inner in fact.events:
+                self._apply(seq, inner)
+        else:
+            self._apply(seq, fact)
+
+    def _apply(self, seq: int, f: Fact) -> None:
+        if f.job != self.job:
             return
         self.passed(seq)
+        step: int | None = getattr(f, "step", None)
+        rank: int | None = getattr(f, "rank", None)
         if step is None or rank is None:
             return
-        rewind = event.rewind_to if isinstance(event, ShardEvent) else None
-        epoch = getattr(event, "epoch", 0)
+        rewind: int | None = getattr(f, "rewind_to", None)
+        epoch: int = getattr(f, "epoch", 0)
         if step in self._record_only:
-            self._apply_to_record(step, rank, event)
+            self._apply_to_record(step, rank, f)
             if rewind is not None:
-                self.catalog.rewind(self.job, rank, epoch, rewind)
+                self._ledger.rewind(rank, epoch, rewind)
         elif step in self._steps or not self._gone(step):  # (a late event of a dropped step)
-            self.catalog.apply(event)
-            if isinstance(event, ShardEvent):
+            self._ledger.apply(f)
+            if isinstance(f, _SHARD_FACTS):
                 self._first_seq.setdefault(step, seq)
-                self._refresh(step, rank, event.world_size)
+                self._refresh(step, rank, f.world_size)
             elif step in self._steps:
                 self._refresh(step, rank, None)
         if rewind is not None:
@@ -270,7 +465,7 @@ class JobState:
             self._move_floors()
 
     def _refresh(self, step: int, rank: int, world_size: int | None) -> None:
-        """Recompute `rank`'s bits in `step` from the catalog."""
+        """Recompute `rank`'s bits in `step` from the ledger."""
         s = self._steps.get(step)
         if s is None:
             if not world_size or self._gone(step):
@@ -279,7 +474,7 @@ class JobState:
             if step >= max(self._steps):
                 self._world_size = world_size
             self._changes.put.add(step)
-        shard = self.catalog.shard(self.job, step, rank)
+        shard = self._ledger.shard(step, rank)
         if shard is None or shard.world_size != s.world_size or rank >= s.world_size:
             return
         # One pass over the shard's copies (this runs for every event of every rank): the
@@ -290,8 +485,8 @@ class JobState:
         for (tier, _), c in shard.copies.items():
             if c.epoch > epoch:
                 epoch = c.epoch
-            if tier == "ram" or not c.usable:
-                continue
+            if tier == "ram" or not c.verified or c.corrupt or c.evicted or c.superseded:
+                continue  # (not usable)
             if tier == "nvme":
                 nvme = True
                 if first_nvme is None and c.header_digest:
@@ -302,11 +497,15 @@ class JobState:
                     first_s3 = c
         changed = epoch != s.epoch
         s.epoch = epoch
-        before = s.status()
-        counts = (s.count["nvme"], s.count["s3"], s.either)
-        changed |= s.set("nvme", rank, nvme)
-        if not s.s3_removed:  # (removed objects: `s3` keeps their ranks)
-            changed |= s.set("s3", rank, s3)
+        i, mask = rank >> 3, 1 << (rank & 7)
+        flip_nvme = bool(s.bits["nvme"][i] & mask) != nvme
+        # (removed objects: `s3` keeps their ranks)
+        flip_s3 = not s.s3_removed and bool(s.bits["s3"][i] & mask) != s3
+        before = s.status() if flip_nvme or flip_s3 else None
+        if flip_nvme:
+            s.set("nvme", rank, nvme)
+        if flip_s3:
+            s.set("s3", rank, s3)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
         copy = first_nvme or first_s3
         if (
@@ -315,24 +514,24 @@ class JobState:
             and s.note_copy(rank, copy.header_digest, copy.nbytes)
         ):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
-        if changed:
+        if changed or before is not None:
             self._changes.put.add(step)
-        if counts != (s.count["nvme"], s.count["s3"], s.either) and s.status() != before:
+        if before is not None and s.status() != before:
             self._recount()
 
-    def _apply_to_record(self, step: int, rank: int, event: Event) -> None:
+    def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:
         """An event about a step known by its record alone: only removals count (a copy
         evicted, or proven bad); nothing else can be checked against evidence any more."""
         s = self._steps[step]
-        tier: Tier | None = None
-        if isinstance(event, ShardEvicted):
-            tier = event.tier
+        tier: str | None = None
+        if isinstance(f, EvictedFact):
+            tier = f.tier
         elif (
-            isinstance(event, StageFailed)
-            and not event.retryable
-            and (event.error in EVIDENCE_ERRORS or event.stage == "verify")
+            isinstance(f, FailedFact)
+            and not f.retryable
+            and (f.error in EVIDENCE_ERRORS or f.stage == "verify")
         ):
-            tier = event.tier or ("nvme" if event.stage == "verify" else None)
+            tier = f.tier or ("nvme" if f.stage == "verify" else None)
         if tier in _TIERS and rank < s.world_size and not (tier == "s3" and s.s3_removed):
             before = s.status()
             self._clear(step, [rank], (tier,))
@@ -340,7 +539,7 @@ class JobState:
                 self._recount()
 
     def _rewound(self, rank: int, epoch: int, rewind_to: int) -> None:
-        """A rewind of `rank` (folded into the catalog already): its older-epoch copies of
+        """A rewind of `rank` (folded into the ledger already): its older-epoch copies of
         later steps no longer count."""
         for step in [t for t in self._steps if t > rewind_to]:
             if step not in self._record_only:
@@ -431,7 +630,7 @@ class JobState:
         self._changes.digests_deleted[step] = -(-world_size // RANKS_PER_CHUNK)
         self._record_only.discard(step)
         self._first_seq.pop(step, None)
-        self.catalog.forget(self.job, step)
+        self._ledger.forget(step)
         self._changes.put.discard(step)
         self._changes.committed.discard(step)
         self._changes.deleted.add(step)

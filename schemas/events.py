@@ -44,7 +44,7 @@ SCHEMA_VERSION = 1
 Tier = Literal["ram", "nvme", "s3"]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
-Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}\Z")]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

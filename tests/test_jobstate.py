@@ -9,6 +9,7 @@ from tierpipe.catalog import Catalog
 from tierpipe.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
 from tierpipe.schemas import (
     Event,
+    RestoreReport,
     ShardEvicted,
     ShardFlushed,
     ShardStaged,
@@ -110,7 +111,7 @@ def test_floors_follow_the_policy_and_drop_what_no_tier_keeps() -> None:
     assert head.s3_steps == [4, 8, 9, 10] and head.nvme_steps == [4, 8, 9, 10]
     # Steps below both floors leave memory and the KV; the period's steps stay.
     assert head.steps == [4, 8, 9, 10]
-    assert all(shard.step in (4, 8, 9, 10) for shard in state.catalog.shards("j"))
+    assert set(state._ledger.steps()) <= {4, 8, 9, 10}
 
 
 def test_the_newest_complete_step_of_a_tier_is_kept_below_the_floor() -> None:
@@ -138,7 +139,9 @@ def histories(draw: st.DrawFn) -> list[Event]:
         node = draw(st.sampled_from(NODES))
         salt = draw(st.integers(0, 1))
         epoch = draw(st.sampled_from([0, 0, 0, 5]))
-        kind = draw(st.sampled_from(["life", "life", "w", "v", "f", "evict", "bad", "rewind"]))
+        kind = draw(st.sampled_from(
+            ["life", "life", "w", "v", "f", "evict", "bad", "rewind", "fail", "loaded", "reindex"]
+        ))  # fmt: skip
         d, p = digest(step, rank, salt), path(step, rank, node)
         i = ident(step, rank, node, epoch)
         if kind == "life":
@@ -161,6 +164,22 @@ def histories(draw: st.DrawFn) -> list[Event]:
                                       error="IntegrityError", message="x", retryable=False,
                                       attempt=1, step=step, rank=rank, world_size=WORLD,
                                       tier=tier, epoch=epoch))  # fmt: skip
+        elif kind == "fail":  # any stage's verdict, final or not, evidence or not
+            events.append(StageFailed(job="j", node=node, ts=0.0,
+                                      stage=draw(st.sampled_from(["verify", "flush"])),
+                                      error=draw(st.sampled_from(["IntegrityError", "OSError"])),
+                                      message="x", retryable=draw(st.booleans()), attempt=1,
+                                      step=step, rank=rank, world_size=WORLD, epoch=epoch,
+                                      tier=draw(st.sampled_from([None, "nvme", "s3"])),
+                                      ))  # fmt: skip
+        elif kind == "loaded":
+            events.append(RestoreReport(job="j", node=node, ts=0.0, restart="r", rank=rank,
+                                        world_size=WORLD, phase="loaded", round=1, step=step,
+                                        tier=draw(st.sampled_from(["nvme", "s3"]))))  # fmt: skip
+        elif kind == "reindex":
+            events.append(ShardFlushed(**i, bucket="b", key="k", etag="e", checksum="c",
+                                       header_digest=d, nbytes=4096, seconds=0,
+                                       origin="reindex"))  # fmt: skip
         else:
             events.append(ShardStaged(**ident(step, rank, node, 9), staging_path="/s",
                                       slot=0, nbytes=1, tensors=1, stall_s=0,

@@ -463,6 +463,9 @@ def test_a_three_server_cluster_losing_one_server_keeps_the_pipeline_going(
             # Longer than a Raft election (4-9 s): a save waits out the new leader's election.
             request_timeout_s=20.0,
             publish_timeout_s=20.0,
+            # A slot frees when evict has read `verified` from the stream, after the election
+            # too: under load that took more than the suite's default 10 s (a flake).
+            slot_wait_timeout_s=30.0,
         )
         running = agent(settings=s).wait_ready()
         with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
