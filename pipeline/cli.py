@@ -36,7 +36,14 @@ from tierpipe.names import (
 )
 from tierpipe.nats_conn import translate
 from tierpipe.schemas import FlushAction, FlushControl
-from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
+from tierpipe.schemas.jobstate import (
+    RANKS_PER_CHUNK,
+    Budget,
+    JobHead,
+    RankDigests,
+    Shares,
+    StepRecord,
+)
 from tierpipe.settings import Settings, load_settings
 from tierpipe.status import (
     JobView,
@@ -135,6 +142,22 @@ def main(argv: list[str] | None = None) -> int:
         help="send to --node even if it has no flush worker and no events yet",
     )
 
+    budget = sub.add_parser(
+        "budget",
+        help="show or set a job's object-storage budgets (for the whole job: its coordinator "
+        "divides them among the job's active nodes)",
+    )
+    budget.add_argument("--job", required=True)
+    budget.add_argument(
+        "--flush", help="upload bytes/s of the whole job, e.g. 800MiB (0: no job-wide cap)"
+    )
+    budget.add_argument(
+        "--restore-gets",
+        type=int,
+        help="concurrent object GETs of the whole job during a restore (0: no job-wide cap)",
+    )
+    budget.add_argument("--json", action="store_true", help="one JSON object")
+
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
     demo.add_argument("--ranks", type=int, default=2)
     demo.add_argument("--steps", type=int, default=12)
@@ -184,6 +207,14 @@ def _run(args: argparse.Namespace) -> int:
             return _plan(settings, job, args.step, nvme_lost=args.nvme_lost, as_json=args.json)
         case "reindex":
             return _reindex(settings, validate_token("job", args.job), args)
+        case "budget":
+            if args.restore_gets is not None and args.restore_gets < 0:
+                raise ConfigError("--restore-gets must be >= 0")
+            flush = parse_rate(args.flush) if args.flush is not None else None
+            return _budget(
+                settings, validate_token("job", args.job), flush=flush,
+                gets=args.restore_gets, as_json=args.json,
+            )  # fmt: skip
         case "demo":
             from tierpipe.dev.demo import run_demo
 
@@ -313,17 +344,56 @@ def _flush(
 
 
 def _flush_budget(settings: Settings, job: str, rate: int) -> int:
-    """Store `job`'s flush budget (bytes/s for the whole job, 0: none); its GET budget stays."""
-    from tierpipe.kvstate import JobStore  # (here: the import block is another change's)
+    """`flush rate --job`: `tierpipe budget --job J --flush RATE`."""
+    return _budget(settings, job, flush=rate)
 
-    async def store() -> None:
+
+def _budget(
+    settings: Settings,
+    job: str,
+    *,
+    flush: int | None = None,
+    gets: int | None = None,
+    as_json: bool = False,
+) -> int:
+    """Set what is given of `job`'s budgets (the rest stays), then show them and each active
+    node's part. A job the KV does not know is refused: a budget for a mistyped name would
+    cap nobody, silently."""
+
+    async def store() -> tuple[Budget, Shares]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             jobs = await JobStore(bus.js, settings).open()
+            if await jobs.keep(job) is None and await jobs.head(job) is None:
+                raise ConfigError(
+                    f"unknown job {job!r}: no job state in KV bucket {settings.kv_bucket} "
+                    "(a job's trainer registers it when it starts)"
+                )
             budget = await jobs.budget(job)
-            await jobs.set_budget(job, msgspec.structs.replace(budget, flush_bytes_per_s=rate))
+            if flush is not None or gets is not None:
+                budget = Budget(
+                    flush_bytes_per_s=budget.flush_bytes_per_s if flush is None else flush,
+                    restore_gets=budget.restore_gets if gets is None else gets,
+                )
+                await jobs.set_budget(job, budget)
+            return budget, await jobs.shares(job)
 
-    anyio.run(store)
-    print(f"flush budget of job {job} set to {rate} bytes/s (divided among its active nodes)")
+    budget, shares = anyio.run(store)
+    if as_json:
+        print(json.dumps({"job": job, "budget": msgspec.to_builtins(budget),
+                          "shares": msgspec.to_builtins(shares)}))  # fmt: skip
+        return 0
+    verb = "set" if flush is not None or gets is not None else "is"
+    rate = f"{budget.flush_bytes_per_s} bytes/s" if budget.flush_bytes_per_s else "no cap"
+    reads = f"{budget.restore_gets} GETs" if budget.restore_gets else "no cap"
+    print(f"budget of job {job} {verb}: flush {rate}, restore {reads} (whole job)")
+    if shares.nodes:
+        print(
+            f"  divided among {shares.nodes} active nodes (coordinator term {shares.term}): "
+            f"{shares.flush_bytes_per_s_per_node or 'no cap'} bytes/s and "
+            f"{shares.restore_gets_per_node or 'no cap'} GETs per node"
+        )
+    else:
+        print("  not divided yet: the job's coordinator does so within seconds of its next save")
     return 0
 
 

@@ -3,9 +3,7 @@ flush stage paces a job's uploads by its node's share, a restore caps its GETs b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -13,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, run_cli
 from tests.test_retention import digest
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
@@ -22,13 +20,14 @@ from tierpipe.coordinator import ActiveNodes, Coordinator, divide
 from tierpipe.kvstate import JobStore
 from tierpipe.recovery.load import s3_reads_per_node
 from tierpipe.schemas import NodeBatch, ShardFlushed, ShardVerified, ShardWritten
-from tierpipe.schemas.jobstate import Budget, Shares
+from tierpipe.schemas.jobstate import Budget, Keep, Shares
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _follow_shares
 from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
 
 MB = 1_000_000
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def written(job: str, step: int, node: str, *, rank: int = 0, epoch: int = 0) -> ShardWritten:
@@ -212,25 +211,51 @@ def test_a_job_without_a_budget_gets_no_shares_key(settings: Settings, job: str)
     _coordinate(s, job, body)
 
 
+async def _budget(settings: Settings, job: str, set_to: Budget | None = None) -> Budget:
+    """The job's stored budget, after registering the job (and storing `set_to`)."""
+    async with Bus(settings) as bus:
+        store = await JobStore(bus.js, settings).open()
+        await store.register(job, Keep())
+        if set_to is not None:
+            await store.set_budget(job, set_to)
+        return await store.budget(job)
+
+
 def test_flush_rate_with_job_stores_the_jobs_budget(settings: Settings, job: str) -> None:
     """`tierpipe flush rate 80MiB --job J` sets J's flush budget, keeping its GET budget."""
-
-    async def budget(set_to: Budget | None = None) -> Budget:
-        async with Bus(settings) as bus:
-            store = await JobStore(bus.js, settings).open()
-            if set_to is not None:
-                await store.set_budget(job, set_to)
-            return await store.budget(job)
-
-    anyio.run(budget, Budget(restore_gets=32))
-    done = subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", "flush", "rate", "80MiB", "--job", job],
-        env={**os.environ, **settings.as_env()},
-        capture_output=True,
-        text=True,
-    )
+    anyio.run(_budget, settings, job, Budget(restore_gets=32))
+    done = run_cli(settings, "flush", "rate", "80MiB", "--job", job)
     assert done.returncode == 0, done.stderr
-    assert anyio.run(budget) == Budget(flush_bytes_per_s=80 * MiB, restore_gets=32)
+    assert anyio.run(_budget, settings, job) == Budget(flush_bytes_per_s=80 * MiB, restore_gets=32)
+
+
+def test_budget_sets_what_it_is_given_and_shows_both(settings: Settings, job: str) -> None:
+    """`tierpipe budget` sets the GET budget alone, then the flush budget alone, each keeping
+    the other, and prints them (`--json`: both budgets and the stored shares)."""
+    anyio.run(_budget, settings, job)
+    done = run_cli(settings, "budget", "--job", job, "--restore-gets", "64")
+    assert done.returncode == 0, done.stderr
+    assert "restore 64 GETs" in done.stdout and "flush no cap" in done.stdout
+    done = run_cli(settings, "budget", "--job", job, "--flush", "1GiB")
+    assert done.returncode == 0, done.stderr
+    assert anyio.run(_budget, settings, job) == Budget(flush_bytes_per_s=GiB, restore_gets=64)
+    shown = json.loads(run_cli(settings, "budget", "--job", job, "--json").stdout)
+    assert shown["budget"] == {"flush_bytes_per_s": GiB, "restore_gets": 64}
+    assert shown["shares"]["nodes"] == 0  # (no coordinator ran)
+
+
+@pytest.mark.parametrize("args", [("--restore-gets", "-1"), ("--flush", "fast")])
+def test_budget_refuses_bad_values_and_unknown_jobs(
+    settings: Settings, job: str, args: tuple[str, str]
+) -> None:
+    """A bad value, or a job the KV does not know (a typo would cap nobody), is an error and
+    stores nothing."""
+    done = run_cli(settings, "budget", "--job", job, "--flush", "1MiB")
+    assert done.returncode == 2 and "unknown job" in done.stderr
+    anyio.run(_budget, settings, job)
+    done = run_cli(settings, "budget", "--job", job, *args)
+    assert done.returncode == 2 and "tierpipe: error:" in done.stderr
+    assert anyio.run(_budget, settings, job) == Budget()
 
 
 def test_the_flush_stage_follows_the_stored_shares(settings: Settings, job: str) -> None:
