@@ -33,6 +33,7 @@ from tierpipe.schemas.facts import (
     FailedFact,
     FlushedFact,
     RestoreFact,
+    ShardFact,
     StagedFact,
     VerifiedFact,
     WrittenFact,
@@ -223,60 +224,73 @@ class _Ledger:
         for shard in self._steps.pop(step, {}).values():
             self._by_rank[shard.rank].remove(shard)
 
-    def apply(self, f: Fact) -> None:
-        """Fold one fact of this job (a batch's facts one by one, by the caller)."""
+    def apply(self, f: Fact) -> _Shard | None:
+        """Fold one fact of this job (a batch's facts one by one, by the caller); the shard it
+        is about, if it names one."""
         t = type(f)
+        if t is WrittenFact:
+            assert isinstance(f, WrittenFact)
+            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+            key = ("nvme", f.node)
+            nvme = shard.copies.get(key)
+            if nvme is not None and nvme.epoch > f.epoch:
+                return shard  # (a `written` of an older epoch)
+            if nvme is None or not _same_file(nvme, f.path, f.nbytes, f.header_digest):
+                nvme = shard.copies[key] = _Copy(f.path, f.nbytes, f.header_digest, f.epoch)
+            self._mark(shard, nvme)
+            return shard
         if t is VerifiedFact:
             assert isinstance(f, VerifiedFact)
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             nvme = shard.copies.get(("nvme", f.node))
             if nvme is not None and _same_file(nvme, f.path, f.nbytes, f.header_digest):
                 nvme.verified, nvme.evicted, nvme.corrupt = True, False, False
-        elif t is WrittenFact:
-            assert isinstance(f, WrittenFact)
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            key = ("nvme", f.node)
-            nvme = shard.copies.get(key)
-            if nvme is not None and nvme.epoch > f.epoch:
-                return  # (a `written` of an older epoch)
-            if nvme is None or not _same_file(nvme, f.path, f.nbytes, f.header_digest):
-                nvme = shard.copies[key] = _Copy(f.path, f.nbytes, f.header_digest, f.epoch)
-            self._mark(shard, nvme)
-        elif t is FlushedFact:
+            return shard
+        if t is FlushedFact:
             assert isinstance(f, FlushedFact)
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            backed = f.origin == "reindex" or any(
-                c.verified and c.header_digest == f.header_digest and c.nbytes == f.nbytes
-                for (tier, _), c in shard.copies.items()
-                if tier == "nvme"
-            )
+            backed = f.origin == "reindex"
+            if not backed:
+                for (tier, _), c in shard.copies.items():
+                    if (
+                        tier == "nvme"
+                        and c.verified
+                        and c.header_digest == f.header_digest
+                        and c.nbytes == f.nbytes
+                    ):
+                        backed = True
+                        break
             known = shard.copies.get(("s3", ""))
             if backed and (known is None or known.epoch <= f.epoch):
                 copy = _Copy("", f.nbytes, f.header_digest, f.epoch, verified=True)
                 shard.copies[("s3", "")] = self._mark(shard, copy)
-        elif t is EvictedFact:
+            return shard
+        if t is EvictedFact:
             assert isinstance(f, EvictedFact)
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             found = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
             if found is not None and found.epoch <= f.epoch:
                 found.evicted = True
-        elif t is StagedFact:
+            return shard
+        if t is StagedFact:
             assert isinstance(f, StagedFact)
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             ram = shard.copies.get(("ram", f.node))
             if ram is None or ram.epoch < f.epoch:
                 copy = _Copy(f.staging_path, f.nbytes, "", f.epoch)
                 shard.copies[("ram", f.node)] = self._mark(shard, copy)
-        elif t is FailedFact:
+            return shard
+        if t is FailedFact:
             assert isinstance(f, FailedFact)
-            self._failed(f)
-        elif t is RestoreFact:
+            return self._failed(f)
+        if t is RestoreFact:
             assert isinstance(f, RestoreFact)
-            self._loaded(f)
+            return self._loaded(f)
+        return None
 
-    def _failed(self, f: FailedFact) -> None:
+    def _failed(self, f: FailedFact) -> _Shard | None:
         if f.step is None or f.rank is None:
-            return
+            return None
         shard = self._shard(f.step, f.rank, f.world_size or 0)
         bad = f.tier or ("nvme" if f.stage == "verify" else None)
         copy = shard.copies.get((bad, "" if bad == "s3" else f.node)) if bad else None
@@ -284,17 +298,19 @@ class _Ledger:
         proof = f.error in EVIDENCE_ERRORS or f.stage == "verify"
         if copy is not None and not f.retryable and proof:
             copy.corrupt = True
+        return shard
 
-    def _loaded(self, f: RestoreFact) -> None:
+    def _loaded(self, f: RestoreFact) -> _Shard | None:
         """A restore loaded this copy, every digest checked: it is good after all."""
         if f.phase != "loaded" or f.step is None or f.tier is None:
-            return
+            return None
         shard = self.shard(f.step, f.rank)
         copy = None
         if shard is not None:
             copy = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
         if copy is not None and copy.verified:
             copy.corrupt = False
+        return shard
 
     def rewind(self, rank: int, epoch: int, rewind_to: int) -> None:
         """Record a rewind of `rank` and supersede the copies it abandons."""
@@ -419,35 +435,37 @@ class JobState:
         """Fold one event of this job, or its facts (stored at stream sequence `seq`; a
         node's batch is its events, each folded)."""
         fact = event if isinstance(event, BaseFact) else fact_of(event)
-        if isinstance(fact, BatchFact):
-            for inner in fact.events:
-                self._apply(seq, inner)
-        else:
-            self._apply(seq, fact)
-
-    def _apply(self, seq: int, f: Fact) -> None:
-        if f.job != self.job:
+        if fact.job != self.job:
             return
         self.passed(seq)
-        step: int | None = getattr(f, "step", None)
-        rank: int | None = getattr(f, "rank", None)
-        if step is None or rank is None:
-            return
-        rewind: int | None = getattr(f, "rewind_to", None)
-        epoch: int = getattr(f, "epoch", 0)
+        if type(fact) is BatchFact:
+            fold = self._fold_shard
+            for inner in fact.events:  # (of the batch's job: `NodeBatch`, `decode_fact`)
+                fold(seq, inner)
+        elif isinstance(fact, _SHARD_FACTS):
+            self._fold_shard(seq, fact)
+        elif (step := getattr(fact, "step", None)) is not None and (
+            rank := getattr(fact, "rank", None)
+        ) is not None:  # (a verdict on a copy, or a restore's report; not a plan)
+            if step in self._record_only:
+                self._apply_to_record(step, rank, fact)
+            elif step in self._steps or not self._gone(step):
+                shard = self._ledger.apply(fact)
+                if step in self._steps:
+                    self._refresh(step, rank, None, shard)
+
+    def _fold_shard(self, seq: int, f: ShardFact) -> None:
+        step, rank, rewind = f.step, f.rank, f.rewind_to
         if step in self._record_only:
             self._apply_to_record(step, rank, f)
             if rewind is not None:
-                self._ledger.rewind(rank, epoch, rewind)
+                self._ledger.rewind(rank, f.epoch, rewind)
         elif step in self._steps or not self._gone(step):  # (a late event of a dropped step)
-            self._ledger.apply(f)
-            if isinstance(f, _SHARD_FACTS):
-                self._first_seq.setdefault(step, seq)
-                self._refresh(step, rank, f.world_size)
-            elif step in self._steps:
-                self._refresh(step, rank, None)
+            shard = self._ledger.apply(f)
+            self._first_seq.setdefault(step, seq)
+            self._refresh(step, rank, f.world_size, shard)
         if rewind is not None:
-            self._rewound(rank, epoch, rewind)
+            self._rewound(rank, f.epoch, rewind)
 
     def passed(self, seq: int) -> None:
         """The fold has seen the job's events up to stream sequence `seq` (one it cannot read
@@ -464,8 +482,11 @@ class JobState:
             self._pinned, self._hold = pinned, hold
             self._move_floors()
 
-    def _refresh(self, step: int, rank: int, world_size: int | None) -> None:
-        """Recompute `rank`'s bits in `step` from the ledger."""
+    def _refresh(
+        self, step: int, rank: int, world_size: int | None, shard: _Shard | None = None
+    ) -> None:
+        """Recompute `rank`'s bits in `step` from the ledger (`shard`: its entry there, if the
+        caller has it at hand)."""
         s = self._steps.get(step)
         if s is None:
             if not world_size or self._gone(step):
@@ -474,7 +495,8 @@ class JobState:
             if step >= max(self._steps):
                 self._world_size = world_size
             self._changes.put.add(step)
-        shard = self._ledger.shard(step, rank)
+        if shard is None:
+            shard = self._ledger.shard(step, rank)
         if shard is None or shard.world_size != s.world_size or rank >= s.world_size:
             return
         # One pass over the shard's copies (this runs for every event of every rank): the
@@ -501,7 +523,8 @@ class JobState:
         flip_nvme = bool(s.bits["nvme"][i] & mask) != nvme
         # (removed objects: `s3` keeps their ranks)
         flip_s3 = not s.s3_removed and bool(s.bits["s3"][i] & mask) != s3
-        before = s.status() if flip_nvme or flip_s3 else None
+        # Completeness can only change where a count reaches or leaves the world size.
+        counts = (s.count["nvme"], s.count["s3"], s.either) if flip_nvme or flip_s3 else None
         if flip_nvme:
             s.set("nvme", rank, nvme)
         if flip_s3:
@@ -514,9 +537,11 @@ class JobState:
             and s.note_copy(rank, copy.header_digest, copy.nbytes)
         ):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
-        if changed or before is not None:
+        if changed or counts is not None:
             self._changes.put.add(step)
-        if before is not None and s.status() != before:
+        if counts is not None and (
+            s.world_size in counts or s.world_size in (s.count["nvme"], s.count["s3"], s.either)
+        ):
             self._recount()
 
     def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:

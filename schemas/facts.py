@@ -30,6 +30,7 @@ __all__ = (
     "FlushedFact",
     "PlanFact",
     "RestoreFact",
+    "ShardFact",
     "StagedFact",
     "VerifiedFact",
     "WrittenFact",
