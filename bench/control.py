@@ -2,10 +2,12 @@
 scale, with simulated agents and ranks (events only, no tensor bytes; tasks, not processes).
 
 What runs for real: an embedded nats-server, the `TIERPIPE` stream, the job-state KV bucket and
-ONE retention `Coordinator` for the job, in its own thread with its own event loop (uvloop where
-installed, as the agent) and its own NATS connection, so that thread's CPU time
-(`pthread_getcpuclockid`) is the coordinator's whole cost: decoding, nats-py, the fold
-(`JobState`), the KV writes, its object-removal events. Its object store is a no-op recorder.
+ONE retention `Coordinator` for the job, in a process of its own with its own event loop (uvloop
+where installed, as the agent) and its own NATS connection, as in an agent, so its loop thread's
+CPU time is the coordinator's whole cost: decoding, nats-py, the fold (`JobState`), the KV
+writes, its object-removal events. Its object store is a no-op recorder. (Until this figure's
+third measurement it ran as a thread of this process, sharing the GIL, the allocator and the
+caches with the simulated nodes' publishing; that inflated it by about a third.)
 
 What is simulated (in the main thread, its publishing cost not counted): every node publishes for
 each of its ranks what a real agent and trainer publish per checkpoint, in phases across all
@@ -33,7 +35,7 @@ Figures (JSON keys):
   1: every agent watches `*.floor`). `trainer_core_deliveries_per_ckpt_per_node` (core NATS,
   not JetStream, not in the sum): each rank's Checkpointer subscribes to its own shard's subject,
   so it gets every event its node publishes about it (counted from the simulated events).
-- `coordinator_cpu_s_per_ckpt`: the coordinator thread's CPU per checkpoint;
+- `coordinator_cpu_s_per_ckpt`: the coordinator's CPU per checkpoint (its process's loop thread);
   `coordinator_events_per_cpu_s`: stream messages folded per second of it.
 - `fold_lag_s`: from the last `flushed` of the last step to the KV head listing that step as
   complete in object storage (`fold_lag_s_max`: the largest over all steps).
@@ -272,12 +274,12 @@ def _with_batches(events: Iterable[Event]) -> list[Event]:
     return out
 
 
-# --- the coordinator, in its own thread
+# --- the coordinator, in its own process
 
 
 @dataclass
 class CoordinatorStats:
-    """What the coordinator wrote and published (updated from its thread)."""
+    """What the coordinator wrote and published (kept in its process, copied out on request)."""
 
     kv_writes: int = 0
     kv_bytes: int = 0
@@ -292,102 +294,158 @@ class CoordinatorStats:
         return self.kv_writes, self.kv_bytes, self.floor_writes
 
 
-class CoordinatorThread:
-    """One real `Coordinator` (following every job in the bucket) on its own event loop."""
+class CoordinatorProcess:
+    """One real `Coordinator` (following every job in the bucket) in a process of its own, as
+    in an agent: its CPU is its event loop thread's alone, not shared with the simulated nodes'
+    publishing (a thread here would wait on their GIL and share their allocator and caches).
+    Asked over a pipe (`hosts`, `leads`, `cpu_s`, `stats`); `profile`: cProfile its loop, printed
+    on its stderr at `stop_profile()`."""
 
     def __init__(self, settings: Settings, *, profile: bool = False) -> None:
-        self.settings = settings
-        self.stats = CoordinatorStats()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._coordinator: Any = None
-        self._profile = cProfile.Profile() if profile else None
-        self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
+        import multiprocessing
 
-    def __enter__(self) -> CoordinatorThread:
-        self._thread.start()
-        if not self._ready.wait(30) or self._error is not None:
-            raise RuntimeError(f"the coordinator did not start: {self._error!r}")
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_coordinator_main, args=(settings.as_env(), child, profile),
+            name="bench-coordinator", daemon=True,
+        )  # fmt: skip
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CoordinatorProcess:
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError("the coordinator process did not start")
+        ready = self._conn.recv()
+        if ready != "ready":
+            raise RuntimeError(f"the coordinator did not start: {ready}")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(15)
+        with contextlib.suppress(Exception):
+            self._ask("stop")
+        self._proc.join(15)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+    def _ask(self, *request: Any) -> Any:
+        with self._lock:
+            self._conn.send(request)
+            if not self._conn.poll(60):
+                raise RuntimeError(f"the coordinator did not answer {request[0]!r}")
+            kind, value = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"the coordinator failed: {value}")
+        return value
 
     def cpu_s(self) -> float:
-        """The coordinator thread's CPU time so far."""
-        ident = self._thread.ident
-        assert ident is not None
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        """The coordinator's event-loop thread's CPU time so far."""
+        return float(self._ask("cpu"))
+
+    @property
+    def stats(self) -> CoordinatorStats:
+        return CoordinatorStats(**self._ask("stats"))
 
     def hosts(self, job: str) -> None:
         """Make this coordinator a lease candidate for `job` (it hosts rank 0)."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._coordinator.hosts, job, 0)
+        self._ask("hosts", job)
 
     def leads(self, job: str) -> bool:
-        return job in self._coordinator.leading
+        return bool(self._ask("leads", job))
 
-    def stop_profile(self) -> pstats.Stats | None:
-        """Stop profiling (in the coordinator's thread, where it was started)."""
-        if self._profile is None or self._loop is None:
-            return None
-        done = threading.Event()
+    def stop_profile(self) -> None:
+        """Stop profiling and print the profile (the coordinator's stderr is this one's)."""
+        self._ask("stop_profile")
 
-        def stop() -> None:
-            assert self._profile is not None
-            self._profile.disable()
-            done.set()
 
-        self._loop.call_soon_threadsafe(stop)
-        done.wait(10)
-        out = pstats.Stats(self._profile, stream=sys.stderr)
-        self._profile = None
-        return out
+def _coordinator_main(env: dict[str, str], conn: Any, profile: bool) -> None:
+    """The coordinator process: its loop (uvloop where installed, as the agent) runs the
+    coordinator; a thread answers the parent's requests on it."""
+    import dataclasses
 
-    def _main(self) -> None:
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-        if importlib.util.find_spec("uvloop") is not None:
-            import uvloop
+    from tierpipe.log import configure_logging
+    from tierpipe.settings import load_settings
 
-            factory = uvloop.new_event_loop
-        try:
-            with asyncio.Runner(loop_factory=factory) as runner:
-                runner.run(self._serve())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            log(f"coordinator thread failed: {e!r}")
+    configure_logging("warning", "json", only_if_unconfigured=True)
+    settings = load_settings(path=None, env=env)
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
 
-    async def _serve(self) -> None:
+        factory = uvloop.new_event_loop
+    stats = CoordinatorStats()
+    prof = cProfile.Profile() if profile else None
+
+    async def serve() -> None:
         from tierpipe.bus import Bus
         from tierpipe.coordinator import Coordinator
         from tierpipe.kvstate import JobStore
 
-        if self._profile is not None:
-            self._profile.enable()
-        stats = self.stats
-
         async def remove(job: str, step: int, world_size: int) -> None:
             stats.removed.append((job, step))
 
-        async with Bus(self.settings, name=COORDINATOR) as bus:
-            store = await JobStore(bus.js, self.settings).open()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        async with Bus(settings, name=COORDINATOR) as bus:
+            store = await JobStore(bus.js, settings).open()
             _instrument(store, bus, stats)
-            self._coordinator = Coordinator(self.settings, bus, store, COORDINATOR, remove)
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            task = asyncio.create_task(self._coordinator.run())
-            self._ready.set()
-            await self._stop.wait()
+            coordinator = Coordinator(settings, bus, store, COORDINATOR, remove)
+
+            def answer(kind: str, *args: Any) -> Any:  # (in the loop's thread)
+                if kind == "cpu":
+                    return time.thread_time()
+                if kind == "stats":
+                    return dataclasses.asdict(stats)
+                if kind == "hosts":
+                    return coordinator.hosts(args[0], 0)
+                if kind == "leads":
+                    return args[0] in coordinator.leading
+                if kind == "stop_profile":
+                    if prof is not None:
+                        prof.disable()
+                        _print_profile(pstats.Stats(prof, stream=sys.stderr))
+                    return None
+                if kind == "stop":
+                    stop.set()
+                    return None
+                raise ValueError(kind)
+
+            def requests() -> None:  # (a thread: blocks on the pipe, never on the loop)
+                while True:
+                    try:
+                        request = conn.recv()
+                    except EOFError:
+                        loop.call_soon_threadsafe(stop.set)
+                        return
+                    future = asyncio.run_coroutine_threadsafe(_call(answer, *request), loop)
+                    try:
+                        conn.send(("ok", future.result(60)))
+                    except Exception as e:
+                        conn.send(("error", repr(e)))
+                    if request[0] == "stop":
+                        return
+
+            task = asyncio.create_task(coordinator.run())
+            threading.Thread(target=requests, daemon=True).start()
+            if prof is not None:
+                prof.enable()
+            conn.send("ready")
+            await stop.wait()
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
+
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve())
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            conn.send(repr(e))
+        raise
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def _instrument(store: JobStore, bus: Bus, stats: CoordinatorStats) -> None:
@@ -466,7 +524,7 @@ class Driver:
         server_monitor_url: str,
         bus: Bus,
         store: JobStore,
-        coordinator: CoordinatorThread,
+        coordinator: CoordinatorProcess,
         layout: Layout,
     ) -> None:
         self.settings, self.bus, self.store = settings, bus, store
@@ -945,12 +1003,12 @@ async def _main(
         async with Bus(settings, name="bench-agents") as bus:
             await bus.ensure_stream()
             store = await JobStore(bus.js, settings).open()
-            with CoordinatorThread(settings, profile=profile) as coordinator:
+            with CoordinatorProcess(settings, profile=profile) as coordinator:
                 layout = Layout("control", nodes, ranks_per_node)
                 d = Driver(settings, server.monitor_url, bus, store, coordinator, layout)
                 log(f"control: {nodes} nodes x {ranks_per_node} ranks, {steps} steps")
                 ckpts = await _measured_job(d, steps)
-                prof = coordinator.stop_profile()
+                coordinator.stop_profile()
                 restart_bytes, restart_records = await _restart_read(store.kv, d.job)
                 record_bytes = 0
                 head = await d.head()
@@ -972,11 +1030,10 @@ async def _main(
                     hist = Layout(f"history{n}", HISTORY_NODES, ranks_per_node)
                     hd = Driver(settings, server.monitor_url, bus, store, coordinator, hist)
                     history[str(n)] = await _history_job(hd, n)
-                published_max = coordinator.stats.published_max_bytes
-                kv_max = coordinator.stats.kv_max_bytes
-                removed = sum(job == d.job for job, _ in coordinator.stats.removed)
-    if prof is not None:
-        _print_profile(prof)
+                stats = coordinator.stats
+                published_max = stats.published_max_bytes
+                kv_max = stats.kv_max_bytes
+                removed = sum(job == d.job for job, _ in stats.removed)
     steady = [c for c in ckpts if c.step >= 3] or ckpts
     cpu = _mean([c.cpu_s for c in steady])
     msgs = _mean([c.stream_msgs for c in steady])

@@ -539,8 +539,9 @@ class JobState:
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
         if changed or counts is not None:
             self._changes.put.add(step)
-        if counts is not None and (
-            s.world_size in counts or s.world_size in (s.count["nvme"], s.count["s3"], s.either)
+        if counts is not None and any(
+            a != b and s.world_size in (a, b)
+            for a, b in zip(counts, (s.count["nvme"], s.count["s3"], s.either), strict=True)
         ):
             self._recount()
 
