@@ -271,6 +271,8 @@ class NodeBatch(_Event, frozen=True, kw_only=True, tag="batch"):
         if not 0 < len(self.events) <= BATCH_MAX:
             raise ValueError(f"a batch holds 1 to {BATCH_MAX} events, not {len(self.events)}")
         for e in self.events:
+            if e.v != SCHEMA_VERSION:  # (`decode_event` checks the batch's own version only)
+                raise ValueError(f"a batch holds an event of schema version {e.v}")
             if (e.job, e.node, e.__struct_config__.tag) != (self.job, self.node, self.batch):
                 raise ValueError(
                     f"a {self.batch} batch of {self.job}@{self.node} holds a "

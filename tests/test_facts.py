@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierpipe.schemas import NodeBatch, ShardEvicted, ShardVerified, ShardWritten, decode_event
+from tierpipe.schemas import (
+    NodeBatch,
+    ShardEvicted,
+    ShardFlushed,
+    ShardVerified,
+    ShardWritten,
+    StageFailed,
+    decode_event,
+)
 from tierpipe.schemas.events import encode_event
 from tierpipe.schemas.facts import BatchFact, decode_fact, fact_of
 
@@ -97,10 +105,48 @@ _SAMPLES = [
         )
     ),
 ]
+_SAMPLES += [
+    encode_event(
+        ShardFlushed(
+            job="j",
+            node="n",
+            ts=1.0,
+            step=3,
+            rank=1,
+            world_size=4,
+            bucket="b",
+            key="k",
+            etag="e",
+            checksum="c",
+            header_digest=DIGEST,
+            nbytes=9,
+            seconds=0.2,
+            origin="reindex",
+        )
+    ),
+    encode_event(
+        StageFailed(
+            job="j",
+            node="n",
+            ts=1.0,
+            stage="verify",
+            error="IntegrityError",
+            message="m",
+            retryable=False,
+            attempt=2,
+            step=3,
+            rank=1,
+            world_size=4,
+            tier="nvme",
+            epoch=5,
+            generation=7,
+        )
+    ),
+]
 _EDITS = b'"-:,{}[]0129afAFjnv\\ \n.Zxtrue'
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     st.sampled_from(_SAMPLES),
     st.integers(0, 10_000),
@@ -118,3 +164,21 @@ def test_the_fact_decode_refuses_whatever_the_full_decode_refuses(
     assert fact == full
     if full:
         assert decode_fact(edited) == fact_of(decode_event(edited))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"rank":3', b'"rank":4'),  # rank == world size
+        (b'"events":[{', b'"events":[],"x":[{'),  # an empty batch
+        (b'"node":"n","ts":1.0,"step":3,"rank":3', b'"node":"m","ts":1.0,"step":3,"rank":3'),
+        (b'"kind":"written","v":1,"job":"j","node":"n","ts":1.0,"step":3,"rank":3',
+         b'"kind":"written","v":2,"job":"j","node":"n","ts":1.0,"step":3,"rank":3'),
+        (b'"batch":"written"', b'"batch":"verified"'),  # events of another kind
+    ],
+)  # fmt: skip
+def test_a_batch_the_full_decode_refuses_is_refused(old: bytes, new: bytes) -> None:
+    """What `NodeBatch` and `ShardEvent` check beyond the types, the fact decode checks too."""
+    data = batch(written(0), written(3))
+    assert old in data, data
+    assert both(data.replace(old, new, 1)) == (False, False)
