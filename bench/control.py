@@ -70,7 +70,6 @@ Figures (JSON keys):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import cProfile
 import importlib.util
 import json
@@ -80,7 +79,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -709,120 +708,66 @@ class _SimLoader:
         pass
 
 
-class _NodeWatch:
-    """One rank's view of its node's shared watch of the plan subject."""
+def _timed_restorer() -> type:
+    """`Restorer`, noting when each rank got the plan it loads (before it reads what it needs
+    to load it: the plan step's record and digest chunk)."""
+    from tierpipe.recovery.agree import Restorer
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+    class Timed(Restorer):
+        planned: dict[int, float]
 
-    async def next(self, timeout: float) -> Any:
-        try:
-            return await asyncio.wait_for(self.queue.get(), max(timeout, 0.001))
-        except TimeoutError:
-            return None
+        async def _load_planned(self, plan: Any, round_: int) -> Any:
+            self.planned.setdefault(self.rank, time.perf_counter())
+            return await super()._load_planned(plan, round_)
 
-
-#: Newest-message lookups (`current_head`) the simulated ranks have in flight at once.
-LOOKUPS = 32
-_LOOKUP_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-
-
-def _lookups() -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    return _LOOKUP_SLOTS.setdefault(loop, asyncio.Semaphore(LOOKUPS))
-
-
-class _NodeBus:
-    """A simulated node's bus: the real one, but the node's ranks share ONE watch of the job's
-    plan subject (fanned out here), as the ranks of a node could share one connection."""
-
-    def __init__(self, bus: Bus, plan_subject: str) -> None:
-        self._bus, self._plan_subject = bus, plan_subject
-        self._ranks: list[_NodeWatch] = []
-        self._watch: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._bus, name)
-
-    async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
-        # Thousands of these at once from one client time out (each wildcard lookup scans the
-        # stream's subjects on the server): at most `LOOKUPS` in flight, as nodes would spread.
-        async with _lookups():
-            return await self._bus.last_raw(subject)
-
-    async def start(self, stack: contextlib.AsyncExitStack) -> asyncio.Task[None]:
-        """Open the node's watch (closed with `stack`) and fan it out until cancelled."""
-        watch = await stack.enter_async_context(
-            self._bus.watch(self._plan_subject, each_subject=False)
-        )
-        return asyncio.create_task(self._pump(watch))
-
-    async def _pump(self, watch: Any) -> None:
-        while True:
-            stored = await watch.next(1.0)
-            if stored is not None:
-                for w in self._ranks:
-                    w.queue.put_nowait(stored)
-
-    @contextlib.asynccontextmanager
-    async def _shared(self) -> AsyncIterator[_NodeWatch]:
-        mine = _NodeWatch()
-        self._ranks.append(mine)
-        try:
-            yield mine
-        finally:
-            self._ranks.remove(mine)
-
-    def watch(self, subject: str, *, each_subject: bool = True) -> Any:
-        if subject == self._plan_subject and not each_subject:
-            return self._shared()
-        return self._bus.watch(subject, each_subject=each_subject)
+    return Timed
 
 
 async def _restart(d: Driver, work: Path) -> dict[str, Any]:
-    """Every simulated rank restores through the real `Restorer` (survey of the real KV, real
-    `ready` reports, rank 0's real watch and `choose`, the real compact plan, `loaded` reports
-    and the final plan), with loading simulated; see the module docstring."""
+    """Every simulated rank restores through the real `Restorer` as its node's torchrun would
+    start it (local rank and local world size): node leaders survey the real KV for their
+    node's ranks and publish real `ready` reports; rank 0 collects them on its watch, picks
+    with `choose` and publishes the compact plan; every rank takes it from its own core
+    subscription (a catch-up read only if none came within `PLAN_POLL_S`), reads what it
+    loads, "loads" and reports `loaded`; rank 0 publishes the final plan. See the module
+    docstring."""
     from tierpipe.names import plan_subject, shard_subject
-    from tierpipe.recovery.agree import Restorer
-    from tierpipe.schemas import decode_event
+    from tierpipe.schemas import decode_event, encode_event
 
     lay = d.layout
     nvme = _NoNvme(work / "no-nvme")
     planned: dict[int, float] = {}
+    loading: dict[int, float] = {}
     subject = plan_subject(lay.job)
-    node_buses = [_NodeBus(d.bus, subject) for _ in range(lay.nodes)]
     restart = f"bench-{time.time_ns()}"
-    pumps: list[asyncio.Task[None]] = []
-    async with contextlib.AsyncExitStack() as stack:
-        t0 = time.perf_counter()
-        try:
-            for nb in node_buses:
-                pumps.append(await nb.start(stack))
-            watches_s = time.perf_counter() - t0
+    timed = _timed_restorer()
+    timed.planned = planned
+    rpn = lay.ranks_per_node
 
-            async def one(rank: int) -> Any:
-                loader: Any = _SimLoader(lay, rank, nvme, planned)
-                bus: Any = d.bus if rank == 0 else node_buses[rank // lay.ranks_per_node]
-                return await Restorer(bus, d.settings, d.store, loader, restart=restart).run()
+    async def one(rank: int) -> Any:
+        loader: Any = _SimLoader(lay, rank, nvme, loading)
+        restorer = timed(
+            d.bus, d.settings, d.store, loader, restart=restart, local_rank=rank % rpn,
+            local_world_size=rpn,
+        )  # fmt: skip
+        return await restorer.run()
 
-            t0 = time.perf_counter()
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
-            restore_s = time.perf_counter() - t0
-        finally:
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+    t0 = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
+    restore_s = time.perf_counter() - t0
     results = [t.result() for t in tasks]
     plans = {(r.step, tuple(r.from_s3), r.rounds) for r in results}
     plan_msg = await d.bus.last_raw(subject)
-    ready = await d.bus.last_raw(shard_subject(lay.job, "restore", lay.node_of(0), 0))
+    reports = await d.bus.history(shard_subject(lay.job, "restore", lay.node_of(0), 0))
+    ready = [len(encode_event(e)) for e in reports if getattr(e, "phase", "") == "ready"]
     final = decode_event(plan_msg[1]) if plan_msg else None
+    everyone = len(planned) == lay.world_size
     return {
-        "plan_s": max(planned.values()) - t0 if len(planned) == lay.world_size else None,
+        "plan_s": max(planned.values()) - t0 if everyone else None,
+        "sources_s": max(loading.values()) - t0 if len(loading) == lay.world_size else None,
+        "first_plan_s": min(planned.values()) - t0 if planned else None,
         "restore_s": restore_s,
-        "node_watches_open_s": watches_s,
         "ranks_planned": len(planned),
         "same_plan": len(plans) == 1,
         "step": results[0].step,
@@ -830,7 +775,7 @@ async def _restart(d: Driver, work: Path) -> dict[str, Any]:
         "rounds": results[0].rounds,
         "final_plan": bool(final is not None and getattr(final, "final", False)),
         "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,
-        "ready_msg_bytes": len(ready[1]) if ready else None,
+        "ready_msg_bytes": max(ready, default=None),
     }
 
 

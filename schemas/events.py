@@ -16,12 +16,14 @@ from tierpipe.schemas.names import Token
 
 __all__ = (
     "BATCH_MAX",
+    "READY_RANKS",
     "SCHEMA_VERSION",
     "BatchKind",
     "Event",
     "FlushAction",
     "FlushControl",
     "NodeBatch",
+    "RankSteps",
     "RecoveryPlanned",
     "RestoreReport",
     "ShardEvent",
@@ -232,8 +234,29 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     error: str = ""
 
 
+class RankSteps(msgspec.Struct, frozen=True, kw_only=True):
+    """What one rank of a node can restore, as its node's local leader found it (a `ready`)."""
+
+    rank: NonNegInt
+    #: Candidate steps whose NVMe copy of this rank was checked on the node (newest first).
+    local_steps: list[int] = []
+    #: Candidate steps whose object of this rank the job state confirms (newest first).
+    s3_steps: list[int] = []
+    #: Why it lacks a copy of some candidate (short).
+    error: str = ""
+
+
+#: The most ranks one `ready` speaks for (a node of more ranks reports in several): ~100 B each,
+#: so a report stays far below the message limit.
+READY_RANKS = 64
+
+
 class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
-    """One rank's progress in a restart, on `tp.<job>.restore.<node>.<rank>`."""
+    """One rank's progress in a restart, on `tp.<job>.restore.<node>.<rank>`.
+
+    A node's local leader reports `ready` for the node's ranks (`covers`, at most
+    `READY_RANKS` a report, on the subject of the first of them); without `covers` a report
+    speaks for `rank` alone."""
 
     restart: str
     rank: NonNegInt
@@ -250,6 +273,8 @@ class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
     s3_steps: list[int] = []
     tier: Tier | None = None
     error: str = ""
+    #: `ready` of a node's local leader: the ranks it checked, each with its own steps.
+    covers: list[RankSteps] = []
 
 
 #: The kinds a node's agent also reports per node, as a `NodeBatch` (what stages consume).
