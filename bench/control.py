@@ -708,6 +708,43 @@ class _SimLoader:
         pass
 
 
+#: Requests (KV gets, direct gets, publishes) the simulated ranks have in flight at once: one
+#: client taking tens of thousands at once would time them out in its own queue, where real
+#: ranks each send a few from their own process.
+IN_FLIGHT_REQUESTS = 256
+
+
+class _Throttled:
+    """`target` (a `Bus` or a `KeyValue`), with at most `IN_FLIGHT_REQUESTS` of the simulated
+    ranks' requests in flight (the rest pass through)."""
+
+    THROTTLED = frozenset({"get", "last_raw", "publish"})
+
+    def __init__(self, target: Any, slots: asyncio.Semaphore) -> None:
+        self._target, self._slots = target, slots
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name not in self.THROTTLED:
+            return attr
+
+        async def throttled(*args: Any, **kwargs: Any) -> Any:
+            async with self._slots:
+                return await attr(*args, **kwargs)
+
+        return throttled
+
+
+async def _throttled(d: Driver) -> tuple[Any, JobStore]:
+    """The bus and a job store for the simulated ranks (see `_Throttled`)."""
+    from tierpipe.kvstate import JobStore
+
+    slots = asyncio.Semaphore(IN_FLIGHT_REQUESTS)
+    store = await JobStore(d.bus.js, d.settings).open()
+    store._kv = _Throttled(store.kv, slots)  # type: ignore[assignment]
+    return _Throttled(d.bus, slots), store
+
+
 def _timed_restorer() -> type:
     """`Restorer`, noting when each rank got the plan it loads (before it reads what it needs
     to load it: the plan step's record and digest chunk)."""
@@ -743,11 +780,12 @@ async def _restart(d: Driver, work: Path) -> dict[str, Any]:
     timed = _timed_restorer()
     timed.planned = planned
     rpn = lay.ranks_per_node
+    bus, store = await _throttled(d)
 
     async def one(rank: int) -> Any:
         loader: Any = _SimLoader(lay, rank, nvme, loading)
         restorer = timed(
-            d.bus, d.settings, d.store, loader, restart=restart, local_rank=rank % rpn,
+            bus, d.settings, store, loader, restart=restart, local_rank=rank % rpn,
             local_world_size=rpn,
         )  # fmt: skip
         return await restorer.run()
@@ -757,7 +795,7 @@ async def _restart(d: Driver, work: Path) -> dict[str, Any]:
         tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
     restore_s = time.perf_counter() - t0
     results = [t.result() for t in tasks]
-    plans = {(r.step, tuple(r.from_s3), r.rounds) for r in results}
+    plans = {(r.step, r.s3_bitmap, r.rounds) for r in results}
     plan_msg = await d.bus.last_raw(subject)
     reports = await d.bus.history(shard_subject(lay.job, "restore", lay.node_of(0), 0))
     ready = [len(encode_event(e)) for e in reports if getattr(e, "phase", "") == "ready"]
@@ -771,7 +809,7 @@ async def _restart(d: Driver, work: Path) -> dict[str, Any]:
         "ranks_planned": len(planned),
         "same_plan": len(plans) == 1,
         "step": results[0].step,
-        "from_s3_ranks": len(results[0].from_s3),
+        "from_s3_ranks": len(results[0].from_s3),  # (one rank's list: listed on demand)
         "rounds": results[0].rounds,
         "final_plan": bool(final is not None and getattr(final, "final", False)),
         "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,

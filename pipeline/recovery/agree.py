@@ -98,13 +98,19 @@ class Restored:
     state: Any
     #: Where this rank's shard came from.
     source: Source
-    #: The ranks rank 0 sent to object storage (the others read their own node's NVMe).
-    from_s3: list[int]
+    #: The plan's bitmap of the ranks rank 0 sent to object storage (`from_s3` lists them).
+    s3_bitmap: bytes
     seconds: float
     #: Plans it took (more than 1: a copy was bad and every rank moved to an older step).
     rounds: int
     #: How the ranks agreed: "nats" (reports and plans on the stream) or "torch.distributed".
     agreement: str = "nats"
+
+    @property
+    def from_s3(self) -> list[int]:
+        """The ranks rank 0 sent to object storage (the others read their own node's NVMe):
+        listed on demand, as a rank of a large job seldom needs every other rank's source."""
+        return ranks_of(self.s3_bitmap)
 
 
 class Restorer:
@@ -533,9 +539,7 @@ class Restorer:
     ) -> Restored:
         (source, loaded), seconds = mine, time.perf_counter() - t0
         agreement = "nats" if self._collective is None else "torch.distributed"
-        return Restored(
-            plan.step, loaded.state, source, ranks_of(plan.from_s3), seconds, rounds, agreement
-        )
+        return Restored(plan.step, loaded.state, source, plan.from_s3, seconds, rounds, agreement)
 
 
 class _Plans:
