@@ -765,7 +765,7 @@ async def _restart(d: Driver, work: Path) -> dict[str, Any]:
     start it (local rank and local world size): node leaders survey the real KV for their
     node's ranks and publish real `ready` reports; rank 0 collects them on its watch, picks
     with `choose` and publishes the compact plan; every rank takes it from its own core
-    subscription (a catch-up read only if none came within `PLAN_POLL_S`), reads what it
+    subscription (a catch-up read only if none came within `restore_plan_poll_s`), reads what it
     loads, "loads" and reports `loaded`; rank 0 publishes the final plan. See the module
     docstring."""
     from tierpipe.names import plan_subject, shard_subject

@@ -11,7 +11,7 @@ ranks covered, picks the newest step every rank has (`choose`), and publishes a 
 `tp.<job>.plan`: the step and a bitmap of the ranks that read it from object storage. The other
 ranks take plans from a core NATS subscription opened before anything they publish (no consumer
 per rank), and catch up on one published before it (or lost in a reconnect) with a direct get
-of the newest plan when none came for `plan_poll_s`. Ranks that did not survey read only the
+of the newest plan when none came for `restore_plan_poll_s`. Ranks that did not survey read only the
 plan step's record and digest chunk. Every rank loads its shard from its first good source
 (`Loader`) and reports `loaded` or `failed`. When all loaded, rank 0 publishes the plan again as
 `final`; when one had no good copy left, rank 0 picks an older step (a new round) and all ranks
@@ -76,18 +76,13 @@ from tierpipe.schemas import (
 from tierpipe.settings import Settings
 from tierpipe.storage.s3 import S3Store
 
-__all__ = ("PLAN_POLL_S", "Restored", "Restorer")
+__all__ = ("Restored", "Restorer")
 
 log = structlog.get_logger(__name__)
 
 #: The restart id when neither torchelastic nor the caller names one: ranks then match up by
 #: stream order (a report counts only if published after this rank's `ready`).
 _ANONYMOUS = "anonymous"
-
-#: Seconds without a plan after which a rank reads the newest stored one (a plan published
-#: before it subscribed, or lost in a reconnect); ranks that published no `ready` wait a random
-#: part of it more the first time, so a whole job's ranks do not read at once.
-PLAN_POLL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +136,6 @@ class Restorer:
         collective: Collective | None = None,
         local_rank: int = 0,
         local_world_size: int = 1,
-        plan_poll_s: float = PLAN_POLL_S,
     ) -> None:
         self.bus, self.settings, self.store = bus, settings, store
         self.job, self.rank, self.node = loader.job, loader.rank, loader.node
@@ -161,7 +155,7 @@ class Restorer:
             )
         #: The node's ranks this rank surveys for (none unless it is the local leader).
         self.group = range(first, first + local_world_size) if local_rank == 0 else range(0)
-        self._plan_poll_s = plan_poll_s
+        self._plan_poll_s = settings.restore_plan_poll_s
         self._deadline = 0.0
         self._reads = Reads(store, self.job)
         self._surveys: dict[int, Survey] = {}
