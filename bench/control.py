@@ -698,7 +698,7 @@ class _SimLoader:
     async def first_good(
         self, sources: list[Any], into: Any, *, step: int, attempt: int, deadline: float
     ) -> tuple[Any, _Loaded] | str:
-        self._planned.setdefault(self.rank, time.perf_counter())
+        self._planned.setdefault(self.rank, time.monotonic())
         return (sources[0], _Loaded()) if sources else "no sources"
 
     async def report(self, tier: str, step: int, e: Exception, **kw: Any) -> None:
@@ -735,14 +735,14 @@ class _Throttled:
         return throttled
 
 
-async def _throttled(d: Driver) -> tuple[Any, JobStore]:
+async def _throttled(bus: Bus, settings: Settings) -> tuple[Any, JobStore]:
     """The bus and a job store for the simulated ranks (see `_Throttled`)."""
     from tierpipe.kvstate import JobStore
 
     slots = asyncio.Semaphore(IN_FLIGHT_REQUESTS)
-    store = await JobStore(d.bus.js, d.settings).open()
+    store = await JobStore(bus.js, settings).open()
     store._kv = _Throttled(store.kv, slots)  # type: ignore[assignment]
-    return _Throttled(d.bus, slots), store
+    return _Throttled(bus, slots), store
 
 
 def _timed_restorer() -> type:
@@ -754,63 +754,154 @@ def _timed_restorer() -> type:
         planned: dict[int, float]
 
         async def _load_planned(self, plan: Any, round_: int) -> Any:
-            self.planned.setdefault(self.rank, time.perf_counter())
+            self.planned.setdefault(self.rank, time.monotonic())
             return await super()._load_planned(plan, round_)
 
     return Timed
 
 
-async def _restart(d: Driver, work: Path) -> dict[str, Any]:
+#: Processes the simulated ranks of a restart run in, from `RESTART_PROCS_FROM` nodes on (this
+#: one, with rank 0, and the others spawned; the nodes split evenly): one process cannot drive
+#: tens of thousands of ranks' requests through nats-py in time, real ranks each have their own.
+RESTART_PROCS = 2
+RESTART_PROCS_FROM = 1000
+
+
+@dataclass
+class _Part:
+    """What one process's simulated ranks did (times on the machine's monotonic clock)."""
+
+    ranks: int
+    #: When the first and the last of them got the plan they loaded; how many did.
+    planned: tuple[float, float, int]
+    #: When the last of them knew its sources; how many did.
+    loading: tuple[float, int]
+    #: (step, from_s3 bitmap, rounds) of what they restored.
+    plans: set[tuple[int, bytes, int]]
+    from_s3_ranks: int
+    error: str = ""
+
+
+async def _run_ranks(
+    bus: Bus, settings: Settings, layout: Layout, ranks: range, restart: str, nvme_root: Path
+) -> _Part:
+    """The simulated `ranks` of `layout`, each through the real `Restorer` (see `_restart`)."""
+    nvme = _NoNvme(nvme_root)
+    planned: dict[int, float] = {}
+    loading: dict[int, float] = {}
+    timed = _timed_restorer()
+    timed.planned = planned
+    rpn = layout.ranks_per_node
+    throttled, store = await _throttled(bus, settings)
+
+    async def one(rank: int) -> Any:
+        loader: Any = _SimLoader(layout, rank, nvme, loading)
+        restorer = timed(
+            throttled, settings, store, loader, restart=restart, local_rank=rank % rpn,
+            local_world_size=rpn,
+        )  # fmt: skip
+        return await restorer.run()
+
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(rank)) for rank in ranks]
+    results = [t.result() for t in tasks]
+    times = list(planned.values())
+    return _Part(
+        ranks=len(ranks),
+        planned=(min(times, default=0.0), max(times, default=0.0), len(times)),
+        loading=(max(loading.values(), default=0.0), len(loading)),
+        plans={(r.step, r.s3_bitmap, r.rounds) for r in results},
+        from_s3_ranks=len(results[0].from_s3) if results else 0,
+    )
+
+
+def _restart_proc(
+    env: dict[str, str], layout: Layout, ranks: range, restart: str, nvme_root: Path,
+    go: Any, out: Any,
+) -> None:  # fmt: skip
+    """A spawned process's part of the restart: connect, say so, wait for `go`, run `ranks`."""
+    from tierpipe.log import configure_logging
+
+    configure_logging("warning", "json", only_if_unconfigured=True)
+
+    async def main() -> _Part:
+        from tierpipe.bus import Bus
+        from tierpipe.settings import load_settings
+
+        settings = load_settings(path=None, env=env)
+        async with Bus(settings, name=f"bench-ranks-{ranks.start}") as bus:
+            out.put("connected")
+            await asyncio.to_thread(go.wait)
+            return await _run_ranks(bus, settings, layout, ranks, restart, nvme_root)
+
+    try:
+        out.put(asyncio.run(main()))
+    except BaseException as e:
+        out.put(_Part(len(ranks), (0.0, 0.0, 0), (0.0, 0), set(), 0, error=repr(e)))
+
+
+async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
     """Every simulated rank restores through the real `Restorer` as its node's torchrun would
     start it (local rank and local world size): node leaders survey the real KV for their
     node's ranks and publish real `ready` reports; rank 0 collects them on its watch, picks
     with `choose` and publishes the compact plan; every rank takes it from its own core
     subscription (a catch-up read only if none came within `restore_plan_poll_s`), reads what it
-    loads, "loads" and reports `loaded`; rank 0 publishes the final plan. See the module
+    loads, "loads" and reports `loaded`; rank 0 publishes the final plan. The nodes are split
+    over `procs` processes (this one has rank 0), each with its own connection. See the module
     docstring."""
+    import multiprocessing
+
     from tierpipe.names import plan_subject, shard_subject
     from tierpipe.schemas import decode_event, encode_event
 
     lay = d.layout
-    nvme = _NoNvme(work / "no-nvme")
-    planned: dict[int, float] = {}
-    loading: dict[int, float] = {}
-    subject = plan_subject(lay.job)
     restart = f"bench-{time.time_ns()}"
-    timed = _timed_restorer()
-    timed.planned = planned
-    rpn = lay.ranks_per_node
-    bus, store = await _throttled(d)
-
-    async def one(rank: int) -> Any:
-        loader: Any = _SimLoader(lay, rank, nvme, loading)
-        restorer = timed(
-            bus, d.settings, store, loader, restart=restart, local_rank=rank % rpn,
-            local_world_size=rpn,
-        )  # fmt: skip
-        return await restorer.run()
-
-    t0 = time.perf_counter()
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
-    restore_s = time.perf_counter() - t0
-    results = [t.result() for t in tasks]
-    plans = {(r.step, r.s3_bitmap, r.rounds) for r in results}
-    plan_msg = await d.bus.last_raw(subject)
+    cut = [lay.nodes * i // procs * lay.ranks_per_node for i in range(procs + 1)]
+    parts = [range(cut[i], cut[i + 1]) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    env = d.settings.as_env()
+    children = [
+        ctx.Process(target=_restart_proc, args=(env, lay, part, restart, work / "no-nvme", go, out))
+        for part in parts[1:]
+    ]
+    for child in children:
+        child.start()
+    try:
+        for _ in children:  # (started and connected before the clock starts)
+            assert await asyncio.to_thread(out.get, True, 120) == "connected"
+        t0 = time.monotonic()
+        go.set()
+        mine = await _run_ranks(d.bus, d.settings, lay, parts[0], restart, work / "no-nvme")
+        found = [mine] + [await asyncio.to_thread(out.get, True, 1800) for _ in children]
+        restore_s = time.monotonic() - t0
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    errors = [p.error for p in found if p.error]
+    if errors:
+        raise RuntimeError(f"a process of simulated ranks failed: {errors}")
+    plans = set().union(*(p.plans for p in found))
+    (step, _, rounds) = next(iter(plans))
+    planned = sum(p.planned[2] for p in found)
+    loaded = sum(p.loading[1] for p in found)
+    plan_msg = await d.bus.last_raw(plan_subject(lay.job))
     reports = await d.bus.history(shard_subject(lay.job, "restore", lay.node_of(0), 0))
     ready = [len(encode_event(e)) for e in reports if getattr(e, "phase", "") == "ready"]
     final = decode_event(plan_msg[1]) if plan_msg else None
-    everyone = len(planned) == lay.world_size
     return {
-        "plan_s": max(planned.values()) - t0 if everyone else None,
-        "sources_s": max(loading.values()) - t0 if len(loading) == lay.world_size else None,
-        "first_plan_s": min(planned.values()) - t0 if planned else None,
+        "plan_s": max(p.planned[1] for p in found) - t0 if planned == lay.world_size else None,
+        "sources_s": max(p.loading[0] for p in found) - t0 if loaded == lay.world_size else None,
+        "first_plan_s": min(p.planned[0] for p in found) - t0,
         "restore_s": restore_s,
-        "ranks_planned": len(planned),
+        "processes": procs,
+        "ranks_planned": planned,
         "same_plan": len(plans) == 1,
-        "step": results[0].step,
-        "from_s3_ranks": len(results[0].from_s3),  # (one rank's list: listed on demand)
-        "rounds": results[0].rounds,
+        "step": step,
+        "from_s3_ranks": found[0].from_s3_ranks,  # (one rank's list: listed on demand)
+        "rounds": rounds,
         "final_plan": bool(final is not None and getattr(final, "final", False)),
         "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,
         "ready_msg_bytes": max(ready, default=None),
@@ -914,6 +1005,7 @@ async def _main(
     history_steps: Sequence[int],
     old_restore: bool,
     profile: bool,
+    restart_procs: int,
 ) -> dict[str, Any]:
     from tierpipe.bus import Bus
     from tierpipe.dev import NatsServer
@@ -948,7 +1040,7 @@ async def _main(
                 old = _old_restore(d, stored, read_s) if old_restore else None
                 del stored
                 log(f"  restart: {layout.world_size} ranks through the agreement protocol")
-                restart = await _restart(d, work)
+                restart = await _restart(d, work, restart_procs)
                 log(f"  restart: plan_s {restart['plan_s']}, restore_s {restart['restore_s']:.2f}")
                 history: dict[str, float] = {}
                 for n in history_steps:
@@ -1039,17 +1131,29 @@ def run(
     history_steps: Sequence[int] = HISTORY_STEPS,
     old_restore: bool = True,
     profile: bool = False,
+    restart_procs: int | None = None,
 ) -> dict[str, Any]:
     """Drive the control plane for `steps` checkpoints of `nodes` x `ranks_per_node` ranks;
-    the figures of the module's docstring."""
+    the figures of the module's docstring. `restart_procs`: processes the restart's simulated
+    ranks run in (default `RESTART_PROCS` from `RESTART_PROCS_FROM` nodes on, else 1)."""
     from tierpipe.log import configure_logging
 
     if nodes < 1 or ranks_per_node < 1 or steps < 1:
         raise ValueError("nodes, ranks_per_node and steps must be >= 1")
+    if restart_procs is None:
+        restart_procs = RESTART_PROCS if nodes >= RESTART_PROCS_FROM else 1
+    restart_procs = max(1, min(restart_procs, nodes))
     # structlog's defaults print to stdout, which must carry only the JSON line.
     configure_logging("warning", "json", only_if_unconfigured=True)
     with scratch_dir("control") as work:
         coro: Coroutine[Any, Any, dict[str, Any]] = _main(
-            work, nodes, ranks_per_node, steps, history_steps, old_restore, profile
+            work,
+            nodes,
+            ranks_per_node,
+            steps,
+            history_steps,
+            old_restore,
+            profile,
+            restart_procs,
         )
         return asyncio.run(coro)

@@ -85,6 +85,10 @@ log = structlog.get_logger(__name__)
 _ANONYMOUS = "anonymous"
 
 
+#: The catch-up reads of a rank waiting for a plan back off to this many `restore_plan_poll_s`.
+_POLL_BACKOFF = 8
+
+
 @dataclass(frozen=True, slots=True)
 class Restored:
     """What `Checkpointer.restore()` returns."""
@@ -341,7 +345,7 @@ class Restorer:
         mine = None
         jitter = random.random()  # noqa: S311 (spreading reads, not secrets)
         first = self._plan_poll_s * (1.0 if self.group else 1.0 + jitter)
-        poll_at = time.monotonic() + first
+        poll_at, every = time.monotonic() + first, self._plan_poll_s
         while True:
             live = await plans.next(min(poll_at, self._deadline) - time.monotonic())
             got: tuple[RecoveryPlanned, int | None] | None = None
@@ -352,7 +356,9 @@ class Restorer:
                     self.job, self.restart, self.settings.restore_timeout_s, "no plan from rank 0"
                 )
             elif time.monotonic() >= poll_at:
-                poll_at = time.monotonic() + self._plan_poll_s
+                # (backing off: a long restore of many ranks is not also a stream of reads)
+                every = min(every * 2, self._plan_poll_s * _POLL_BACKOFF)
+                poll_at = time.monotonic() + every
                 stored = await plans.newest()
                 if stored is not None:
                     got = (stored[1], stored[0])
