@@ -51,18 +51,28 @@ Figures (JSON keys):
   retention, paced publishing): the median time to read that restart state after 1,000
   checkpoints over the same after 10 (`restart_s_history` has both).
 - `plan_s`: MEASURED, from the restart until every simulated rank has its plan, through the
-  real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks in
-  this process): each rank waits for the fold of its own newest event (`current_head`),
-  surveys the real KV (`survey`), publishes its `ready` report; rank 0 collects them on its
-  watch, picks with `choose` and publishes the compact plan; every rank receives it, "loads",
-  reports `loaded`, and rank 0 publishes the final plan (`restart.restore_s`: until every rank
-  returned). Simulated: the ranks of a node share ONE watch of the plan subject (fanned out
-  here; a real rank opens its own); no NVMe copy is on this machine (each rank's disk check
-  finds none, so every rank reads object storage: the largest plan bitmap); loading returns at
-  once. `restart` has the details (`same_plan`: every rank got the same step and bitmap,
-  `plan_msg_bytes`, `ready_msg_bytes`). `old_restore` measures the old protocol's rank-0 side
-  on this job, for comparison: the replay of the whole job stream into a catalog
-  (`replay_s`, `replay_events`, `replay_bytes`), `plan_recovery_s`, and `plan_msg_bytes`.
+  real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks),
+  each rank started as torchrun starts it (`local_rank`, `local_world_size` = ranks per
+  node): each node's local leader waits for the fold of its node's newest events
+  (`current_head`), surveys the real KV for its node's ranks (`survey`: each record and digest
+  chunk once) and publishes one `ready` for them; rank 0 collects them on its watch, picks
+  with `choose` and publishes the compact plan (step + deflated bitmap); every other rank takes
+  it from its own core subscription to the plan subject (opened at its start; a catch-up read
+  of the stored plan only after `restore_plan_poll_s` without one), then reads what it loads
+  (the plan step's record and digest chunk), "loads", reports `loaded`, and rank 0 publishes
+  the final plan (`restart.sources_s`: until every rank knew its sources; `restart.restore_s`:
+  until every rank returned). Simulated: no NVMe copy is on this machine (each node's disk
+  check finds none, so every rank reads object storage: the largest plan bitmap); loading
+  returns at once. The simulated ranks share connections, one per process: from
+  `RESTART_PROCS_FROM` nodes the nodes are split over `RESTART_PROCS` processes
+  (`restart.processes`; this one has rank 0), and their requests are throttled to
+  `IN_FLIGHT_REQUESTS` in flight per process (one client's queue would time out tens of
+  thousands at once; real ranks each send a few from their own process); the cyclic GC is off
+  while they run. `restart` has the details (`same_plan`: every rank got the same step and
+  bitmap, `plan_msg_bytes`, `ready_msg_bytes`: a node's `ready`). `old_restore` measures the
+  old protocol's rank-0 side on this job, for comparison: the replay of the whole job stream
+  into a catalog (`replay_s`, `replay_events`, `replay_bytes`), `plan_recovery_s`, and
+  `plan_msg_bytes`.
 - `kv_equals_fold`: the KV (head, floors, every step record and no other step key) equals a
   fresh `JobState` fold of the job's stream as stored.
 """
@@ -1110,9 +1120,11 @@ async def _main(
         "msg_limit_bytes": MSG_LIMIT,
         "notes": (
             "plan_s: from the restart until every simulated rank had its plan, through the real "
-            "Restorer (KV survey, ready reports, rank 0's choose, compact plan; one plan watch "
-            "per simulated node; no NVMe copies on this machine, so every rank reads object "
-            "storage; loading is instant), all ranks in this one process on one connection. "
+            "Restorer (node leaders survey the KV for their node and publish one ready each, "
+            "rank 0 chooses and publishes the compact plan, every rank takes it from its own "
+            "core subscription; no NVMe copies on this machine, so every rank reads object "
+            "storage; loading is instant); the simulated ranks share one connection per "
+            f"process ({restart['processes']} processes). "
             "old_restore: rank 0's side of the old replay protocol on this job, for comparison. "
             "stage_deliveries_per_ckpt_per_node is a formula (ranks per node + 3: nvme-write "
             "per rank, then the node's batches to verify, flush and evict), the other "

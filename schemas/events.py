@@ -8,6 +8,7 @@ references (paths, sizes, digests).
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -36,6 +37,7 @@ __all__ = (
     "StageFailed",
     "Tier",
     "decode_event",
+    "deflated_bitmap",
     "encode_event",
     "shard_event",
 )
@@ -225,13 +227,44 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     round: PosInt
     step: NonNegInt
     world_size: PosInt
-    #: Ranks that read from object storage: rank r is bit `r % 8` of byte `r // 8`.
+    #: Ranks that read from object storage: rank r is bit `r % 8` of byte `r // 8` (read it
+    #: with `s3_bitmap()`).
     from_s3: bytes = b""
     #: Newer candidate steps that could not be used, with why (a few, each short).
     rejected: dict[int, str] = {}
     final: bool = False
     #: Set when rank 0 found nothing to restore (error class: message); ranks give up with it.
     error: str = ""
+    #: `from_s3` deflated (zlib), where that is smaller; `from_s3` is then empty. Every rank
+    #: receives the plan: at 80,000 ranks a bitmap of all of them is 13 KB as JSON, ~60 B so.
+    from_s3_z: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.s3_bitmap()  # (a deflated bitmap that is garbled or too long: no plan at all)
+
+    def s3_bitmap(self) -> bytes:
+        """The bitmap of the ranks that read from object storage (`from_s3`, inflated).
+
+        Raises:
+            ValueError: `from_s3_z` is not a deflated bitmap of at most `world_size` bits.
+        """
+        if not self.from_s3_z:
+            return self.from_s3
+        limit = (self.world_size + 7) // 8
+        try:
+            inflate = zlib.decompressobj()
+            bits = inflate.decompress(self.from_s3_z, limit)
+        except zlib.error as e:
+            raise ValueError(f"from_s3_z is not deflated ({e})") from e
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"from_s3_z inflates past {limit} bytes, or is cut short")
+        return bits
+
+
+def deflated_bitmap(bits: bytes) -> dict[str, bytes]:
+    """`from_s3` or `from_s3_z` of a `RecoveryPlanned` for `bits`, whichever is smaller."""
+    packed = zlib.compress(bits, 9)
+    return {"from_s3_z": packed} if len(packed) < len(bits) else {"from_s3": bits}
 
 
 class RankSteps(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,18 +7,29 @@ import asyncio
 import concurrent.futures
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
+from tierpipe.jobstate import bitmap
 from tierpipe.names import shard_relpath
-from tierpipe.schemas import RecoveryPlanned, RestoreReport, ShardFlushed, StageFailed
+from tierpipe.schemas import (
+    RecoveryPlanned,
+    RestoreReport,
+    ShardFlushed,
+    StageFailed,
+    decode_event,
+    deflated_bitmap,
+    encode_event,
+)
 from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -212,3 +223,22 @@ def test_an_anonymous_restart_does_not_take_an_older_restarts_plan(
         (second, target) = follower.result(timeout=60)
     assert (first.step, second.step) == (2, 2)
     assert_state(target, saved[(2, 1)])
+
+
+def test_a_plans_deflated_bitmap_round_trips_and_an_overlong_one_is_no_plan() -> None:
+    """The plan of 80,000 ranks that all read object storage stays small on the wire and
+    inflates to the same bitmap; a deflated bitmap longer than the world is refused."""
+    bits = bitmap(range(80_000), 80_000)
+    plan = RecoveryPlanned(
+        job="j", node="n", ts=1.0, restart="r", round=1, step=3, world_size=80_000,
+        **deflated_bitmap(bits),
+    )  # fmt: skip
+    wire = encode_event(plan)
+    assert len(wire) < 400
+    got = decode_event(wire)
+    assert isinstance(got, RecoveryPlanned) and got.s3_bitmap() == bits
+    bomb = msgspec.json.encode(
+        {**msgspec.to_builtins(plan), "world_size": 8, "from_s3_z": zlib.compress(bits)}
+    )
+    with pytest.raises(msgspec.ValidationError, match="inflates past"):
+        decode_event(bomb)

@@ -45,6 +45,7 @@ from nats.aio.msg import Msg
 
 from tierpipe.bus import Bus
 from tierpipe.errors import (
+    BusUnavailableError,
     ConfigError,
     NoCheckpointError,
     RestoreTimeoutError,
@@ -72,6 +73,7 @@ from tierpipe.schemas import (
     RecoveryPlanned,
     RestoreReport,
     decode_event,
+    deflated_bitmap,
 )
 from tierpipe.settings import Settings
 from tierpipe.storage.s3 import S3Store
@@ -402,7 +404,8 @@ class Restorer:
             found = await self._survey_step(step)
         srcs = await sources(
             self._reads, found, rank=self.rank, world_size=self.world_size, step=step,
-            nvme=not has_rank(plan.from_s3, self.rank), locate_object=S3Store(self.settings).locate,
+            nvme=not has_rank(plan.s3_bitmap(), self.rank),
+            locate_object=S3Store(self.settings).locate,
         )  # fmt: skip
         got = await self._loader.first_good(
             srcs, self._into, step=step, attempt=round_, deadline=self._deadline
@@ -528,10 +531,10 @@ class Restorer:
             round=round_,
             step=plan.step if plan else 0,
             world_size=self.world_size,
-            from_s3=plan.from_s3 if plan else b"",
             rejected=plan.rejected if plan else {},
             final=final,
             error=error,
+            **deflated_bitmap(plan.from_s3 if plan else b""),
         )
 
     def _restored(
@@ -539,7 +542,8 @@ class Restorer:
     ) -> Restored:
         (source, loaded), seconds = mine, time.perf_counter() - t0
         agreement = "nats" if self._collective is None else "torch.distributed"
-        return Restored(plan.step, loaded.state, source, plan.from_s3, seconds, rounds, agreement)
+        bits = plan.s3_bitmap()
+        return Restored(plan.step, loaded.state, source, bits, seconds, rounds, agreement)
 
 
 class _Plans:
@@ -576,8 +580,13 @@ class _Plans:
         return self._queue.popleft() if self._queue else None
 
     async def newest(self) -> tuple[int, RecoveryPlanned] | None:
-        """(stream seq, plan) of the newest stored plan, or None."""
-        found = await self._bus.last_raw(self._subject)
+        """(stream seq, plan) of the newest stored plan, or None (none, or no answer: the
+        subscription may still bring it, and the next catch-up asks again)."""
+        try:
+            found = await self._bus.last_raw(self._subject)
+        except BusUnavailableError as e:
+            log.warning("restore_plan_catch_up_failed", subject=self._subject, error=str(e))
+            return None
         plan = None if found is None else _decode_plan(found[1])
         return None if found is None or plan is None else (found[0], plan)
 
