@@ -261,10 +261,10 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
         return bits
 
 
-def deflated_bitmap(bits: bytes) -> dict[str, bytes]:
-    """`from_s3` or `from_s3_z` of a `RecoveryPlanned` for `bits`, whichever is smaller."""
+def deflated_bitmap(bits: bytes) -> tuple[bytes, bytes]:
+    """(`from_s3`, `from_s3_z`) of a `RecoveryPlanned` for `bits`: the smaller one set."""
     packed = zlib.compress(bits, 9)
-    return {"from_s3_z": packed} if len(packed) < len(bits) else {"from_s3": bits}
+    return (b"", packed) if len(packed) < len(bits) else (bits, b"")
 
 
 class RankSteps(msgspec.Struct, frozen=True, kw_only=True):

@@ -229,9 +229,10 @@ def test_a_plans_deflated_bitmap_round_trips_and_an_overlong_one_is_no_plan() ->
     """The plan of 80,000 ranks that all read object storage stays small on the wire and
     inflates to the same bitmap; a deflated bitmap longer than the world is refused."""
     bits = bitmap(range(80_000), 80_000)
+    from_s3, from_s3_z = deflated_bitmap(bits)
     plan = RecoveryPlanned(
         job="j", node="n", ts=1.0, restart="r", round=1, step=3, world_size=80_000,
-        **deflated_bitmap(bits),
+        from_s3=from_s3, from_s3_z=from_s3_z,
     )  # fmt: skip
     wire = encode_event(plan)
     assert len(wire) < 400

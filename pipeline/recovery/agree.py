@@ -523,6 +523,7 @@ class Restorer:
         self, round_: int, plan: Choice | None, *, final: bool, error: str = ""
     ) -> RecoveryPlanned:
         """The event for `plan`; without one, the final word that rank 0 gave up (`error`)."""
+        from_s3, from_s3_z = deflated_bitmap(plan.from_s3 if plan else b"")
         return RecoveryPlanned(
             job=self.job,
             node=self.node,
@@ -534,7 +535,8 @@ class Restorer:
             rejected=plan.rejected if plan else {},
             final=final,
             error=error,
-            **deflated_bitmap(plan.from_s3 if plan else b""),
+            from_s3=from_s3,
+            from_s3_z=from_s3_z,
         )
 
     def _restored(
