@@ -777,6 +777,8 @@ def _timed_restorer() -> type:
 #: tens of thousands of ranks' requests through nats-py in time, real ranks each have their own.
 RESTART_PROCS = 2
 RESTART_PROCS_FROM = 1000
+#: The request timeout of the simulated ranks' connections (see `_restart`).
+RANK_REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -870,6 +872,7 @@ async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
     docstring."""
     import multiprocessing
 
+    from tierpipe.bus import Bus
     from tierpipe.names import plan_subject, shard_subject
     from tierpipe.schemas import decode_event, encode_event
 
@@ -879,7 +882,13 @@ async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
     parts = [range(cut[i], cut[i + 1]) for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
-    env = d.settings.as_env()
+    # A simulated rank's request waits in its process's loop behind tens of thousands of other
+    # ranks' work (a real rank's would not): the request timeout of the ranks' connections is
+    # `RANK_REQUEST_TIMEOUT_S`, theirs alone.
+    settings = d.settings.replace(
+        request_timeout_s=max(d.settings.request_timeout_s, RANK_REQUEST_TIMEOUT_S)
+    )
+    env = settings.as_env()
     children = [
         ctx.Process(target=_restart_proc, args=(env, lay, part, restart, work / "no-nvme", go, out))
         for part in parts[1:]
@@ -891,7 +900,8 @@ async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
             assert await asyncio.to_thread(out.get, True, 120) == "connected"
         t0 = time.monotonic()
         go.set()
-        mine = await _run_ranks(d.bus, d.settings, lay, parts[0], restart, work / "no-nvme")
+        async with Bus(settings, name="bench-ranks-0") as bus:
+            mine = await _run_ranks(bus, settings, lay, parts[0], restart, work / "no-nvme")
         found = [mine] + [await asyncio.to_thread(out.get, True, 1800) for _ in children]
         restore_s = time.monotonic() - t0
     finally:
