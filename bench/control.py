@@ -80,6 +80,7 @@ Figures (JSON keys):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import gc
 import importlib.util
@@ -1014,12 +1015,23 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     kv = d.store.kv
     records = {}
     prefix = f"{d.job}.step."
-    for key in await kv.keys():
+    for key in await _keys(kv):
         if key.startswith(prefix) and key[len(prefix) :].isdigit():  # (not `.ranks.<n>`)
             records[int(key[len(prefix) :])] = (await kv.get(key)).value or b""
     head = (await kv.get(head_key(d.job))).value or b""
     floors = (await kv.get(floor_key(d.job))).value or b""
     return _kv_equals_fold(state, head, floors, records)
+
+
+async def _keys(kv: KeyValue, tries: int = 3) -> list[str]:
+    """The bucket's keys. (nats-py's `keys()` now and then finds none in a bucket that has
+    thousands, as the server is loaded at 10,000 nodes: asked again.)"""
+    import nats.js.errors
+
+    for _ in range(tries - 1):
+        with contextlib.suppress(nats.js.errors.NoKeysError):
+            return list(await kv.keys())
+    return list(await kv.keys())
 
 
 def _mean(xs: Sequence[float]) -> float:
