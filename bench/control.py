@@ -53,18 +53,28 @@ Figures (JSON keys):
   retention, paced publishing): the median time to read that restart state after 1,000
   checkpoints over the same after 10 (`restart_s_history` has both).
 - `plan_s`: MEASURED, from the restart until every simulated rank has its plan, through the
-  real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks in
-  this process): each rank waits for the fold of its own newest event (`current_head`),
-  surveys the real KV (`survey`), publishes its `ready` report; rank 0 collects them on its
-  watch, picks with `choose` and publishes the compact plan; every rank receives it, "loads",
-  reports `loaded`, and rank 0 publishes the final plan (`restart.restore_s`: until every rank
-  returned). Simulated: the ranks of a node share ONE watch of the plan subject (fanned out
-  here; a real rank opens its own); no NVMe copy is on this machine (each rank's disk check
-  finds none, so every rank reads object storage: the largest plan bitmap); loading returns at
-  once. `restart` has the details (`same_plan`: every rank got the same step and bitmap,
-  `plan_msg_bytes`, `ready_msg_bytes`). `old_restore` measures the old protocol's rank-0 side
-  on this job, for comparison: the replay of the whole job stream into a catalog
-  (`replay_s`, `replay_events`, `replay_bytes`), `plan_recovery_s`, and `plan_msg_bytes`.
+  real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks),
+  each rank started as torchrun starts it (`local_rank`, `local_world_size` = ranks per
+  node): each node's local leader waits for the fold of its node's newest events
+  (`current_head`), surveys the real KV for its node's ranks (`survey`: each record and digest
+  chunk once) and publishes one `ready` for them; rank 0 collects them on its watch, picks
+  with `choose` and publishes the compact plan (step + deflated bitmap); every other rank takes
+  it from its own core subscription to the plan subject (opened at its start; a catch-up read
+  of the stored plan only after `restore_plan_poll_s` without one), then reads what it loads
+  (the plan step's record and digest chunk), "loads", reports `loaded`, and rank 0 publishes
+  the final plan (`restart.sources_s`: until every rank knew its sources; `restart.restore_s`:
+  until every rank returned). Simulated: no NVMe copy is on this machine (each node's disk
+  check finds none, so every rank reads object storage: the largest plan bitmap); loading
+  returns at once. The simulated ranks share connections, one per process: from
+  `RESTART_PROCS_FROM` nodes the nodes are split over `RESTART_PROCS` processes
+  (`restart.processes`; this one has rank 0), and their requests are throttled to
+  `IN_FLIGHT_REQUESTS` in flight per process (one client's queue would time out tens of
+  thousands at once; real ranks each send a few from their own process); the cyclic GC is off
+  while they run. `restart` has the details (`same_plan`: every rank got the same step and
+  bitmap, `plan_msg_bytes`, `ready_msg_bytes`: a node's `ready`). `old_restore` measures the
+  old protocol's rank-0 side on this job, for comparison: the replay of the whole job stream
+  into a catalog (`replay_s`, `replay_events`, `replay_bytes`), `plan_recovery_s`, and
+  `plan_msg_bytes`.
 - `kv_equals_fold`: the KV (head, floors, every step record and no other step key) equals a
   fresh `JobState` fold of the job's stream as stored.
 """
@@ -74,6 +84,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import cProfile
+import gc
 import importlib.util
 import json
 import pstats
@@ -82,7 +93,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -736,7 +747,8 @@ class _NoNvme:
     def locate(self, job: str, step: int, rank: int, world_size: int) -> str:
         from tierpipe.names import shard_relpath
 
-        return str(self.root / shard_relpath(job, step, rank, world_size))
+        # (as `NvmeStore.locate`; a string join, not pathlib: 80k ranks call it in one process)
+        return f"{self.root}/{shard_relpath(job, step, rank, world_size)}"
 
 
 @dataclass
@@ -757,7 +769,7 @@ class _SimLoader:
     async def first_good(
         self, sources: list[Any], into: Any, *, step: int, attempt: int, deadline: float
     ) -> tuple[Any, _Loaded] | str:
-        self._planned.setdefault(self.rank, time.perf_counter())
+        self._planned.setdefault(self.rank, time.monotonic())
         return (sources[0], _Loaded()) if sources else "no sources"
 
     async def report(self, tier: str, step: int, e: Exception, **kw: Any) -> None:
@@ -767,128 +779,220 @@ class _SimLoader:
         pass
 
 
-class _NodeWatch:
-    """One rank's view of its node's shared watch of the plan subject."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def next(self, timeout: float) -> Any:
-        try:
-            return await asyncio.wait_for(self.queue.get(), max(timeout, 0.001))
-        except TimeoutError:
-            return None
+#: Requests (KV gets, direct gets, publishes) the simulated ranks have in flight at once: one
+#: client taking tens of thousands at once would time them out in its own queue, where real
+#: ranks each send a few from their own process.
+IN_FLIGHT_REQUESTS = 256
 
 
-#: Newest-message lookups (`current_head`) the simulated ranks have in flight at once.
-LOOKUPS = 32
-_LOOKUP_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+class _Throttled:
+    """`target` (a `Bus` or a `KeyValue`), with at most `IN_FLIGHT_REQUESTS` of the simulated
+    ranks' requests in flight (the rest pass through)."""
 
+    THROTTLED = frozenset({"get", "last_raw", "publish"})
 
-def _lookups() -> asyncio.Semaphore:
-    loop = asyncio.get_running_loop()
-    return _LOOKUP_SLOTS.setdefault(loop, asyncio.Semaphore(LOOKUPS))
-
-
-class _NodeBus:
-    """A simulated node's bus: the real one, but the node's ranks share ONE watch of the job's
-    plan subject (fanned out here), as the ranks of a node could share one connection."""
-
-    def __init__(self, bus: Bus, plan_subject: str) -> None:
-        self._bus, self._plan_subject = bus, plan_subject
-        self._ranks: list[_NodeWatch] = []
-        self._watch: Any = None
+    def __init__(self, target: Any, slots: asyncio.Semaphore) -> None:
+        self._target, self._slots = target, slots
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._bus, name)
+        attr = getattr(self._target, name)
+        if name not in self.THROTTLED:
+            return attr
 
-    async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
-        # Thousands of these at once from one client time out (each wildcard lookup scans the
-        # stream's subjects on the server): at most `LOOKUPS` in flight, as nodes would spread.
-        async with _lookups():
-            return await self._bus.last_raw(subject)
+        async def throttled(*args: Any, **kwargs: Any) -> Any:
+            async with self._slots:
+                return await attr(*args, **kwargs)
 
-    async def start(self, stack: contextlib.AsyncExitStack) -> asyncio.Task[None]:
-        """Open the node's watch (closed with `stack`) and fan it out until cancelled."""
-        watch = await stack.enter_async_context(
-            self._bus.watch(self._plan_subject, each_subject=False)
-        )
-        return asyncio.create_task(self._pump(watch))
-
-    async def _pump(self, watch: Any) -> None:
-        while True:
-            stored = await watch.next(1.0)
-            if stored is not None:
-                for w in self._ranks:
-                    w.queue.put_nowait(stored)
-
-    @contextlib.asynccontextmanager
-    async def _shared(self) -> AsyncIterator[_NodeWatch]:
-        mine = _NodeWatch()
-        self._ranks.append(mine)
-        try:
-            yield mine
-        finally:
-            self._ranks.remove(mine)
-
-    def watch(self, subject: str, *, each_subject: bool = True) -> Any:
-        if subject == self._plan_subject and not each_subject:
-            return self._shared()
-        return self._bus.watch(subject, each_subject=each_subject)
+        return throttled
 
 
-async def _restart(d: Driver, work: Path) -> dict[str, Any]:
-    """Every simulated rank restores through the real `Restorer` (survey of the real KV, real
-    `ready` reports, rank 0's real watch and `choose`, the real compact plan, `loaded` reports
-    and the final plan), with loading simulated; see the module docstring."""
-    from tierpipe.names import plan_subject, shard_subject
+async def _throttled(bus: Bus, settings: Settings) -> tuple[Any, JobStore]:
+    """The bus and a job store for the simulated ranks (see `_Throttled`)."""
+    from tierpipe.kvstate import JobStore
+
+    slots = asyncio.Semaphore(IN_FLIGHT_REQUESTS)
+    store = await JobStore(bus.js, settings).open()
+    store._kv = _Throttled(store.kv, slots)  # type: ignore[assignment]
+    return _Throttled(bus, slots), store
+
+
+def _timed_restorer() -> type:
+    """`Restorer`, noting when each rank got the plan it loads (before it reads what it needs
+    to load it: the plan step's record and digest chunk)."""
     from tierpipe.recovery.agree import Restorer
-    from tierpipe.schemas import decode_event
+
+    class Timed(Restorer):
+        planned: dict[int, float]
+
+        async def _load_planned(self, plan: Any, round_: int) -> Any:
+            self.planned.setdefault(self.rank, time.monotonic())
+            return await super()._load_planned(plan, round_)
+
+    return Timed
+
+
+#: Processes the simulated ranks of a restart run in, from `RESTART_PROCS_FROM` nodes on (this
+#: one, with rank 0, and the others spawned; the nodes split evenly): one process cannot drive
+#: tens of thousands of ranks' requests through nats-py in time, real ranks each have their own.
+RESTART_PROCS = 2
+RESTART_PROCS_FROM = 1000
+#: The request timeout of the simulated ranks' connections (see `_restart`).
+RANK_REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _Part:
+    """What one process's simulated ranks did (times on the machine's monotonic clock)."""
+
+    ranks: int
+    #: When the first and the last of them got the plan they loaded; how many did.
+    planned: tuple[float, float, int]
+    #: When the last of them knew its sources; how many did.
+    loading: tuple[float, int]
+    #: (step, from_s3 bitmap, rounds) of what they restored.
+    plans: set[tuple[int, bytes, int]]
+    from_s3_ranks: int
+    error: str = ""
+
+
+async def _run_ranks(
+    bus: Bus, settings: Settings, layout: Layout, ranks: range, restart: str, nvme_root: Path
+) -> _Part:
+    """The simulated `ranks` of `layout`, each through the real `Restorer` (see `_restart`)."""
+    nvme = _NoNvme(nvme_root)
+    planned: dict[int, float] = {}
+    loading: dict[int, float] = {}
+    timed = _timed_restorer()
+    timed.planned = planned
+    rpn = layout.ranks_per_node
+    throttled, store = await _throttled(bus, settings)
+
+    async def one(rank: int) -> Any:
+        loader: Any = _SimLoader(layout, rank, nvme, loading)
+        restorer = timed(
+            throttled, settings, store, loader, restart=restart, local_rank=rank % rpn,
+            local_world_size=rpn,
+        )  # fmt: skip
+        return await restorer.run()
+
+    # The cyclic collector off while they run: tens of thousands of simulated ranks in one heap
+    # make each full collection scan all of them (a real rank's heap is its own).
+    gc.collect()
+    gc.disable()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(rank)) for rank in ranks]
+    finally:
+        gc.enable()
+    results = [t.result() for t in tasks]
+    times = list(planned.values())
+    return _Part(
+        ranks=len(ranks),
+        planned=(min(times, default=0.0), max(times, default=0.0), len(times)),
+        loading=(max(loading.values(), default=0.0), len(loading)),
+        plans={(r.step, r.s3_bitmap, r.rounds) for r in results},
+        from_s3_ranks=len(results[0].from_s3) if results else 0,
+    )
+
+
+def _restart_proc(
+    env: dict[str, str], layout: Layout, ranks: range, restart: str, nvme_root: Path,
+    go: Any, out: Any,
+) -> None:  # fmt: skip
+    """A spawned process's part of the restart: connect, say so, wait for `go`, run `ranks`."""
+    from tierpipe.log import configure_logging
+
+    configure_logging("warning", "json", only_if_unconfigured=True)
+
+    async def main() -> _Part:
+        from tierpipe.bus import Bus
+        from tierpipe.settings import load_settings
+
+        settings = load_settings(path=None, env=env)
+        async with Bus(settings, name=f"bench-ranks-{ranks.start}") as bus:
+            out.put("connected")
+            await asyncio.to_thread(go.wait)
+            return await _run_ranks(bus, settings, layout, ranks, restart, nvme_root)
+
+    try:
+        out.put(asyncio.run(main()))
+    except BaseException as e:
+        out.put(_Part(len(ranks), (0.0, 0.0, 0), (0.0, 0), set(), 0, error=repr(e)))
+
+
+async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
+    """Every simulated rank restores through the real `Restorer` as its node's torchrun would
+    start it (local rank and local world size): node leaders survey the real KV for their
+    node's ranks and publish real `ready` reports; rank 0 collects them on its watch, picks
+    with `choose` and publishes the compact plan; every rank takes it from its own core
+    subscription (a catch-up read only if none came within `restore_plan_poll_s`), reads what it
+    loads, "loads" and reports `loaded`; rank 0 publishes the final plan. The nodes are split
+    over `procs` processes (this one has rank 0), each with its own connection. See the module
+    docstring."""
+    import multiprocessing
+
+    from tierpipe.bus import Bus
+    from tierpipe.names import plan_subject, shard_subject
+    from tierpipe.schemas import decode_event, encode_event
 
     lay = d.layout
-    nvme = _NoNvme(work / "no-nvme")
-    planned: dict[int, float] = {}
-    subject = plan_subject(lay.job)
-    node_buses = [_NodeBus(d.bus, subject) for _ in range(lay.nodes)]
     restart = f"bench-{time.time_ns()}"
-    pumps: list[asyncio.Task[None]] = []
-    async with contextlib.AsyncExitStack() as stack:
-        t0 = time.perf_counter()
-        try:
-            for nb in node_buses:
-                pumps.append(await nb.start(stack))
-            watches_s = time.perf_counter() - t0
-
-            async def one(rank: int) -> Any:
-                loader: Any = _SimLoader(lay, rank, nvme, planned)
-                bus: Any = d.bus if rank == 0 else node_buses[rank // lay.ranks_per_node]
-                return await Restorer(bus, d.settings, d.store, loader, restart=restart).run()
-
-            t0 = time.perf_counter()
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(one(rank)) for rank in range(lay.world_size)]
-            restore_s = time.perf_counter() - t0
-        finally:
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-    results = [t.result() for t in tasks]
-    plans = {(r.step, tuple(r.from_s3), r.rounds) for r in results}
-    plan_msg = await d.bus.last_raw(subject)
-    ready = await d.bus.last_raw(shard_subject(lay.job, "restore", lay.node_of(0), 0))
+    cut = [lay.nodes * i // procs * lay.ranks_per_node for i in range(procs + 1)]
+    parts = [range(cut[i], cut[i + 1]) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    # A simulated rank's request waits in its process's loop behind tens of thousands of other
+    # ranks' work (a real rank's would not): the request timeout of the ranks' connections is
+    # `RANK_REQUEST_TIMEOUT_S`, theirs alone.
+    settings = d.settings.replace(
+        request_timeout_s=max(d.settings.request_timeout_s, RANK_REQUEST_TIMEOUT_S)
+    )
+    env = settings.as_env()
+    children = [
+        ctx.Process(target=_restart_proc, args=(env, lay, part, restart, work / "no-nvme", go, out))
+        for part in parts[1:]
+    ]
+    for child in children:
+        child.start()
+    try:
+        for _ in children:  # (started and connected before the clock starts)
+            assert await asyncio.to_thread(out.get, True, 120) == "connected"
+        t0 = time.monotonic()
+        go.set()
+        async with Bus(settings, name="bench-ranks-0") as bus:
+            mine = await _run_ranks(bus, settings, lay, parts[0], restart, work / "no-nvme")
+        found = [mine] + [await asyncio.to_thread(out.get, True, 1800) for _ in children]
+        restore_s = time.monotonic() - t0
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    errors = [p.error for p in found if p.error]
+    if errors:
+        raise RuntimeError(f"a process of simulated ranks failed: {errors}")
+    plans = set().union(*(p.plans for p in found))
+    (step, _, rounds) = next(iter(plans))
+    planned = sum(p.planned[2] for p in found)
+    loaded = sum(p.loading[1] for p in found)
+    plan_msg = await d.bus.last_raw(plan_subject(lay.job))
+    reports = await d.bus.history(shard_subject(lay.job, "restore", lay.node_of(0), 0))
+    ready = [len(encode_event(e)) for e in reports if getattr(e, "phase", "") == "ready"]
     final = decode_event(plan_msg[1]) if plan_msg else None
     return {
-        "plan_s": max(planned.values()) - t0 if len(planned) == lay.world_size else None,
+        "plan_s": max(p.planned[1] for p in found) - t0 if planned == lay.world_size else None,
+        "sources_s": max(p.loading[0] for p in found) - t0 if loaded == lay.world_size else None,
+        "first_plan_s": min(p.planned[0] for p in found) - t0,
         "restore_s": restore_s,
-        "node_watches_open_s": watches_s,
-        "ranks_planned": len(planned),
+        "processes": procs,
+        "ranks_planned": planned,
         "same_plan": len(plans) == 1,
-        "step": results[0].step,
-        "from_s3_ranks": len(results[0].from_s3),
-        "rounds": results[0].rounds,
+        "step": step,
+        "from_s3_ranks": found[0].from_s3_ranks,  # (one rank's list: listed on demand)
+        "rounds": rounds,
         "final_plan": bool(final is not None and getattr(final, "final", False)),
         "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,
-        "ready_msg_bytes": len(ready[1]) if ready else None,
+        "ready_msg_bytes": max(ready, default=None),
     }
 
 
@@ -969,12 +1073,23 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     kv = d.store.kv
     records = {}
     prefix = f"{d.job}.step."
-    for key in await kv.keys():
+    for key in await _keys(kv):
         if key.startswith(prefix) and key[len(prefix) :].isdigit():  # (not `.ranks.<n>`)
             records[int(key[len(prefix) :])] = (await kv.get(key)).value or b""
     head = (await kv.get(head_key(d.job))).value or b""
     floors = (await kv.get(floor_key(d.job))).value or b""
     return _kv_equals_fold(state, head, floors, records)
+
+
+async def _keys(kv: KeyValue, tries: int = 3) -> list[str]:
+    """The bucket's keys. (nats-py's `keys()` now and then finds none in a bucket that has
+    thousands, as the server is loaded at 10,000 nodes: asked again.)"""
+    import nats.js.errors
+
+    for _ in range(tries - 1):
+        with contextlib.suppress(nats.js.errors.NoKeysError):
+            return list(await kv.keys())
+    return list(await kv.keys())
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -989,6 +1104,7 @@ async def _main(
     history_steps: Sequence[int],
     old_restore: bool,
     profile: bool,
+    restart_procs: int,
 ) -> dict[str, Any]:
     from tierpipe.bus import Bus
     from tierpipe.dev import NatsServer
@@ -1023,7 +1139,7 @@ async def _main(
                 old = _old_restore(d, stored, read_s) if old_restore else None
                 del stored
                 log(f"  restart: {layout.world_size} ranks through the agreement protocol")
-                restart = await _restart(d, work)
+                restart = await _restart(d, work, restart_procs)
                 log(f"  restart: plan_s {restart['plan_s']}, restore_s {restart['restore_s']:.2f}")
                 history: dict[str, float] = {}
                 for n in history_steps:
@@ -1083,9 +1199,11 @@ async def _main(
         "msg_limit_bytes": MSG_LIMIT,
         "notes": (
             "plan_s: from the restart until every simulated rank had its plan, through the real "
-            "Restorer (KV survey, ready reports, rank 0's choose, compact plan; one plan watch "
-            "per simulated node; no NVMe copies on this machine, so every rank reads object "
-            "storage; loading is instant), all ranks in this one process on one connection. "
+            "Restorer (node leaders survey the KV for their node and publish one ready each, "
+            "rank 0 chooses and publishes the compact plan, every rank takes it from its own "
+            "core subscription; no NVMe copies on this machine, so every rank reads object "
+            "storage; loading is instant); the simulated ranks share one connection per "
+            f"process ({restart['processes']} processes). "
             "old_restore: rank 0's side of the old replay protocol on this job, for comparison. "
             "stage_deliveries_per_ckpt_per_node is a formula (ranks per node + 3: nvme-write "
             "per rank, then the node's batches to verify, flush and evict), the other "
@@ -1113,17 +1231,29 @@ def run(
     history_steps: Sequence[int] = HISTORY_STEPS,
     old_restore: bool = True,
     profile: bool = False,
+    restart_procs: int | None = None,
 ) -> dict[str, Any]:
     """Drive the control plane for `steps` checkpoints of `nodes` x `ranks_per_node` ranks;
-    the figures of the module's docstring."""
+    the figures of the module's docstring. `restart_procs`: processes the restart's simulated
+    ranks run in (default `RESTART_PROCS` from `RESTART_PROCS_FROM` nodes on, else 1)."""
     from tierpipe.log import configure_logging
 
     if nodes < 1 or ranks_per_node < 1 or steps < 1:
         raise ValueError("nodes, ranks_per_node and steps must be >= 1")
+    if restart_procs is None:
+        restart_procs = RESTART_PROCS if nodes >= RESTART_PROCS_FROM else 1
+    restart_procs = max(1, min(restart_procs, nodes))
     # structlog's defaults print to stdout, which must carry only the JSON line.
     configure_logging("warning", "json", only_if_unconfigured=True)
     with scratch_dir("control") as work:
         coro: Coroutine[Any, Any, dict[str, Any]] = _main(
-            work, nodes, ranks_per_node, steps, history_steps, old_restore, profile
+            work,
+            nodes,
+            ranks_per_node,
+            steps,
+            history_steps,
+            old_restore,
+            profile,
+            restart_procs,
         )
         return asyncio.run(coro)

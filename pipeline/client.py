@@ -58,6 +58,10 @@ class Checkpointer:
         keep: the job's retention policy (complete steps kept on NVMe and in object storage,
             the period rule); rank 0 stores it for the job's coordinator. Default: the node
             agents' settings.
+        local_rank, local_world_size: this rank's place among the ranks of its node, which are
+            `rank - local_rank` to `rank - local_rank + local_world_size - 1`: at restore the
+            node's local rank 0 checks the copies of all of them. Default `$LOCAL_RANK` and
+            `$LOCAL_WORLD_SIZE` (torchrun) where both are set, else a node of its own.
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
@@ -80,6 +84,8 @@ class Checkpointer:
         settings: Settings | None = None,
         overwrite: bool = False,
         keep: Keep | None = None,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         self.settings = settings or load_settings()
         configure_logging(
@@ -91,6 +97,9 @@ class Checkpointer:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} out of range for world_size {self.world_size}")
+        self.local_rank, self.local_world_size = _local_group(
+            self.rank, self.world_size, local_rank, local_world_size
+        )
         #: This process's timeline (see the class docstring).
         self.epoch = time.time_ns()
         self._overwrite = overwrite
@@ -296,7 +305,8 @@ class Checkpointer:
             collective = Collective.from_torch(self.rank, self.world_size)
         restorer = Restorer(
             self._bus.bus, self.settings, self._jobstore, self._loader, restart=restart,
-            into=into, collective=collective,
+            into=into, collective=collective, local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
         )  # fmt: skip
         restored = self._bus.run(
             partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
@@ -401,3 +411,37 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _local_group(
+    rank: int, world_size: int, local_rank: int | None, local_world_size: int | None
+) -> tuple[int, int]:
+    """(local rank, local world size): as given, else from torchrun's environment where both
+    are set and fit the world, else a node of its own (0, 1).
+
+    Raises:
+        ConfigError: the given values do not fit the world.
+    """
+    if local_rank is None and local_world_size is None:
+        env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+        if env_rank is None or env_size is None:
+            return 0, 1
+        local_rank, local_world_size = int(env_rank), int(env_size)
+        if not _fits(rank, world_size, local_rank, local_world_size):
+            log.warning("local_group_ignored", rank=rank, world_size=world_size,
+                        local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
+            return 0, 1
+        return local_rank, local_world_size
+    local_rank = 0 if local_rank is None else local_rank
+    local_world_size = 1 if local_world_size is None else local_world_size
+    if not _fits(rank, world_size, local_rank, local_world_size):
+        raise ConfigError(
+            f"local rank {local_rank} of {local_world_size} does not fit rank {rank} of "
+            f"world size {world_size}"
+        )
+    return local_rank, local_world_size
+
+
+def _fits(rank: int, world_size: int, local_rank: int, local_world_size: int) -> bool:
+    first = rank - local_rank
+    return 0 <= local_rank < local_world_size and 0 <= first <= world_size - local_world_size

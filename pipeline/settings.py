@@ -146,6 +146,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # --- recovery
     #: How long ranks wait for each other (and for rank 0's plan) during a restore.
     restore_timeout_s: float = 600.0
+    #: A restoring rank that had no plan from rank 0 for this long reads the newest stored one
+    #: (one published before it listened, or lost in a reconnect), then less often; ranks that
+    #: sent no `ready` wait a random part of it more the first time. Every rank of a slow
+    #: restart reads then: at 80,000 ranks, 10 s made the reads cost more than the plan.
+    restore_plan_poll_s: float = 30.0
     #: Ranged GETs from object storage in flight at once per node during a restore (all ranks of
     #: a node share it): the guard against every rank of a restart hitting the store at once.
     restore_s3_reads_per_node: int = 8
@@ -212,6 +217,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         )
         _check(self.s3_throttle_retries >= 0, "s3_throttle_retries", self.s3_throttle_retries)
         _check(self.restore_timeout_s > 0, "restore_timeout_s", self.restore_timeout_s)
+        _check(self.restore_plan_poll_s > 0, "restore_plan_poll_s", self.restore_plan_poll_s)
         _check(
             self.restore_s3_reads_per_node >= 1,
             "restore_s3_reads_per_node",

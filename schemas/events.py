@@ -8,6 +8,7 @@ references (paths, sizes, digests).
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -16,12 +17,14 @@ from tierpipe.schemas.names import Token
 
 __all__ = (
     "BATCH_MAX",
+    "READY_RANKS",
     "SCHEMA_VERSION",
     "BatchKind",
     "Event",
     "FlushAction",
     "FlushControl",
     "NodeBatch",
+    "RankSteps",
     "RecoveryPlanned",
     "RestoreReport",
     "ShardEvent",
@@ -34,6 +37,7 @@ __all__ = (
     "StageFailed",
     "Tier",
     "decode_event",
+    "deflated_bitmap",
     "encode_event",
     "shard_event",
 )
@@ -223,17 +227,69 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     round: PosInt
     step: NonNegInt
     world_size: PosInt
-    #: Ranks that read from object storage: rank r is bit `r % 8` of byte `r // 8`.
+    #: Ranks that read from object storage: rank r is bit `r % 8` of byte `r // 8` (read it
+    #: with `s3_bitmap()`).
     from_s3: bytes = b""
     #: Newer candidate steps that could not be used, with why (a few, each short).
     rejected: dict[int, str] = {}
     final: bool = False
     #: Set when rank 0 found nothing to restore (error class: message); ranks give up with it.
     error: str = ""
+    #: `from_s3` deflated (zlib), where that is smaller; `from_s3` is then empty. Every rank
+    #: receives the plan: at 80,000 ranks a bitmap of all of them is 13 KB as JSON, ~60 B so.
+    from_s3_z: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.s3_bitmap()  # (a deflated bitmap that is garbled or too long: no plan at all)
+
+    def s3_bitmap(self) -> bytes:
+        """The bitmap of the ranks that read from object storage (`from_s3`, inflated).
+
+        Raises:
+            ValueError: `from_s3_z` is not a deflated bitmap of at most `world_size` bits.
+        """
+        if not self.from_s3_z:
+            return self.from_s3
+        limit = (self.world_size + 7) // 8
+        try:
+            inflate = zlib.decompressobj()
+            bits = inflate.decompress(self.from_s3_z, limit)
+        except zlib.error as e:
+            raise ValueError(f"from_s3_z is not deflated ({e})") from e
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError(f"from_s3_z inflates past {limit} bytes, or is cut short")
+        return bits
+
+
+def deflated_bitmap(bits: bytes) -> tuple[bytes, bytes]:
+    """(`from_s3`, `from_s3_z`) of a `RecoveryPlanned` for `bits`: the smaller one set."""
+    packed = zlib.compress(bits, 9)
+    return (b"", packed) if len(packed) < len(bits) else (bits, b"")
+
+
+class RankSteps(msgspec.Struct, frozen=True, kw_only=True):
+    """What one rank of a node can restore, as its node's local leader found it (a `ready`)."""
+
+    rank: NonNegInt
+    #: Candidate steps whose NVMe copy of this rank was checked on the node (newest first).
+    local_steps: list[int] = []
+    #: Candidate steps whose object of this rank the job state confirms (newest first).
+    s3_steps: list[int] = []
+    #: Why it lacks a copy of some candidate (short).
+    error: str = ""
+
+
+#: The most ranks one `ready` speaks for (a node of more ranks reports in several): ~100 B each,
+#: so a report stays far below the message limit.
+READY_RANKS = 64
 
 
 class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
-    """One rank's progress in a restart, on `tp.<job>.restore.<node>.<rank>`."""
+    """One rank's progress in a restart, on `tp.<job>.restore.<node>.<rank>`.
+
+    A node's local leader reports `ready` for the node's ranks (`covers`, at most
+    `READY_RANKS` a report, on the subject of the first of them); without `covers` a report
+    speaks for `rank` alone."""
 
     restart: str
     rank: NonNegInt
@@ -250,6 +306,8 @@ class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
     s3_steps: list[int] = []
     tier: Tier | None = None
     error: str = ""
+    #: `ready` of a node's local leader: the ranks it checked, each with its own steps.
+    covers: list[RankSteps] = []
 
 
 #: The kinds a node's agent also reports per node, as a `NodeBatch` (what stages consume).

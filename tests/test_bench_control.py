@@ -28,8 +28,10 @@ NODES = 64
 def test_control_plane_invariants() -> None:
     """At 64 nodes: no message over the limit, deliveries per node per checkpoint bounded, the
     KV equal to the fold of the events, a bounded restart read, and a restart through the real
-    agreement protocol in which every rank gets the same plan."""
-    r = control.run(NODES, RANKS_PER_NODE, 4, history_steps=(2, 12))
+    agreement protocol (nodes' leaders report, ranks in two processes) in which every rank
+    gets the same plan."""
+    # (the restart's simulated ranks in two processes, as from 1,000 nodes on)
+    r = control.run(NODES, RANKS_PER_NODE, 4, history_steps=(2, 12), restart_procs=2)
     assert r["max_msg_bytes"] <= control.MSG_LIMIT
     assert r["kv_equals_fold"] is True
     assert 0 < r["deliveries_per_ckpt_per_node"] <= DELIVERIES_BOUND
@@ -47,6 +49,9 @@ def test_control_plane_invariants() -> None:
     # in object storage (no NVMe copy is on this machine: every rank reads object storage).
     restart = r["restart"]
     assert restart["ranks_planned"] == r["world_size"] and restart["same_plan"] is True
+    assert restart["processes"] == 2
+    # Each node's local leader reports for its ranks: a `ready` of 8 ranks, a compact plan.
+    assert restart["ready_msg_bytes"] < 2048 and restart["plan_msg_bytes"] < 1024
     assert (restart["step"], restart["rounds"], restart["final_plan"]) == (4, 1, True)
     assert restart["from_s3_ranks"] == r["world_size"]
     assert 0 < r["plan_s"] <= restart["restore_s"]

@@ -157,10 +157,18 @@ class Loader:
         return "no good copy left (" + (", ".join(problems) or "no sources") + ")"
 
     async def report(
-        self, tier: Tier, step: int, e: TierpipeError, *, message: str = "", attempt: int = 1
+        self,
+        tier: Tier,
+        step: int,
+        e: TierpipeError,
+        *,
+        message: str = "",
+        attempt: int = 1,
+        rank: int | None = None,
     ) -> None:
         """Publish that this rank's copy of `step` on `tier` failed with `e` (a bad copy, if
-        `e` is evidence, so the job state stops counting it; else skipped this time only)."""
+        `e` is evidence, so the job state stops counting it; else skipped this time only).
+        `rank`: another rank of this node (its local leader checked the copy)."""
         await self.bus.publish(
             StageFailed(
                 job=self.job,
@@ -172,7 +180,7 @@ class Loader:
                 retryable=type(e).__name__ not in EVIDENCE_ERRORS,
                 attempt=attempt,
                 step=step,
-                rank=self.rank,
+                rank=self.rank if rank is None else rank,
                 world_size=self.world_size,
                 tier=tier,
             )

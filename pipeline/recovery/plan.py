@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from tierpipe.catalog import Catalog, Copy, Shard
 from tierpipe.errors import ConfigError, NoCheckpointError, WorldSizeMismatchError
 from tierpipe.jobstate import bitmap
-from tierpipe.schemas import RestoreReport, SourceRef
+from tierpipe.schemas import SourceRef
 
-__all__ = ("Choice", "Plan", "Source", "choose", "plan_recovery")
+__all__ = ("Choice", "Plan", "Source", "Steps", "choose", "plan_recovery")
 
 #: Ranks named in a rejection reason (the rest are counted).
 _NAMED_RANKS = 8
@@ -56,6 +56,17 @@ class Plan:
         return "\n".join(lines)
 
 
+class Steps(Protocol):
+    """What one rank reported it can restore (`RankSteps`, or a `RestoreReport` of its own)."""
+
+    @property
+    def local_steps(self) -> list[int]: ...
+    @property
+    def s3_steps(self) -> list[int]: ...
+    @property
+    def error(self) -> str: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """Rank 0's pick from every rank's `ready` report: the step, and which ranks read it from
@@ -69,7 +80,7 @@ class Choice:
 
 def choose(
     job: str,
-    reports: Mapping[int, RestoreReport],
+    reports: Mapping[int, Steps],
     world_size: int,
     *,
     step: int | None = None,
@@ -104,9 +115,7 @@ def choose(
     raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
 
 
-def _lacking(
-    ranks: list[int], reports: Mapping[int, RestoreReport], step: int, world_size: int
-) -> str:
+def _lacking(ranks: list[int], reports: Mapping[int, Steps], step: int, world_size: int) -> str:
     named = ", ".join(
         f"rank {r}" + (f" [{reports[r].error}]" if r in reports and reports[r].error else "")
         for r in ranks[:_NAMED_RANKS]

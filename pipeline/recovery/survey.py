@@ -1,37 +1,44 @@
-"""What one rank of a restart can read: from the job's state in KV and its own disk, no replay.
+"""What the ranks of a restart can read: from the job's state in KV and their own disk, no replay.
 
-A rank reads the job's head, then, for a few candidate steps (the newest with a record, and the
-newest complete ones), the step's record and the chunk of header digests that holds its rank: a
-handful of small KV reads, whatever the job's size or history. Its NVMe copy sits at a path that
-follows from (job, step, rank, world size); it counts only if the file's header names that shard
-and hashes to the digest the job state recorded when the copy was verified. Its object counts if
-the record says the store confirmed it (and retention has not removed it since); the loader
-checks the same digest before any byte of either reaches a tensor.
+A node's local leader reads the job's head, then, for a few candidate steps (the newest with a
+record, and the newest complete ones), the step's record, and for each of the node's ranks checks
+its NVMe copy: a handful of small KV reads per node (`Reads`: each key once, the chunk of header
+digests only where a copy is on disk), whatever the job's size or history. A rank's NVMe copy
+sits at a path that follows from (job, step, rank, world size); it counts only if the file's
+header names that shard and hashes to the digest the job state recorded when the copy was
+verified. Its object counts if the record says the store confirmed it (and retention has not
+removed it since); the loader checks the same digest (`sources` reads it) before any byte of
+either reaches a tensor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
+import msgspec
+import nats.js.errors
 import structlog
 
 from tierpipe.bus import Bus
 from tierpipe.coordinator import Coordinator
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.jobstate import has_rank
-from tierpipe.kvstate import JobStore
+from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.names import batch_subject, shard_subject, state_subjects
+from tierpipe.nats_conn import translate
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
-from tierpipe.schemas.jobstate import JobHead, StepRecord
+from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 
-__all__ = ("Survey", "candidates", "current_head", "own_events", "survey")
+__all__ = ("Reads", "Survey", "candidates", "current_head", "own_events", "sources", "survey")
 
 log = structlog.get_logger(__name__)
 
@@ -42,26 +49,64 @@ NEWEST, COMPLETE = 3, 2
 #: (job, step, rank, world size) -> where that shard is on a tier.
 Locate = Callable[[str, int, int, int], str]
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class Survey:
-    """One rank's copies of the candidate steps (newest first), as its report says them."""
+    """One rank's copies of the candidate steps (newest first), as its `ready` says them."""
 
     candidates: list[int]
     #: step -> this rank's NVMe copy, checked on disk.
     local: dict[int, Source] = field(default_factory=dict)
-    #: step -> this rank's object, as the job state has it.
-    remote: dict[int, Source] = field(default_factory=dict)
+    #: Steps whose object of this rank the job state confirms.
+    remote: set[int] = field(default_factory=set)
     #: step -> why this rank has no copy of it.
     missing: dict[int, str] = field(default_factory=dict)
     #: step -> what proved this rank's NVMe copy is not the verified one (to report).
     bad: dict[int, TierpipeError] = field(default_factory=dict)
 
-    def sources(self, step: int, *, nvme: bool = True) -> list[Source]:
-        """This rank's copies of `step`, best first (`nvme=False`: the plan sends it to object
-        storage)."""
-        found = [self.local[step]] if nvme and step in self.local else []
-        return found + ([self.remote[step]] if step in self.remote else [])
+
+class Reads:
+    """The job-state keys of one restart, each read at most once (concurrent readers of a key
+    share the one read): a node's leader reads a step's record and digest chunk once for all
+    the node's ranks."""
+
+    def __init__(self, store: JobStore, job: str) -> None:
+        self.store, self.job = store, job
+        self._records: dict[int, asyncio.Task[StepRecord | None]] = {}
+        self._chunks: dict[tuple[int, int], asyncio.Task[RankDigests | None]] = {}
+
+    async def record(self, step: int) -> StepRecord | None:
+        """`step`'s record, or None."""
+        return await _once(self._records, step, lambda: self.store.record(self.job, step))
+
+    async def digest(self, step: int, rank: int) -> tuple[str, int] | None:
+        """(header digest, size) of `rank`'s verified copy of `step`, or None."""
+        chunk = rank // RANKS_PER_CHUNK
+        found = await _once(self._chunks, (step, chunk), lambda: self._chunk(step, chunk))
+        return None if found is None else found.of(rank)
+
+    async def _chunk(self, step: int, chunk: int) -> RankDigests | None:
+        key = digests_key(self.job, step, chunk)
+        with translate(f"kv {key}", keep=_ABSENT):
+            try:
+                entry = await self.store.kv.get(key)
+            except _ABSENT:
+                return None
+        return msgspec.json.decode(entry.value, type=RankDigests) if entry.value else None
+
+
+_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+
+
+async def _once(
+    cache: dict[Any, asyncio.Task[T]], key: Any, read: Callable[[], Coroutine[Any, Any, T]]
+) -> T:
+    task = cache.get(key)
+    if task is None or (task.done() and task.exception() is not None):  # (a failed read: again)
+        task = cache[key] = asyncio.ensure_future(read())
+    return await asyncio.shield(task)
 
 
 async def current_head(
@@ -100,10 +145,10 @@ async def current_head(
         await anyio.sleep(0.05)
 
 
-def own_events(job: str, node: str, rank: int) -> list[tuple[str, str]]:
+def own_events(job: str, node: str, rank: int | str) -> list[tuple[str, str]]:
     """(this rank's subject, its node's batch subject) of `verified` and `flushed`: a rank's
     event is published a moment before the batch that carries it, which is what the
-    coordinator folds."""
+    coordinator folds. `rank="*"`: any rank of the node (a node's local leader)."""
     return [
         (shard_subject(job, kind, node, rank), batch_subject(job, node, kind))
         for kind in ("verified", "flushed")
@@ -140,77 +185,112 @@ def candidates(head: JobHead, step: int | None = None) -> list[int]:
 
 
 async def survey(
-    store: JobStore,
-    head: JobHead | None,
+    reads: Reads,
+    steps: Sequence[int],
     *,
-    job: str,
-    rank: int,
+    ranks: Sequence[int],
     world_size: int,
     node: str,
     locate_nvme: Locate,
-    locate_object: Locate,
-    step: int | None = None,
-) -> Survey:
-    """This rank's copies of the candidate steps of `job` (see the module docstring).
+) -> dict[int, Survey]:
+    """Each of `ranks`' copies of the candidate `steps` of the job (newest first; see the
+    module docstring): the node's ranks share every read.
 
     Raises:
         WorldSizeMismatchError: the newest candidate was saved by another number of ranks.
     """
-    if head is None:
-        return Survey([] if step is None else [step], missing={} if step is None else {
-            step: "the job has no state (never saved, or its state was lost: `tierpipe reindex`)"
-        })  # fmt: skip
-    found = Survey(candidates(head, step))
-    for i, s in enumerate(found.candidates):
-        rec = await store.record(job, s)
+    found = {r: Survey(list(steps)) for r in ranks}
+    records = await asyncio.gather(*(reads.record(s) for s in steps))
+    for i, (s, rec) in enumerate(zip(steps, records, strict=True)):
         if rec is None:
-            found.missing[s] = "no record of the step in the job state (retention removed it?)"
+            _all_missing(found, s, "no record of the step in the job state (retention removed it?)")
             continue
         if rec.world_size != world_size:
             if i == 0:
                 raise WorldSizeMismatchError(
-                    f"step {s} of job {job!r} was saved by {rec.world_size} ranks, this run has "
-                    f"{world_size}; restore needs the same world size (no resharding yet)"
+                    f"step {s} of job {reads.job!r} was saved by {rec.world_size} ranks, this run "
+                    f"has {world_size}; restore needs the same world size (no resharding yet)"
                 )
-            found.missing[s] = f"saved with world size {rec.world_size}"
+            _all_missing(found, s, f"saved with world size {rec.world_size}")
             continue
-        digest = await store.rank_digest(job, s, rank)
-        if digest is None:
-            found.missing[s] = "no verified copy of this rank"
-            continue
-        why = await _check(found, rec, digest, job=job, rank=rank, node=node,
-                           locate_nvme=locate_nvme, locate_object=locate_object)  # fmt: skip
-        if why:
-            found.missing[s] = why
+        for rank in ranks:
+            await _check(found[rank], reads, rec, rank=rank, node=node, locate_nvme=locate_nvme)
     return found
 
 
+def _all_missing(found: dict[int, Survey], step: int, why: str) -> None:
+    for survey_ in found.values():
+        survey_.missing[step] = why
+
+
 async def _check(
-    found: Survey, rec: StepRecord, digest: tuple[str, int], *, job: str, rank: int, node: str,
-    locate_nvme: Locate, locate_object: Locate,
-) -> str:  # fmt: skip
-    """Note this rank's copies of `rec`'s step in `found`; why it has none ("" if it has)."""
+    found: Survey, reads: Reads, rec: StepRecord, *, rank: int, node: str, locate_nvme: Locate
+) -> None:
+    """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
-    header_digest, nbytes = digest
-    path = locate_nvme(job, s, rank, world)
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
     if has_rank(rec.nvme, rank):  # (a copy proven bad, or evicted, stays out)
-        expected = Expected(job, s, rank, world, header_digest)
-        problem = await anyio.to_thread.run_sync(_local_problem, path, expected, nbytes)
-        if isinstance(problem, TierpipeError):
-            found.bad[s] = problem
-            problem = f"NVMe copy is not the verified one ({type(problem).__name__})"
-        local_why = problem
+        path = locate_nvme(reads.job, s, rank, world)
+        local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)
         if not local_why:
-            found.local[s] = Source(tier="nvme", node=node, location=path, nbytes=nbytes,
-                                    header_digest=header_digest)  # fmt: skip
+            local_why = await _check_local(found, reads, rec, rank, node, path)
     if has_rank(rec.s3, rank) and not rec.s3_removed:
-        found.remote[s] = Source(tier="s3", node="", location=locate_object(job, s, rank, world),
-                                 nbytes=nbytes, header_digest=header_digest)  # fmt: skip
-        return ""
-    if s in found.local:
-        return ""
-    return f"{local_why}, none in object storage" + (" (removed)" if rec.s3_removed else "")
+        found.remote.add(s)
+    elif s not in found.local:
+        removed = " (removed)" if rec.s3_removed else ""
+        found.missing[s] = f"{local_why}, none in object storage{removed}"
+
+
+async def _check_local(
+    found: Survey, reads: Reads, rec: StepRecord, rank: int, node: str, path: str
+) -> str:
+    """Check the file at `path` against the verified copy's digest; why it is not that ("")."""
+    digest = await reads.digest(rec.step, rank)
+    if digest is None:
+        return "no verified copy of this rank"
+    header_digest, nbytes = digest
+    expected = Expected(reads.job, rec.step, rank, rec.world_size, header_digest)
+    problem = await anyio.to_thread.run_sync(_local_problem, path, expected, nbytes)
+    if isinstance(problem, TierpipeError):
+        found.bad[rec.step] = problem
+        return f"NVMe copy is not the verified one ({type(problem).__name__})"
+    if not problem:
+        found.local[rec.step] = Source(tier="nvme", node=node, location=path, nbytes=nbytes,
+                                       header_digest=header_digest)  # fmt: skip
+    return problem
+
+
+async def sources(
+    reads: Reads,
+    found: Survey,
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    nvme: bool,
+    locate_object: Locate,
+) -> list[Source]:
+    """`rank`'s copies of `step`, best first (`nvme=False`: the plan sends it to object
+    storage): its checked NVMe copy, then its object, named with the recorded digest."""
+    out = [found.local[step]] if nvme and step in found.local else []
+    if step in found.remote:
+        digest = await reads.digest(step, rank)
+        if digest is not None:
+            location = locate_object(reads.job, step, rank, world_size)
+            out.append(Source(tier="s3", node="", location=location, nbytes=digest[1],
+                              header_digest=digest[0]))  # fmt: skip
+    return out
+
+
+def _absent(path: str) -> str:
+    """Why there is no file at `path` ("" if there is one)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "no NVMe copy on this node"
+    except OSError as e:
+        return f"NVMe copy unreadable ({e.strerror})"
+    return ""
 
 
 def _local_problem(path: str, expected: Expected, nbytes: int) -> str | TierpipeError:
