@@ -5,9 +5,9 @@ What runs for real: an embedded nats-server, the `TIERPIPE` stream, the job-stat
 ONE retention `Coordinator` for the job, in a process of its own with its own event loop (uvloop
 where installed, as the agent) and its own NATS connection, as in an agent, so its loop thread's
 CPU time is the coordinator's whole cost: decoding, nats-py, the fold (`JobState`), the KV
-writes, its object-removal events. Its object store is a no-op recorder. (Until this figure's
-third measurement it ran as a thread of this process, sharing the GIL, the allocator and the
-caches with the simulated nodes' publishing; that inflated it by about a third.)
+writes, its object-removal events. Its object store is a no-op recorder. (It ran as a thread of
+this process before, sharing the GIL, the allocator and the caches with the simulated nodes'
+publishing; at 1,000 nodes the two figures were within the run-to-run spread.)
 
 What is simulated (in the main thread, its publishing cost not counted): every node publishes for
 each of its ranks what a real agent and trainer publish per checkpoint, in phases across all

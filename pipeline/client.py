@@ -344,6 +344,7 @@ class Checkpointer:
                 holder=f"{self.node}-rank-{self.rank}",
                 deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
                 own=own_events(self.job, self.node, self.rank),
+                ranks=[self.rank],
             )
             return [] if head is None else sorted(set(head.nvme_steps) | set(head.s3_steps))
 

@@ -16,6 +16,7 @@ from tests.test_retention import digest
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.kvstate import JobStore, lease_key
+from tierpipe.recovery.survey import current_head, own_events
 from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import JobHead, Keep, Lease
 from tierpipe.settings import Settings
@@ -120,3 +121,25 @@ def test_a_trainers_keep_reaches_the_kv(settings: Settings, job: str) -> None:
     assert anyio.run(stored, f"{job}-2") == Keep(
         nvme_keep_latest_k=settings.nvme_keep_latest_k, s3_keep_latest_k=settings.s3_keep_latest_k
     )
+
+
+def test_a_replacement_nodes_rank_waits_for_what_the_dead_node_published(
+    settings: Settings, job: str
+) -> None:
+    """A rank on a node with no events of the job (a replacement) reads the job state only once
+    it has folded its rank's newest events, published by the node it replaces, even while the
+    dead coordinator's lease still runs (it folds them itself once the lease expires)."""
+    s = settings.replace(lease_ttl_s=2.0)
+    publish(s, saved(job, 1, 0, "node-b") + saved(job, 1, 1, "node-b"))
+
+    async def main() -> JobHead | None:
+        async with Bus(s) as bus:
+            store = await JobStore(bus.js, s).open()
+            assert await store.acquire(job, "dead-holder", s.lease_ttl_s) is not None
+            return await current_head(
+                bus, store, s, job=job, holder="node-c-rank-1",
+                deadline=time.monotonic() + 30, own=own_events(job, "node-c", 1), ranks=[1],
+            )  # fmt: skip
+
+    head = anyio.run(main)
+    assert head is not None and head.s3_steps == [1], head

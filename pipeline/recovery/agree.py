@@ -213,6 +213,7 @@ class Restorer:
             self.bus, self.store, self.settings, job=self.job,
             holder=f"{self.node}-rank-{self.rank}",
             deadline=self._deadline - min(30.0, self.settings.restore_timeout_s / 4), own=own,
+            ranks=self.group,
         )  # fmt: skip
         steps = ([] if step is None else [step]) if head is None else candidates(head, step)
         self._surveys = await survey(

@@ -34,6 +34,7 @@ from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.nats_conn import translate
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
+from tierpipe.schemas import decode_event
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
@@ -111,7 +112,7 @@ async def _once(
 
 async def current_head(
     bus: Bus, store: JobStore, settings: Settings, *, job: str, holder: str,
-    deadline: float, own: list[tuple[str, str]] | None = None,
+    deadline: float, own: list[tuple[str, str]] | None = None, ranks: Sequence[int] = (),
 ) -> JobHead | None:  # fmt: skip
     """The job's head in KV once it has folded the job's newest event the coordinator reads
     (the saves before a restart; this waits for the coordinator, a flush interval). A job with
@@ -123,11 +124,18 @@ async def current_head(
     `own`: wait for the node batches that carry this rank's own newest events (`own_events`),
     by exact subject, answered at once at any job size. Default: everything the coordinator
     folds (wildcard lookups, which the server answers by scanning the job's subjects: rank 0
-    only)."""
+    only). A node with no events of the job (a replacement) waits instead for those of its
+    `ranks`, published by whichever node held them (a lookup per rank across nodes: only the
+    replaced nodes pay it)."""
     if own is None:
         seq = max([await _newest(bus, subject) for subject in state_subjects(job)])
     else:
         seq = max([await _batch_after(bus, *pair, deadline) for pair in own])
+        if not seq and ranks:
+            seq = max(
+                [await _rank_batch_after(bus, job, kind, r, deadline)
+                 for r in ranks for kind in _SAVED]
+            )  # fmt: skip
     folded = False
     while True:
         head = await store.head(job)
@@ -145,14 +153,31 @@ async def current_head(
         await anyio.sleep(0.05)
 
 
+#: The kinds whose fold a restoring rank waits for: what says a copy is there to read.
+_SAVED = ("verified", "flushed")
+
+
 def own_events(job: str, node: str, rank: int | str) -> list[tuple[str, str]]:
     """(this rank's subject, its node's batch subject) of `verified` and `flushed`: a rank's
     event is published a moment before the batch that carries it, which is what the
     coordinator folds. `rank="*"`: any rank of the node (a node's local leader)."""
     return [
-        (shard_subject(job, kind, node, rank), batch_subject(job, node, kind))
-        for kind in ("verified", "flushed")
+        (shard_subject(job, kind, node, rank), batch_subject(job, node, kind)) for kind in _SAVED
     ]
+
+
+async def _rank_batch_after(bus: Bus, job: str, kind: str, rank: int, deadline: float) -> int:
+    """`_batch_after` for `rank`'s newest `kind` event on any node (the node is in it)."""
+    found = await bus.last_raw(shard_subject(job, kind, "*", rank))
+    if found is None:
+        return 0
+    try:
+        node = decode_event(found[1]).node
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return found[0]  # (unreadable: at least the fold must have passed it)
+    return await _batch_after(
+        bus, shard_subject(job, kind, node, rank), batch_subject(job, node, kind), deadline
+    )
 
 
 async def _newest(bus: Bus, subject: str) -> int:
