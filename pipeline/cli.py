@@ -320,7 +320,7 @@ def _flush(
     if job is not None:
         if action != "rate" or node:
             raise ConfigError("--job sets a job's rate only (not with pause/resume or --node)")
-        return _flush_budget(settings, validate_token("job", job), parse_rate(rate or "0"))
+        return _budget(settings, validate_token("job", job), flush=parse_rate(rate or "0"))
     control = FlushControl(
         action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0, ts=time.time()
     )
@@ -341,11 +341,6 @@ def _flush(
     seq = anyio.run(send)
     print(f"{action} sent on {subject} (stream seq {seq})")
     return 0
-
-
-def _flush_budget(settings: Settings, job: str, rate: int) -> int:
-    """`flush rate --job`: `tierpipe budget --job J --flush RATE`."""
-    return _budget(settings, job, flush=rate)
 
 
 def _budget(

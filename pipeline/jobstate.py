@@ -185,10 +185,6 @@ class _Copy:
         self.epoch, self.verified = epoch, verified
         self.corrupt = self.evicted = self.superseded = False
 
-    @property
-    def usable(self) -> bool:
-        return self.verified and not (self.corrupt or self.evicted or self.superseded)
-
 
 class _Shard:
     __slots__ = ("copies", "rank", "step", "world_size")
@@ -227,9 +223,7 @@ class _Ledger:
     def apply(self, f: Fact) -> _Shard | None:
         """Fold one fact of this job (a batch's facts one by one, by the caller); the shard it
         is about, if it names one."""
-        t = type(f)
-        if t is WrittenFact:
-            assert isinstance(f, WrittenFact)
+        if isinstance(f, WrittenFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             key = ("nvme", f.node)
             nvme = shard.copies.get(key)
@@ -239,15 +233,13 @@ class _Ledger:
                 nvme = shard.copies[key] = _Copy(f.path, f.nbytes, f.header_digest, f.epoch)
             self._mark(shard, nvme)
             return shard
-        if t is VerifiedFact:
-            assert isinstance(f, VerifiedFact)
+        if isinstance(f, VerifiedFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             nvme = shard.copies.get(("nvme", f.node))
             if nvme is not None and _same_file(nvme, f.path, f.nbytes, f.header_digest):
                 nvme.verified, nvme.evicted, nvme.corrupt = True, False, False
             return shard
-        if t is FlushedFact:
-            assert isinstance(f, FlushedFact)
+        if isinstance(f, FlushedFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             backed = f.origin == "reindex"
             if not backed:
@@ -265,26 +257,22 @@ class _Ledger:
                 copy = _Copy("", f.nbytes, f.header_digest, f.epoch, verified=True)
                 shard.copies[("s3", "")] = self._mark(shard, copy)
             return shard
-        if t is EvictedFact:
-            assert isinstance(f, EvictedFact)
+        if isinstance(f, EvictedFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             found = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
             if found is not None and found.epoch <= f.epoch:
                 found.evicted = True
             return shard
-        if t is StagedFact:
-            assert isinstance(f, StagedFact)
+        if isinstance(f, StagedFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             ram = shard.copies.get(("ram", f.node))
             if ram is None or ram.epoch < f.epoch:
                 copy = _Copy(f.staging_path, f.nbytes, "", f.epoch)
                 shard.copies[("ram", f.node)] = self._mark(shard, copy)
             return shard
-        if t is FailedFact:
-            assert isinstance(f, FailedFact)
+        if isinstance(f, FailedFact):
             return self._failed(f)
-        if t is RestoreFact:
-            assert isinstance(f, RestoreFact)
+        if isinstance(f, RestoreFact):
             return self._loaded(f)
         return None
 
@@ -348,9 +336,6 @@ class _Ledger:
         elif world_size and not shard.world_size:
             shard.world_size = world_size
         return shard
-
-
-_SHARD_FACTS = (StagedFact, WrittenFact, VerifiedFact, FlushedFact, EvictedFact)
 
 
 def _same_file(copy: _Copy, path: str, nbytes: int, digest: str) -> bool:
@@ -442,7 +427,7 @@ class JobState:
             fold = self._fold_shard
             for inner in fact.events:  # (of the batch's job: `NodeBatch`, `decode_fact`)
                 fold(seq, inner)
-        elif isinstance(fact, _SHARD_FACTS):
+        elif isinstance(fact, ShardFact):
             self._fold_shard(seq, fact)
         elif (step := getattr(fact, "step", None)) is not None and (
             rank := getattr(fact, "rank", None)
