@@ -11,8 +11,10 @@ JSON line per event to OUT: `saved` (step, digest of the state), `step` (progres
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
+import signal
 import sys
 import time
 
@@ -36,6 +38,7 @@ def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test's stacks of a hang)
     job, rank, world, steps, every, out = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
     resume = len(sys.argv) > 7 and sys.argv[7] == "resume"
     torch.manual_seed(100 + rank)

@@ -45,6 +45,24 @@ def launch(settings: Settings, job: str, rank: int, out: Path, *extra: str) -> s
     return subprocess.Popen([*args, str(out), *extra], env=env, cwd=RANK_SCRIPT.parent.parent)
 
 
+def finish(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every rank to exit 0; one still running at `timeout` dumps its threads' stacks
+    to the test's stderr (faulthandler, SIGUSR1) before it is killed and the test fails."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = [q for q in procs if q.poll() is None]
+            for q in hung:
+                q.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            for q in hung:
+                q.kill()
+            pytest.fail(f"{len(hung)} rank(s) still running after {timeout} s: stacks in stderr")
+    assert [p.returncode for p in procs] == [0] * len(procs)
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
@@ -91,8 +109,7 @@ def test_node_loss_restart_resumes_exactly(
     run2 = tmp_path / "run2.jsonl"
     t0 = time.monotonic()
     restarted = [launch(a if r < 2 else c, job, r, run2, "resume") for r in range(WORLD)]
-    for p in [*restarted, *reference]:
-        assert p.wait(timeout=180) == 0
+    finish([*restarted, *reference], timeout=180)
     wall = time.monotonic() - t0
 
     saved = {(r["rank"], r["step"]): r["digest"] for r in records(run1) if r["event"] == "saved"}

@@ -143,3 +143,32 @@ def test_a_replacement_nodes_rank_waits_for_what_the_dead_node_published(
 
     head = anyio.run(main)
     assert head is not None and head.s3_steps == [1], head
+
+
+def test_a_replacement_does_not_wait_for_a_batch_its_dead_node_never_sent(
+    settings: Settings, job: str
+) -> None:
+    """The dead node's agent was killed between a rank's event and the batch carrying it (the
+    batch is published at the end of the agent's fetch): that batch never comes, and the
+    coordinator never folds the event. A replacement rank waits for it at most `ack_wait_s`
+    after the server stored the event, then reads the job state as folded (which can only cost
+    the newer step), not until the restore's deadline (the chaos test's hang, in CI)."""
+    s = settings.replace(ack_wait_s=2.0)
+    publish(s, saved(job, 1, 0, "node-b") + saved(job, 1, 1, "node-b"))
+    unbatched = saved(job, 2, 1, "node-b")
+
+    async def main() -> tuple[JobHead | None, float]:
+        async with Bus(s) as bus:
+            for event in unbatched:  # (published on the rank's subject; the agent died)
+                await bus.publish(event)
+            store = await JobStore(bus.js, s).open()
+            t0 = time.monotonic()
+            head = await current_head(
+                bus, store, s, job=job, holder="node-c-rank-1",
+                deadline=time.monotonic() + 60, own=own_events(job, "node-c", 1), ranks=[1],
+            )  # fmt: skip
+            return head, time.monotonic() - t0
+
+    head, waited = anyio.run(main)
+    assert waited < 15, f"waited {waited:.1f} s for a batch that never comes"
+    assert head is not None and head.s3_steps == [1], head

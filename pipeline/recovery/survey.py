@@ -126,14 +126,16 @@ async def current_head(
     folds (wildcard lookups, which the server answers by scanning the job's subjects: rank 0
     only). A node with no events of the job (a replacement) waits instead for those of its
     `ranks`, published by whichever node held them (a lookup per rank across nodes: only the
-    replaced nodes pay it)."""
+    replaced nodes pay it). That node may have died between a rank's event and the batch
+    carrying it, which then never comes (nor is folded): such a wait ends `ack_wait_s` after
+    the event, by when a live agent has sent the batch or had the message taken back."""
     if own is None:
         seq = max([await _newest(bus, subject) for subject in state_subjects(job)])
     else:
         seq = max([await _batch_after(bus, *pair, deadline) for pair in own])
         if not seq and ranks:
             seq = max(
-                [await _rank_batch_after(bus, job, kind, r, deadline)
+                [await _rank_batch_after(bus, job, kind, r, deadline, settings.ack_wait_s)
                  for r in ranks for kind in _SAVED]
             )  # fmt: skip
     folded = False
@@ -166,18 +168,23 @@ def own_events(job: str, node: str, rank: int | str) -> list[tuple[str, str]]:
     ]
 
 
-async def _rank_batch_after(bus: Bus, job: str, kind: str, rank: int, deadline: float) -> int:
-    """`_batch_after` for `rank`'s newest `kind` event on any node (the node is in it)."""
+async def _rank_batch_after(
+    bus: Bus, job: str, kind: str, rank: int, deadline: float, grace: float
+) -> int:
+    """`_batch_after` for `rank`'s newest `kind` event on any node (the node is in it), waited
+    for until `grace` seconds after the event (its node may be dead: see `current_head`)."""
     found = await bus.last_raw(shard_subject(job, kind, "*", rank))
     if found is None:
         return 0
     try:
-        node = decode_event(found[1]).node
+        event = decode_event(found[1])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return found[0]  # (unreadable: at least the fold must have passed it)
+    age = min(max(0.0, time.time() - event.ts), grace)  # (another node's clock: clamped)
     return await _batch_after(
-        bus, shard_subject(job, kind, node, rank), batch_subject(job, node, kind), deadline
-    )
+        bus, shard_subject(job, kind, event.node, rank), batch_subject(job, event.node, kind),
+        min(deadline, time.monotonic() + grace - age),
+    )  # fmt: skip
 
 
 async def _newest(bus: Bus, subject: str) -> int:
