@@ -1044,7 +1044,7 @@ def _kv_equals_fold(
     """Where the KV differs from `state` (empty: it equals it)."""
     import msgspec
 
-    from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
+    from tierpipe.schemas.jobstate import Floors, JobHead, decode_record
 
     problems = []
     if msgspec.json.decode(head, type=JobHead) != state.head():
@@ -1055,7 +1055,7 @@ def _kv_equals_fold(
     if sorted(records) != sorted(want):
         problems.append(f"step keys: kv {sorted(records)} != fold {sorted(want)}")
     for step, value in records.items():
-        if step in want and msgspec.json.decode(value, type=StepRecord) != want[step]:
+        if step in want and decode_record(value) != want[step]:
             problems.append(f"step {step}: kv differs from the fold")
     return problems
 

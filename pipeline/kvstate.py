@@ -36,6 +36,8 @@ from tierpipe.schemas.jobstate import (
     RankDigests,
     Shares,
     StepRecord,
+    decode_record,
+    encode_record,
 )
 from tierpipe.settings import Settings
 
@@ -147,15 +149,18 @@ class JobStore:
 
     # --- reading
 
-    async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
+    async def _value(self, key: str) -> tuple[bytes, int] | None:
+        """(value, revision) of `key`, or None."""
         with _translated(f"kv {key}"):
             try:
                 entry = await self.kv.get(key)
             except _ABSENT:
                 return None
-        if entry.value is None:
-            return None
-        return msgspec.json.decode(entry.value, type=kind), entry.revision or 0
+        return None if not entry.value else (entry.value, entry.revision or 0)
+
+    async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
+        found = await self._value(key)
+        return None if found is None else (msgspec.json.decode(found[0], type=kind), found[1])
 
     async def head(self, job: str) -> JobHead | None:
         found = await self._get(head_key(job), JobHead)
@@ -181,8 +186,8 @@ class JobStore:
         return found[0] if found else Shares()
 
     async def record(self, job: str, step: int) -> StepRecord | None:
-        found = await self._get(step_key(job, step), StepRecord)
-        return found[0] if found else None
+        found = await self._value(step_key(job, step))
+        return None if found is None else decode_record(found[0])
 
     async def lease(self, job: str) -> Lease | None:
         found = await self._get(lease_key(job), Lease)
@@ -337,7 +342,7 @@ class JobStore:
         for step in sorted(changes.put):
             rec = state.record(step)
             if rec is not None:
-                await self._cas(job, step_key(job, step), _json.encode(rec))
+                await self._cas(job, step_key(job, step), encode_record(rec))
         if changes.floors:
             await self._cas(job, floor_key(job), _json.encode(state.floors()))
         await self._cas(job, head_key(job), _json.encode(state.head()))

@@ -3,13 +3,14 @@
 The event stream is the audit log and the stages' trigger; these records are what restarts,
 retention and operators read instead of replaying it. One writer (the job's retention
 coordinator, holding the `Lease`) folds the job's events into them; every value stays far below
-the 256 KiB message limit at any job size (a step's two rank bitmaps take 20 KiB at 80,000
-ranks).
+the 256 KiB message limit at any job size, and what one restarting rank reads stays a few KiB:
+a step's two rank bitmaps (20 KiB at 80,000 ranks) are stored deflated (`encode_record`), ~100
+B for a complete step.
 
 Keys (job names are tokens, so a key's parts never contain a dot):
 - `<job>.head`: `JobHead`, the newest complete steps and what is kept;
 - `<job>.floor`: `Floors`, the retention floors nodes watch to remove their own NVMe copies;
-- `<job>.step.<step>`: `StepRecord`, which ranks have a good copy on each tier;
+- `<job>.step.<step>`: `StepRecord` (`encode_record`), which ranks have a good copy on each tier;
 - `<job>.step.<step>.ranks.<chunk>`: `RankDigests`, the header digest and size of each rank's
   verified copy, `RANKS_PER_CHUNK` ranks a key (what a restoring rank checks its copy against);
 - `<job>.keep`: `Keep`, the job's retention policy (set by the trainer);
@@ -24,6 +25,7 @@ from typing import Annotated
 
 import msgspec
 
+from tierpipe.schemas.events import deflated_bitmap, inflate_bitmap
 from tierpipe.schemas.names import Token
 
 __all__ = (
@@ -36,10 +38,13 @@ __all__ = (
     "RankDigests",
     "Shares",
     "StepRecord",
+    "decode_record",
+    "encode_record",
 )
 
-#: Ranks per `RankDigests` value: 24 bytes a rank, about 33 KiB a value as JSON (base64).
-RANKS_PER_CHUNK = 1024
+#: Ranks per `RankDigests` value: 24 bytes a rank, about 8 KiB a value as JSON (base64), what
+#: a restoring rank reads to check its copy (a node's ranks share one).
+RANKS_PER_CHUNK = 256
 #: Bytes of one header digest (xxh3-128) and of one size in `RankDigests`.
 DIGEST_BYTES = 16
 SIZE_BYTES = 8
@@ -68,6 +73,54 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: Retention removed the step's objects: `s3` still says which ranks were flushed (their
     #: NVMe copies may go), but no rank has a copy there any more.
     s3_removed: bool = False
+
+
+class _StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A `StepRecord` as the KV holds it: each bitmap deflated (`*_z`) where that is smaller,
+    its plain field then empty."""
+
+    step: NonNegInt
+    world_size: PosInt
+    epoch: NonNegInt = 0
+    nvme: bytes = b""
+    s3: bytes = b""
+    s3_removed: bool = False
+    nvme_z: bytes = b""
+    s3_z: bytes = b""
+
+
+_stored = msgspec.json.Decoder(_StoredRecord)
+
+
+def encode_record(rec: StepRecord) -> bytes:
+    """`rec` as the KV stores it (see `decode_record`)."""
+    nvme, nvme_z = deflated_bitmap(rec.nvme)
+    s3, s3_z = deflated_bitmap(rec.s3)
+    return msgspec.json.encode(
+        _StoredRecord(
+            step=rec.step, world_size=rec.world_size, epoch=rec.epoch, nvme=nvme, s3=s3,
+            s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z,
+        )
+    )  # fmt: skip
+
+
+def decode_record(value: bytes) -> StepRecord:
+    """A step record as the KV stores it (its bitmaps inflated).
+
+    Raises:
+        msgspec.DecodeError, msgspec.ValidationError: not a record, or a deflated bitmap that
+            is garbled or holds more than `world_size` ranks.
+    """
+    r = _stored.decode(value)
+    try:
+        nvme = inflate_bitmap(r.nvme_z, r.world_size) if r.nvme_z else r.nvme
+        s3 = inflate_bitmap(r.s3_z, r.world_size) if r.s3_z else r.s3
+    except ValueError as e:
+        raise msgspec.ValidationError(f"step record {r.step}: {e}") from e
+    return StepRecord(
+        step=r.step, world_size=r.world_size, epoch=r.epoch, nvme=nvme, s3=s3,
+        s3_removed=r.s3_removed,
+    )  # fmt: skip
 
 
 class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
