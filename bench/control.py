@@ -46,9 +46,11 @@ Figures (JSON keys):
 - `kv_bytes_per_ckpt`, `kv_writes_per_ckpt`: values the coordinator wrote per checkpoint (lease
   renewals excluded).
 - `restart_state_bytes`: what one rank reads from KV at restart (`tierpipe.recovery.survey`):
-  the head, and for each candidate step (the newest 3 with a record and the newest 2 complete
-  on each tier) its record and the chunk of header digests holding the rank (`restart_records`:
-  the records read; `record_bytes`: one record at this world size), measured by reading them.
+  the head (which carries the candidate steps' records where they fit), and for each candidate
+  step (the newest 3 with a record and the newest 2 complete on each tier) the chunk of header
+  digests holding the rank, and its record if the head does not carry it (`restart_records`:
+  the records read from their own keys; `record_bytes`: one record at this world size, as
+  stored), measured by reading them.
 - `restart_s_history_ratio`: MEASURED on small separate jobs (`HISTORY_NODES` nodes, default
   retention, paced publishing): the median time to read that restart state after 1,000
   checkpoints over the same after 10 (`restart_s_history` has both).
@@ -93,6 +95,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -505,19 +508,23 @@ def _delivered_since(before: dict[str, int], after: dict[str, int]) -> int:
 
 async def _restart_read(kv: KeyValue, job: str, rank: int = 0) -> tuple[int, int]:
     """What one rank reads from KV at restart (`tierpipe.recovery.survey`): the head, then for
-    each candidate step its record and the digest chunk holding the rank. (bytes, records)."""
+    each candidate step the digest chunk holding the rank, and its record unless the head
+    carries it. (bytes, records read from their own keys)."""
     import msgspec
     import nats.js.errors
 
     from tierpipe.kvstate import digests_key, head_key, step_key
-    from tierpipe.recovery.survey import candidates
     from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead
 
     entry = await kv.get(head_key(job))
     head = msgspec.json.decode(entry.value or b"", type=JobHead)
     total, records = len(entry.value or b""), 0
-    for step in candidates(head):
-        for key in (step_key(job, step), digests_key(job, step, rank // RANKS_PER_CHUNK)):
+    carried = {r.step for r in head.records}
+    for step in head.candidates():
+        keys = [digests_key(job, step, rank // RANKS_PER_CHUNK)]
+        if step not in carried:
+            keys.append(step_key(job, step))
+        for key in keys:
             try:
                 total += len((await kv.get(key)).value or b"")
             except nats.js.errors.KeyNotFoundError:
@@ -791,8 +798,8 @@ class _Throttled:
 
     THROTTLED = frozenset({"get", "last_raw", "publish"})
 
-    def __init__(self, target: Any, slots: asyncio.Semaphore) -> None:
-        self._target, self._slots = target, slots
+    def __init__(self, target: Any, slots: asyncio.Semaphore, counts: Counter[str]) -> None:
+        self._target, self._slots, self._counts = target, slots, counts
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._target, name)
@@ -800,20 +807,22 @@ class _Throttled:
             return attr
 
         async def throttled(*args: Any, **kwargs: Any) -> Any:
+            self._counts[name] += 1
             async with self._slots:
                 return await attr(*args, **kwargs)
 
         return throttled
 
 
-async def _throttled(bus: Bus, settings: Settings) -> tuple[Any, JobStore]:
-    """The bus and a job store for the simulated ranks (see `_Throttled`)."""
+async def _throttled(bus: Bus, settings: Settings, counts: Counter[str]) -> tuple[Any, JobStore]:
+    """The bus and a job store for the simulated ranks (see `_Throttled`), their requests
+    counted in `counts` by method (`get`: KV, `last_raw`: direct get, `publish`)."""
     from tierpipe.kvstate import JobStore
 
     slots = asyncio.Semaphore(IN_FLIGHT_REQUESTS)
     store = await JobStore(bus.js, settings).open()
-    store._kv = _Throttled(store.kv, slots)  # type: ignore[assignment]
-    return _Throttled(bus, slots), store
+    store._kv = _Throttled(store.kv, slots, counts)  # type: ignore[assignment]
+    return _Throttled(bus, slots, counts), store
 
 
 def _timed_restorer() -> type:
@@ -823,8 +832,13 @@ def _timed_restorer() -> type:
 
     class Timed(Restorer):
         planned: dict[int, float]
+        #: The requests counted so far, and as they were when the first rank got the plan.
+        counts: Counter[str]
+        before_plan: Counter[str]
 
         async def _load_planned(self, plan: Any, round_: int) -> Any:
+            if not self.planned:
+                self.before_plan.update(self.counts)
             self.planned.setdefault(self.rank, time.monotonic())
             return await super()._load_planned(plan, round_)
 
@@ -852,6 +866,9 @@ class _Part:
     #: (step, from_s3 bitmap, rounds) of what they restored.
     plans: set[tuple[int, bytes, int]]
     from_s3_ranks: int
+    #: Their requests by method (see `_throttled`): in all, and before the first had the plan.
+    requests: dict[str, int] = field(default_factory=dict)
+    requests_before_plan: dict[str, int] = field(default_factory=dict)
     error: str = ""
 
 
@@ -863,9 +880,10 @@ async def _run_ranks(
     planned: dict[int, float] = {}
     loading: dict[int, float] = {}
     timed = _timed_restorer()
-    timed.planned = planned
+    counts: Counter[str] = Counter()
+    timed.planned, timed.counts, timed.before_plan = planned, counts, Counter()
     rpn = layout.ranks_per_node
-    throttled, store = await _throttled(bus, settings)
+    throttled, store = await _throttled(bus, settings, counts)
 
     async def one(rank: int) -> Any:
         loader: Any = _SimLoader(layout, rank, nvme, loading)
@@ -892,6 +910,8 @@ async def _run_ranks(
         loading=(max(loading.values(), default=0.0), len(loading)),
         plans={(r.step, r.s3_bitmap, r.rounds) for r in results},
         from_s3_ranks=len(results[0].from_s3) if results else 0,
+        requests=dict(counts),
+        requests_before_plan=dict(timed.before_plan),
     )
 
 
@@ -991,9 +1011,21 @@ async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
         "from_s3_ranks": found[0].from_s3_ranks,  # (one rank's list: listed on demand)
         "rounds": rounds,
         "final_plan": bool(final is not None and getattr(final, "final", False)),
+        "requests_per_node": _per_node([p.requests for p in found], lay.nodes),
+        "requests_per_node_before_plan": _per_node(
+            [p.requests_before_plan for p in found], lay.nodes
+        ),
         "plan_msg_bytes": len(plan_msg[1]) if plan_msg else None,
         "ready_msg_bytes": max(ready, default=None),
     }
+
+
+def _per_node(counts: list[dict[str, int]], nodes: int) -> dict[str, float]:
+    """Requests by method per node, summed over the processes' `counts`."""
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return {k: round(v / nodes, 2) for k, v in sorted(total.items())}
 
 
 def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> dict[str, Any]:

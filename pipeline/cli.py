@@ -425,13 +425,11 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
 
 
 def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
-    from tierpipe.recovery.survey import candidates
-
     async def read() -> tuple[JobHead, int, dict[int, StepRecord]]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore(bus.js, settings).open()
             head, stream_seq = await _folded_head(bus, store, job)
-            return head, stream_seq, await store.records(job, candidates(head, step))
+            return head, stream_seq, await store.records(job, head.candidates(step))
 
     head, stream_seq, records = anyio.run(read)
     if step is not None and step not in records:
@@ -440,7 +438,7 @@ def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as
             f"step {step} of job {job!r} has no record in its job state (the steps it keeps: "
             f"{kept})"
         )
-    plan = kv_plan(job, candidates(head, step), records, nvme_lost=nvme_lost)
+    plan = kv_plan(job, head.candidates(step), records, nvme_lost=nvme_lost)
     if as_json:
         print(json.dumps({**plan.to_json(), "folded_seq": head.seq, "stream_seq": stream_seq}))
     else:

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tierpipe.catalog import EVIDENCE_ERRORS
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
@@ -41,6 +43,7 @@ from tierpipe.schemas.facts import (
 )
 from tierpipe.schemas.jobstate import (
     DIGEST_BYTES,
+    HEAD_RECORD_BYTES,
     RANKS_PER_CHUNK,
     SIZE_BYTES,
     Floors,
@@ -48,6 +51,8 @@ from tierpipe.schemas.jobstate import (
     Keep,
     RankDigests,
     StepRecord,
+    StoredRecord,
+    stored_record,
 )
 
 __all__ = ("Changes", "JobState", "bitmap", "has_rank", "is_full", "ranks_of")
@@ -411,6 +416,8 @@ class JobState:
         self._hold = False
         self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
         self._changes = Changes()
+        #: step -> (record, stored form) of the records the last head carried.
+        self._stored: dict[int, tuple[StepRecord, StoredRecord]] = {}
         self._recount()
         self._changes.committed.clear()  # (complete already: committed by an earlier fold)
 
@@ -670,7 +677,7 @@ class JobState:
         if window:
             resume = min(self._first_seq[t] for t in window), min(window)
             self._resume = max(self._resume, resume)
-        return JobHead(
+        head = JobHead(
             job=self.job,
             world_size=self._world_size,
             nvme_steps=list(self._complete["nvme"]),
@@ -680,6 +687,25 @@ class JobState:
             resume_seq=self._resume[0],
             window=self._resume[1],
         )
+        return msgspec.structs.replace(head, records=self._head_records(head))
+
+    def _head_records(self, head: JobHead) -> list[StoredRecord]:
+        """The records of `head`'s candidates that fit in `HEAD_RECORD_BYTES` (each deflated
+        once per change of the record, not per head)."""
+        out, room, cache = [], HEAD_RECORD_BYTES, {}
+        for step in head.candidates():
+            rec = self.record(step)
+            if rec is None:
+                continue
+            stored = self._stored.get(step)
+            if stored is None or stored[0] != rec:
+                stored = (rec, stored_record(rec))
+            cache[step] = stored
+            if stored[1].nbytes <= room:
+                out.append(stored[1])
+                room -= stored[1].nbytes
+        self._stored = cache
+        return out
 
     def take_changes(self) -> Changes:
         changes, self._changes = self._changes, Changes()

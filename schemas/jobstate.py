@@ -38,8 +38,10 @@ __all__ = (
     "RankDigests",
     "Shares",
     "StepRecord",
+    "StoredRecord",
     "decode_record",
     "encode_record",
+    "stored_record",
 )
 
 #: Ranks per `RankDigests` value: 24 bytes a rank, about 8 KiB a value as JSON (base64), what
@@ -48,6 +50,14 @@ RANKS_PER_CHUNK = 256
 #: Bytes of one header digest (xxh3-128) and of one size in `RankDigests`.
 DIGEST_BYTES = 16
 SIZE_BYTES = 8
+
+#: A restart's candidate steps (`JobHead.candidates`): the newest with a record, and the newest
+#: complete ones on each tier.
+NEWEST, COMPLETE = 3, 2
+#: The stored bitmaps of candidate records the head carries at most (`JobHead.records`): a few
+#: hundred bytes a complete step, whatever the world size; partial ones of huge jobs may not fit,
+#: and are read from their own keys.
+HEAD_RECORD_BYTES = 64 * 1024
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -75,9 +85,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     s3_removed: bool = False
 
 
-class _StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
+class StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A `StepRecord` as the KV holds it: each bitmap deflated (`*_z`) where that is smaller,
-    its plain field then empty."""
+    its plain field then empty (`stored_record`; back with `record()`)."""
 
     step: NonNegInt
     world_size: PosInt
@@ -88,39 +98,53 @@ class _StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
     nvme_z: bytes = b""
     s3_z: bytes = b""
 
+    def record(self) -> StepRecord:
+        """The record, its bitmaps inflated.
 
-_stored = msgspec.json.Decoder(_StoredRecord)
+        Raises:
+            msgspec.ValidationError: a deflated bitmap is garbled or holds more than
+                `world_size` ranks.
+        """
+        try:
+            nvme = inflate_bitmap(self.nvme_z, self.world_size) if self.nvme_z else self.nvme
+            s3 = inflate_bitmap(self.s3_z, self.world_size) if self.s3_z else self.s3
+        except ValueError as e:
+            raise msgspec.ValidationError(f"step record {self.step}: {e}") from e
+        return StepRecord(
+            step=self.step, world_size=self.world_size, epoch=self.epoch, nvme=nvme, s3=s3,
+            s3_removed=self.s3_removed,
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """The bitmaps' bytes as stored."""
+        return len(self.nvme) + len(self.s3) + len(self.nvme_z) + len(self.s3_z)
+
+
+def stored_record(rec: StepRecord) -> StoredRecord:
+    nvme, nvme_z = deflated_bitmap(rec.nvme)
+    s3, s3_z = deflated_bitmap(rec.s3)
+    return StoredRecord(
+        step=rec.step, world_size=rec.world_size, epoch=rec.epoch, nvme=nvme, s3=s3,
+        s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z,
+    )  # fmt: skip
+
+
+_stored = msgspec.json.Decoder(StoredRecord)
 
 
 def encode_record(rec: StepRecord) -> bytes:
-    """`rec` as the KV stores it (see `decode_record`)."""
-    nvme, nvme_z = deflated_bitmap(rec.nvme)
-    s3, s3_z = deflated_bitmap(rec.s3)
-    return msgspec.json.encode(
-        _StoredRecord(
-            step=rec.step, world_size=rec.world_size, epoch=rec.epoch, nvme=nvme, s3=s3,
-            s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z,
-        )
-    )  # fmt: skip
+    """`rec` as the KV stores it under its step key (`StoredRecord`)."""
+    return msgspec.json.encode(stored_record(rec))
 
 
 def decode_record(value: bytes) -> StepRecord:
     """A step record as the KV stores it (its bitmaps inflated).
 
     Raises:
-        msgspec.DecodeError, msgspec.ValidationError: not a record, or a deflated bitmap that
-            is garbled or holds more than `world_size` ranks.
+        msgspec.DecodeError, msgspec.ValidationError: not a record (see `StoredRecord.record`).
     """
-    r = _stored.decode(value)
-    try:
-        nvme = inflate_bitmap(r.nvme_z, r.world_size) if r.nvme_z else r.nvme
-        s3 = inflate_bitmap(r.s3_z, r.world_size) if r.s3_z else r.s3
-    except ValueError as e:
-        raise msgspec.ValidationError(f"step record {r.step}: {e}") from e
-    return StepRecord(
-        step=r.step, world_size=r.world_size, epoch=r.epoch, nvme=nvme, s3=s3,
-        s3_removed=r.s3_removed,
-    )  # fmt: skip
+    return _stored.decode(value).record()
 
 
 class RankDigests(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,6 +193,18 @@ class JobHead(msgspec.Struct, frozen=True, kw_only=True):
     #: NVMe retention or in flight); older steps are known from their records alone.
     resume_seq: NonNegInt = 0
     window: NonNegInt = 0
+    #: The records of the restart's `candidates()`, newest first, as many as fit in
+    #: `HEAD_RECORD_BYTES`: a restarting node reads them with the head, not one by one.
+    records: list[StoredRecord] = []
+
+    def candidates(self, step: int | None = None) -> list[int]:
+        """The steps a restart considers, newest first: the newest `NEWEST` with a record and
+        the newest `COMPLETE` complete ones on each tier (a node that was replaced has only
+        object storage). `step`: only that one."""
+        if step is not None:
+            return [step]
+        complete = self.nvme_steps[-COMPLETE:] + self.s3_steps[-COMPLETE:]
+        return sorted(set(self.steps[-NEWEST:]) | set(complete), reverse=True)
 
     @property
     def newest_nvme(self) -> int | None:

@@ -55,6 +55,16 @@ def test_control_plane_invariants() -> None:
     assert (restart["step"], restart["rounds"], restart["final_plan"]) == (4, 1, True)
     assert restart["from_s3_ranks"] == r["world_size"]
     assert 0 < r["plan_s"] <= restart["restore_s"]
+    # Requests per node, whatever the world size: before the plan, the leader's head (which
+    # carries the candidates' records: none read on their own here), its own newest events and
+    # one `ready`; after it, each rank's digest chunk and `loaded` (a
+    # rank sent to object storage reads no record). (A leader whose fold lagged reads the head
+    # again: slack of half a read a node.)
+    req, before = restart["requests_per_node"], restart["requests_per_node_before_plan"]
+    assert r["restart_records"] == 0
+    assert before["get"] <= 1.5
+    assert before["publish"] <= 1 + 2 / NODES  # (and rank 0's `hold` and plan)
+    assert req["get"] - before["get"] <= RANKS_PER_NODE + 1 / NODES
 
 
 def test_cli_refuses_bad_sizes_and_control_options_elsewhere() -> None:

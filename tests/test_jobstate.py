@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierpipe import jobstate
 from tierpipe.catalog import Catalog
 from tierpipe.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
 from tierpipe.schemas import (
@@ -100,6 +101,21 @@ def test_a_step_completes_tier_by_tier() -> None:
     for rank in range(WORLD):
         state.apply(100 + rank, lifecycle(5, rank)[2])
     assert state.head().s3_steps == [5]
+
+
+def test_the_head_carries_its_candidates_records_as_far_as_they_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart reads the candidate steps' records with the head (one read, one snapshot);
+    records that do not fit in `HEAD_RECORD_BYTES` are left to their own keys."""
+    events = [e for step in (1, 2, 3, 4, 5) for rank in range(WORLD) for e in lifecycle(step, rank)]
+    state = fold(events[:-1])  # (step 5's last rank not flushed yet)
+    head = state.head()
+    assert head.candidates() == [5, 4, 3] and [r.step for r in head.records] == [5, 4, 3]
+    assert [r.record() for r in head.records] == [state.record(t) for t in (5, 4, 3)]
+    monkeypatch.setattr(jobstate, "HEAD_RECORD_BYTES", 2)  # (each of these is 1 or 2 bytes)
+    carried = fold(events[:-1]).head().records
+    assert 0 < len(carried) < 3 and sum(r.nbytes for r in carried) <= 2
 
 
 def test_forged_verified_and_flushed_count_for_nothing() -> None:

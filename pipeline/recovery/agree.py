@@ -61,7 +61,6 @@ from tierpipe.recovery.plan import Choice, Source, choose
 from tierpipe.recovery.survey import (
     Reads,
     Survey,
-    candidates,
     current_head,
     own_events,
     sources,
@@ -215,7 +214,9 @@ class Restorer:
             deadline=self._deadline - min(30.0, self.settings.restore_timeout_s / 4), own=own,
             ranks=self.group,
         )  # fmt: skip
-        steps = ([] if step is None else [step]) if head is None else candidates(head, step)
+        if head is not None:
+            self._reads.add(head)
+        steps = ([] if step is None else [step]) if head is None else head.candidates(step)
         self._surveys = await survey(
             self._reads, steps, ranks=self.group, world_size=self.world_size, node=self.node,
             locate_nvme=self._loader.nvme.locate,
@@ -400,12 +401,16 @@ class Restorer:
     ) -> tuple[tuple[Source, Loaded] | None, RestoreReport]:
         """This rank's shard from its first good source (None if none), and its report."""
         step = plan.step
+        from_s3 = has_rank(plan.s3_bitmap(), self.rank)
         found = self._surveys.get(self.rank)
         if found is None or step not in found.candidates:
-            found = await self._survey_step(step)
+            # Sent to object storage, a rank its leader surveyed has nothing to check first:
+            # the leader found its object confirmed (no record read; the loader checks the
+            # object against the recorded digest).
+            found = Survey([step], remote={step}) if from_s3 else await self._survey_step(step)
         srcs = await sources(
             self._reads, found, rank=self.rank, world_size=self.world_size, step=step,
-            nvme=not has_rank(plan.s3_bitmap(), self.rank),
+            nvme=not from_s3,
             locate_object=S3Store(self.settings).locate,
         )  # fmt: skip
         got = await self._loader.first_good(

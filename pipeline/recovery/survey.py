@@ -39,13 +39,9 @@ from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, Ste
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 
-__all__ = ("Reads", "Survey", "candidates", "current_head", "own_events", "sources", "survey")
+__all__ = ("Reads", "Survey", "current_head", "own_events", "sources", "survey")
 
 log = structlog.get_logger(__name__)
-
-#: Candidate steps: the newest with a record (complete or not) and the newest complete ones
-#: on each tier (a node that was replaced has only object storage).
-NEWEST, COMPLETE = 3, 2
 
 #: (job, step, rank, world size) -> where that shard is on a tier.
 Locate = Callable[[str, int, int, int], str]
@@ -75,8 +71,19 @@ class Reads:
 
     def __init__(self, store: JobStore, job: str) -> None:
         self.store, self.job = store, job
-        self._records: dict[int, asyncio.Task[StepRecord | None]] = {}
-        self._chunks: dict[tuple[int, int], asyncio.Task[RankDigests | None]] = {}
+        self._records: dict[int, asyncio.Future[StepRecord | None]] = {}
+        self._chunks: dict[tuple[int, int], asyncio.Future[RankDigests | None]] = {}
+
+    def add(self, head: JobHead) -> None:
+        """Take the records `head` carries (`JobHead.records`): no read of their keys.
+
+        Raises:
+            msgspec.ValidationError: a record the head carries is garbled.
+        """
+        for stored in head.records:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(stored.record())
+            self._records[stored.step] = done
 
     async def record(self, step: int) -> StepRecord | None:
         """`step`'s record, or None."""
@@ -102,7 +109,7 @@ _ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
 
 
 async def _once(
-    cache: dict[Any, asyncio.Task[T]], key: Any, read: Callable[[], Coroutine[Any, Any, T]]
+    cache: dict[Any, asyncio.Future[T]], key: Any, read: Callable[[], Coroutine[Any, Any, T]]
 ) -> T:
     task = cache.get(key)
     if task is None or (task.done() and task.exception() is not None):  # (a failed read: again)
@@ -206,14 +213,6 @@ async def _batch_after(bus: Bus, mine: str, batch: str, deadline: float) -> int:
 async def _no_removal(job: str, step: int, world_size: int) -> None:
     """Folding the job state to read it never removes objects (the floors hold meanwhile)."""
     raise AssertionError(f"no object removal while catching up ({job} step {step})")
-
-
-def candidates(head: JobHead, step: int | None = None) -> list[int]:
-    """The steps a restart considers, newest first (`step`: only that one)."""
-    if step is not None:
-        return [step]
-    complete = head.nvme_steps[-COMPLETE:] + head.s3_steps[-COMPLETE:]
-    return sorted(set(head.steps[-NEWEST:]) | set(complete), reverse=True)
 
 
 async def survey(
