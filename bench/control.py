@@ -53,7 +53,8 @@ Figures (JSON keys):
   stored), measured by reading them.
 - `restart_s_history_ratio`: MEASURED on small separate jobs (`HISTORY_NODES` nodes, default
   retention, paced publishing): the median time to read that restart state after 1,000
-  checkpoints over the same after 10 (`restart_s_history` has both).
+  checkpoints over the same after 10, the two jobs' reads interleaved (`restart_s_history` has
+  both).
 - `plan_s`: MEASURED, from the restart until every simulated rank has its plan, through the
   real restore code (`tierpipe.recovery.agree.Restorer`, one per simulated rank, as tasks),
   each rank started as torchrun starts it (`local_rank`, `local_world_size` = ranks per
@@ -699,10 +700,9 @@ async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
     return out
 
 
-async def _history_job(d: Driver, steps: int) -> float:
+async def _history_job(d: Driver, steps: int) -> None:
     """A job of `steps` checkpoints published at pace (at most `HISTORY_LAG_STEPS` ahead of the
-    fold), with the nodes applying the floors as stored before each; then the median time to
-    read the restart state."""
+    fold), with the nodes applying the floors as stored before each."""
     await d.start(None)  # (the settings' default retention)
     ends: dict[int, int] = {}
     for step in range(1, steps + 1):
@@ -714,16 +714,24 @@ async def _history_job(d: Driver, steps: int) -> float:
     await d.wait_quiet(d.timeout_s())
     await d.apply_floors()
     await d.wait_quiet(d.timeout_s())
-    times = []
-    size = records = 0
+
+
+async def _history_reads(jobs: dict[int, Driver]) -> dict[str, float]:
+    """The median time to read each job's restart state, the jobs' reads interleaved (so a
+    drift of the machine or the server over the run weighs on each alike)."""
+    times: dict[int, list[float]] = {n: [] for n in jobs}
+    found: dict[int, tuple[int, int]] = {}
     for _ in range(HISTORY_READS):
-        t0 = time.perf_counter()
-        size, records = await _restart_read(d.store.kv, d.job)
-        times.append(time.perf_counter() - t0)
-    s = statistics.median(times)
-    log(f"  history {steps} steps ({d.publisher.count} events): restart read {size} B, "
-        f"{records} records, {s * 1e3:.2f} ms")  # fmt: skip
-    return s
+        for n, d in jobs.items():
+            t0 = time.perf_counter()
+            found[n] = await _restart_read(d.store.kv, d.job)
+            times[n].append(time.perf_counter() - t0)
+    out = {}
+    for n, d in jobs.items():
+        out[str(n)] = s = statistics.median(times[n])
+        log(f"  history {n} steps ({d.publisher.count} events): restart read {found[n][0]} B, "
+            f"{found[n][1]} records, {s * 1e3:.2f} ms")  # fmt: skip
+    return out
 
 
 async def _replay(d: Driver) -> tuple[list[tuple[int, Event]], float]:
@@ -1173,11 +1181,12 @@ async def _main(
                 log(f"  restart: {layout.world_size} ranks through the agreement protocol")
                 restart = await _restart(d, work, restart_procs)
                 log(f"  restart: plan_s {restart['plan_s']}, restore_s {restart['restore_s']:.2f}")
-                history: dict[str, float] = {}
+                jobs = {}
                 for n in history_steps:
                     hist = Layout(f"history{n}", HISTORY_NODES, ranks_per_node)
-                    hd = Driver(settings, server.monitor_url, bus, store, coordinator, hist)
-                    history[str(n)] = await _history_job(hd, n)
+                    jobs[n] = Driver(settings, server.monitor_url, bus, store, coordinator, hist)
+                    await _history_job(jobs[n], n)
+                history = await _history_reads(jobs)
                 stats = coordinator.stats
                 published_max = stats.published_max_bytes
                 kv_max = stats.kv_max_bytes

@@ -65,6 +65,8 @@ class Bus:
         self.name = name
         self.connect_wait_s = connect_wait_s
         self._closing = False
+        #: The stream was made sure of (`ensure_stream`), or found missing once by `last_raw`.
+        self._stream_checked = False
         self._connected = False
         self._last_error: BaseException | None = None
         self._refused = asyncio.Event()
@@ -222,6 +224,7 @@ class Bus:
             BusError: the server refused the config (e.g. a change it cannot apply in place).
         """
         await stream.ensure_stream(self.js, self.settings, update=update)
+        self._stream_checked = True
 
     # --- events
 
@@ -337,17 +340,26 @@ class Bus:
         return ack.seq
 
     async def last_raw(self, subject: str) -> tuple[int, bytes] | None:
-        """(stream seq, body) of the newest message on an exact subject, or None."""
+        """(stream seq, body) of the newest message on `subject` (with wildcards: the newest of
+        all the subjects it matches), or None. A direct get: no JetStream API request."""
         try:
             raw = await self.js.get_last_msg(self.settings.stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
+        except nats.errors.NoRespondersError as e:
+            if self._stream_checked:
+                raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
+            # No stream answers (a trainer rank but 0 skips `ensure_stream`: it may start before
+            # rank 0 or any agent made the stream): make sure of it, once, and ask again.
+            self._stream_checked = True
+            await self.ensure_stream(update=False)
+            return await self.last_raw(subject)
         except UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
         return raw.seq or 0, raw.data or b""
 
     async def last_event(self, subject: str) -> Event | None:
-        """The newest event on an exact subject, or None (direct get)."""
+        """The newest event on `subject` (see `last_raw`), or None."""
         raw = await self.last_raw(subject)
         if raw is None:
             return None

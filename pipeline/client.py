@@ -140,12 +140,18 @@ class Checkpointer:
 
     async def _start(self) -> None:
         bus = self._bus.bus
-        await bus.ensure_stream(update=False)
+        # Rank 0 makes sure the stream and the job-state bucket exist; the other ranks start
+        # without a JetStream API request (tens of thousands would overflow the server's queue).
+        if self.rank == 0:
+            await bus.ensure_stream(update=False)
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
         await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
-        self._jobstore = await JobStore(bus.js, self.settings).open()
+        self._jobstore = JobStore(bus.js, self.settings)
         if self.rank == 0:  # the job's coordinators learn of it, with its retention policy
+            await self._jobstore.open()
             await self._jobstore.register(self.job, self._keep)
+        else:
+            self._jobstore.bind()
         self._newest_saved = await newest_staged_step(bus, job=self.job, rank=self.rank)
 
     # --- saving

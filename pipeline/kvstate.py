@@ -108,6 +108,8 @@ class JobStore:
         self._js = js
         self.settings = settings
         self._kv: KeyValue | None = None
+        #: Bound without asking JetStream whether the bucket exists (`bind`).
+        self._bound = False
         #: key -> revision of this writer's last write (compare-and-set on the next).
         self._revs: dict[str, int] = {}
 
@@ -132,6 +134,16 @@ class JobStore:
                 await self._admit_watchers()
         return self
 
+    def bind(self) -> JobStore:
+        """Bind the bucket as it is, with no JetStream API request (its reads are direct gets):
+        for a job's ranks but rank 0, which `open`s it. (At 80,000 ranks, a stream-info request
+        each would overflow the server's API queue, 10,000 by default.) A bucket that does not
+        answer a read is opened then (`_value`)."""
+        b = self.settings.kv_bucket
+        self._kv = KeyValue(name=b, stream=f"KV_{b}", pre=f"$KV.{b}.", js=self._js, direct=True)
+        self._bound = True
+        return self
+
     async def _admit_watchers(self) -> None:
         """Let the bucket's stream take every agent's watchers (2 each): nats-server admits
         1,000 consumers a stream unless the stream says otherwise (500 agents)."""
@@ -149,13 +161,25 @@ class JobStore:
 
     # --- reading
 
+    async def value(self, key: str) -> bytes | None:
+        """The value of `key`, or None."""
+        found = await self._value(key)
+        return None if found is None else found[0]
+
     async def _value(self, key: str) -> tuple[bytes, int] | None:
-        """(value, revision) of `key`, or None."""
+        """(value, revision) of `key`, or None. A bound store (`bind`) whose bucket does not
+        answer makes sure it exists (`open`, once) and reads again."""
         with _translated(f"kv {key}"):
             try:
                 entry = await self.kv.get(key)
             except _ABSENT:
                 return None
+            except nats.errors.NoRespondersError:
+                if not self._bound:
+                    raise
+                self._bound = False
+                await self.open()
+                return await self._value(key)
         return None if not entry.value else (entry.value, entry.revision or 0)
 
     async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:

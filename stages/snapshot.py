@@ -356,11 +356,10 @@ async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: 
 
 
 async def newest_staged_step(bus: Bus, *, job: str, rank: int) -> int | None:
-    """The step of this rank's most recent `staged` event on any node (the newest message
-    on each node's subject; a handful of messages, never a replay)."""
-    found = await bus.latest(shard_subject(job, "staged", "*", rank))
-    newest = max(found, default=None, key=lambda item: item[0])
-    return newest[1].step if newest is not None and isinstance(newest[1], ShardStaged) else None
+    """The step of this rank's most recent `staged` event on any node (one direct get of the
+    newest message on its subjects: no consumer, so no JetStream API request)."""
+    newest = await bus.last_event(shard_subject(job, "staged", "*", rank))
+    return newest.step if isinstance(newest, ShardStaged) else None
 
 
 def _step_of(found: tuple[int, Event] | None, kind: type[ShardEvent]) -> int | None:

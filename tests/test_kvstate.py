@@ -4,6 +4,7 @@ events, whatever batches it was written in; one writer at a time, fenced by its 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -160,3 +161,25 @@ async def test_one_writer_at_a_time_fenced_by_the_lease(nats_server: NatsServer,
         with pytest.raises(LeaseLostError):
             await a.write(state_a, state_a.take_changes())
         assert (await b.head("j")) == state_b.head()
+
+
+def test_a_bound_store_and_a_bus_make_sure_of_what_does_not_answer(tmp_path: Path) -> None:
+    """A rank but 0 binds the bucket and reads the stream without asking JetStream whether
+    they exist. Where one does not (a rank that starts before rank 0 and every agent), its
+    first read makes it (once) and answers as for an empty job, not `BusUnavailableError`.
+    (A server of its own: the stream takes every `tp.` subject.)"""
+    with NatsServer(tmp_path / "nats") as server:
+        _bound_reads(kv_settings(server, "bound"))
+
+
+def _bound_reads(s: Settings) -> None:
+    async def main() -> None:
+        async with Bus(s) as bus:
+            assert await bus.last_raw("tp.j.staged.*.1") is None
+            assert (await bus.js.stream_info(s.stream)).config.name == s.stream
+            store = JobStore(bus.js, s).bind()
+            assert await store.head("j") is None
+            assert await store.value("j.step.1.ranks.0") is None
+            await bus.js.key_value(s.kv_bucket)  # (exists now)
+
+    anyio.run(main)

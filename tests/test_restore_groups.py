@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import shutil
 import time
+import urllib.request
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
+from tierpipe.dev import NatsServer
 from tierpipe.jobstate import bitmap
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import (
@@ -243,3 +246,25 @@ def test_a_plans_deflated_bitmap_round_trips_and_an_overlong_one_is_no_plan() ->
     )
     with pytest.raises(msgspec.ValidationError, match="inflates past"):
         decode_event(bomb)
+
+
+def _api_requests(server: NatsServer) -> int:
+    """The JetStream API requests the server has taken so far (`/jsz`)."""
+    with urllib.request.urlopen(f"{server.monitor_url}/jsz", timeout=10) as r:
+        return int(json.load(r)["api"]["total"])
+
+
+def test_ranks_other_than_0_start_and_read_the_job_state_without_jetstream_api_requests(
+    settings: Settings, job: str, nats_server: NatsServer
+) -> None:
+    """Every rank's start once asked JetStream for the stream's and the bucket's info: at
+    80,000 ranks, 160,000 API requests in a burst, where the server queues 10,000 by default
+    (`request_queue_limit`) and drops the rest (the ranks time out). Rank 0 makes sure the
+    stream and the bucket exist; the others bind them as they are, and their KV reads are
+    direct gets (not API requests)."""
+    Checkpointer(job, rank=0, world_size=4, settings=settings).close()
+    before = _api_requests(nats_server)
+    for rank in (1, 2, 3):
+        with Checkpointer(job, rank=rank, world_size=4, settings=settings) as ckpt:
+            assert ckpt.latest_step() is None
+    assert _api_requests(nats_server) == before

@@ -265,7 +265,7 @@ async def s3_reads_per_node(settings: Settings, bus: Bus, job: str) -> int:
     read; unreadable: the node's own cap alone)."""
     cap = settings.restore_s3_reads_per_node
     try:
-        shares = await (await JobStore(bus.js, settings).open()).shares(job)
+        shares = await JobStore(bus.js, settings).bind().shares(job)
     except TierpipeError as e:
         log.warning("restore_shares_unread", job=job, error=str(e))
         return cap

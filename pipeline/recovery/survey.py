@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import nats.js.errors
 import structlog
 
 from tierpipe.bus import Bus
@@ -31,7 +30,6 @@ from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.names import batch_subject, shard_subject, state_subjects
-from tierpipe.nats_conn import translate
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas import decode_event
@@ -96,16 +94,8 @@ class Reads:
         return None if found is None else found.of(rank)
 
     async def _chunk(self, step: int, chunk: int) -> RankDigests | None:
-        key = digests_key(self.job, step, chunk)
-        with translate(f"kv {key}", keep=_ABSENT):
-            try:
-                entry = await self.store.kv.get(key)
-            except _ABSENT:
-                return None
-        return msgspec.json.decode(entry.value, type=RankDigests) if entry.value else None
-
-
-_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+        value = await self.store.value(digests_key(self.job, step, chunk))
+        return None if value is None else msgspec.json.decode(value, type=RankDigests)
 
 
 async def _once(
