@@ -140,14 +140,12 @@ class _Step:
         i, mask = rank >> 3, 1 << (rank & 7)
         if bool(bits[i] & mask) == on:
             return False
-        before = self._has_either(i, mask)
         bits[i] ^= mask
         self.count[tier] += 1 if on else -1
-        self.either += self._has_either(i, mask) - before
+        other = self.bits["s3" if tier == "nvme" else "nvme"]
+        if not other[i] & mask:  # (the rank's copy on either tier came, or went, with this)
+            self.either += 1 if on else -1
         return True
-
-    def _has_either(self, i: int, mask: int) -> int:
-        return int(bool((self.bits["nvme"][i] | self.bits["s3"][i]) & mask))
 
     def unflushed(self) -> bool:
         """Some rank has a verified NVMe copy that never reached object storage."""
@@ -531,11 +529,14 @@ class JobState:
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
         if changed or counts is not None:
             self._changes.put.add(step)
-        if counts is not None and any(
-            a != b and s.world_size in (a, b)
-            for a, b in zip(counts, (s.count["nvme"], s.count["s3"], s.either), strict=True)
-        ):
-            self._recount()
+        if counts is not None:
+            w, (n, o, e) = s.world_size, counts
+            if (
+                (n == w) != (s.count["nvme"] == w)
+                or (o == w) != (s.count["s3"] == w)
+                or (e == w) != (s.either == w)
+            ):
+                self._recount()
 
     def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:
         """An event about a step known by its record alone: only removals count (a copy
