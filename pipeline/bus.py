@@ -65,8 +65,8 @@ class Bus:
         self.name = name
         self.connect_wait_s = connect_wait_s
         self._closing = False
-        #: The stream was made sure of (`ensure_stream`), or found missing once by `last_raw`.
-        self._stream_checked = False
+        #: A read that finds no stream makes sure of it first (`ensure_stream_on_first_miss`).
+        self._ensure_on_miss = False
         self._connected = False
         self._last_error: BaseException | None = None
         self._refused = asyncio.Event()
@@ -224,7 +224,15 @@ class Bus:
             BusError: the server refused the config (e.g. a change it cannot apply in place).
         """
         await stream.ensure_stream(self.js, self.settings, update=update)
-        self._stream_checked = True
+        self._ensure_on_miss = False
+
+    def ensure_stream_on_first_miss(self) -> None:
+        """For a trainer rank that skips `ensure_stream` (tens of thousands of stream-info
+        requests would overflow the server's API queue): the first `last_raw` that finds no
+        stream (it may start before rank 0 or any agent made it) makes sure of it, once
+        (`update=False`), and asks again. Other readers get `BusUnavailableError`: a read-only
+        tool never creates the stream."""
+        self._ensure_on_miss = True
 
     # --- events
 
@@ -347,12 +355,9 @@ class Bus:
         except nats.js.errors.NotFoundError:
             return None
         except nats.errors.NoRespondersError as e:
-            if self._stream_checked:
+            if not self._ensure_on_miss:
                 raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
-            # No stream answers (a trainer rank but 0 skips `ensure_stream`: it may start before
-            # rank 0 or any agent made the stream): make sure of it, once, and ask again.
-            self._stream_checked = True
-            await self.ensure_stream(update=False)
+            await self.ensure_stream(update=False)  # (once: it clears the flag)
             return await self.last_raw(subject)
         except UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e

@@ -144,6 +144,8 @@ class Checkpointer:
         # without a JetStream API request (tens of thousands would overflow the server's queue).
         if self.rank == 0:
             await bus.ensure_stream(update=False)
+        else:
+            bus.ensure_stream_on_first_miss()
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
         await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
         self._jobstore = JobStore(bus.js, self.settings)

@@ -16,7 +16,7 @@ from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.dev import NatsServer
-from tierpipe.errors import LeaseLostError
+from tierpipe.errors import BusUnavailableError, LeaseLostError
 from tierpipe.jobstate import JobState, ranks_of
 from tierpipe.kvstate import JobStore
 from tierpipe.schemas import Event
@@ -175,6 +175,9 @@ def test_a_bound_store_and_a_bus_make_sure_of_what_does_not_answer(tmp_path: Pat
 def _bound_reads(s: Settings) -> None:
     async def main() -> None:
         async with Bus(s) as bus:
+            with pytest.raises(BusUnavailableError):  # (any other reader: it creates nothing)
+                await bus.last_raw("tp.j.staged.*.1")
+            bus.ensure_stream_on_first_miss()  # (as a rank but 0 does)
             assert await bus.last_raw("tp.j.staged.*.1") is None
             assert (await bus.js.stream_info(s.stream)).config.name == s.stream
             store = JobStore(bus.js, s).bind()
