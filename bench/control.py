@@ -237,14 +237,14 @@ class Publisher:
         self._js = bus.nc.jetstream(
             timeout=settings.request_timeout_s, publish_async_max_pending=IN_FLIGHT
         )
-        self._stream = settings.stream
+        self._base = settings.stream
         self.count = 0
         self.max_bytes = 0
         self.last_seq = 0
 
     async def publish(self, events: Iterable[Event]) -> None:
         from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER
-        from tierpipe.names import event_subject, msg_id
+        from tierpipe.names import event_subject, msg_id, stream_name
         from tierpipe.schemas import SCHEMA_VERSION, encode_event
 
         futures = []
@@ -258,7 +258,10 @@ class Publisher:
             }
             futures.append(
                 await self._js.publish_async(
-                    event_subject(event), data, stream=self._stream, headers=headers
+                    event_subject(event),
+                    data,
+                    stream=stream_name(self._base, event.job),
+                    headers=headers,
                 )
             )
         await self._js.publish_async_completed()
@@ -564,7 +567,8 @@ class Driver:
         return self.layout.job
 
     async def start(self, keep: Any) -> None:
-        """Register the job, and wait until the coordinator leads it."""
+        """Make its stream, register the job, and wait until the coordinator leads it."""
+        await self.bus.ensure_stream(self.job)
         self.coordinator.hosts(self.job)
         await self.store.register(self.job, keep)
         deadline = time.monotonic() + 30
@@ -746,7 +750,8 @@ async def _replay(d: Driver) -> tuple[list[tuple[int, Event]], float]:
     assert d.bus.nc is not None
     t0 = time.perf_counter()
     stored = await history.collect(
-        d.bus.nc, d.bus.js, d.settings.stream, job_subjects(d.job), api.DeliverPolicy.ALL,
+        d.bus.nc, d.bus.js, d.bus.stream(job_subjects(d.job)), job_subjects(d.job),
+        api.DeliverPolicy.ALL,
         seqs=True, timeout=d.settings.request_timeout_s,
     )  # fmt: skip
     return stored, time.perf_counter() - t0
@@ -1196,7 +1201,6 @@ async def _main(
             path=None, env={"TIERPIPE_NATS_URL": server.url, "TIERPIPE_LOG_LEVEL": "warning"}
         )
         async with Bus(settings, name="bench-agents") as bus:
-            await bus.ensure_stream()
             store = await JobStore(bus.js, settings).open()
             with CoordinatorProcess(settings, profile=profile) as coordinator:
                 layout = Layout("control", nodes, ranks_per_node)

@@ -128,7 +128,7 @@ def _replay_at_scale(work: Path) -> dict[str, float]:
 
         async def go() -> dict[str, list[float]]:
             async with Bus(settings, name="bench-replay") as bus:
-                await bus.ensure_stream()
+                await bus.ensure_stream(job)
                 t0 = time.perf_counter()
                 for e in events:
                     headers = {
@@ -137,7 +137,10 @@ def _replay_at_scale(work: Path) -> dict[str, float]:
                         SCHEMA_HEADER: str(SCHEMA_VERSION),
                     }
                     await bus.js.publish_async(
-                        event_subject(e), encode_event(e), stream=settings.stream, headers=headers
+                        event_subject(e),
+                        encode_event(e),
+                        stream=bus.stream(event_subject(e)),
+                        headers=headers,
                     )
                 await bus.js.publish_async_completed()
                 log(f"  published {len(events)} events in {time.perf_counter() - t0:.1f} s")

@@ -1,12 +1,14 @@
-"""The event bus: one NATS connection, the `TIERPIPE` stream, publishing and watching events.
+"""The event bus: one NATS connection, the jobs' streams, publishing and watching events.
 
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
 config, API error). Credentials and TLS come from the settings (user/password, token, creds
 file, nkey seed, CA and client certificate; `tierpipe.nats_conn`). The stream's configuration is
 `tierpipe.stream`'s; reading its history and watching it, `tierpipe.history`'s; the stages'
-durable pull consumers, `tierpipe.consumer`'s. A stream that vanished (deleted by an operator,
-lost by the server) is recreated by the next publish that finds it missing.
+durable pull consumers, `tierpipe.consumer`'s. Each job has a stream of its own
+(`<stream>_<job>`, subjects `tp.<job>.>`); a subject names its job, so every call here finds the
+stream from the subject it is given. A stream that vanished (deleted by an operator, lost by the
+server) is recreated by the next publish that finds it missing.
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from tierpipe import history, stream
-from tierpipe.errors import BusAuthError, BusError, BusUnavailableError
+from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, InvalidNameError
 from tierpipe.history import Follow, Watch
 from tierpipe.log import register_secrets, scrub, settings_secrets
-from tierpipe.names import event_subject, msg_id, redact_url
+from tierpipe.names import (
+    event_subject,
+    msg_id,
+    redact_url,
+    stream_name,
+    subject_job,
+    validate_token,
+)
 from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.schemas.facts import Fact
@@ -67,6 +76,8 @@ class Bus:
         self._closing = False
         #: A read that finds no stream makes sure of it first (`ensure_stream_on_first_miss`).
         self._ensure_on_miss = False
+        #: Jobs whose stream this connection made sure of (`ensure_job_stream`).
+        self._ensured: set[str] = set()
         self._connected = False
         self._last_error: BaseException | None = None
         self._refused = asyncio.Event()
@@ -215,23 +226,61 @@ class Bus:
 
     # --- the stream
 
-    async def ensure_stream(self, *, update: bool = True) -> None:
-        """Create the stream, or update it if its settings changed (idempotent).
+    def stream(self, subject: str) -> str:
+        """The name of the stream that holds `subject` (its job's).
+
+        Raises:
+            InvalidNameError: `subject` names no single job.
+        """
+        return stream_name(self.settings.stream, subject_job(subject))
+
+    async def ensure_stream(self, job: str, *, update: bool = True) -> None:
+        """Create `job`'s stream, or update it if its settings changed (idempotent).
 
         Trainers pass `update=False`: they create a missing stream but leave the agent's alone.
 
         Raises:
             BusError: the server refused the config (e.g. a change it cannot apply in place).
         """
-        await stream.ensure_stream(self.js, self.settings, update=update)
+        await stream.ensure_stream(self.js, self.settings, job, update=update)
         self._ensure_on_miss = False
+
+    async def ensure_job_stream(self, job: str) -> None:
+        """`ensure_stream(job)` once per connection (an agent's stages, finding a job new to
+        the node: the agent's settings win)."""
+        if job not in self._ensured:
+            await self.ensure_stream(job)
+            self._ensured.add(job)
+
+    async def jobs(self) -> list[str]:
+        """The jobs that have a stream, by name (operators' tools: a JetStream API request per
+        page of 256 streams, never on a hot path).
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+        """
+        prefix, offset = f"{self.settings.stream}_", 0
+        found: list[str] = []
+        while True:
+            try:
+                page = await self.js.streams_info(offset=offset)
+            except UNAVAILABLE as e:
+                raise BusUnavailableError(f"list streams: {e or type(e).__name__}") from e
+            if not page:
+                return sorted(found)
+            offset += len(page)
+            for info in page:
+                name = info.config.name or ""
+                if name.startswith(prefix):
+                    with contextlib.suppress(InvalidNameError):  # (`ctl`, another tool's)
+                        found.append(validate_token("job", name[len(prefix) :]))
 
     def ensure_stream_on_first_miss(self) -> None:
         """For a trainer rank that skips `ensure_stream` (tens of thousands of stream-info
         requests would overflow the server's API queue): the first `last_raw` that finds no
         stream (it may start before rank 0 or any agent made it) makes sure of it, once
         (`update=False`), and asks again. Other readers get `BusUnavailableError`: a read-only
-        tool never creates the stream."""
+        tool never creates a stream."""
         self._ensure_on_miss = True
 
     # --- events
@@ -293,7 +342,7 @@ class Bus:
                     subject,
                     data,
                     timeout=min(left, per_try),
-                    stream=self.settings.stream,
+                    stream=self.stream(subject),
                     # nats-py adds the expected-stream header to the dict it is given
                     headers=dict(headers) if headers is not None else None,
                 )
@@ -305,7 +354,9 @@ class Bus:
                 last = e
                 if not checked:
                     checked = True
-                    await stream.recreate_if_missing(self.js, self.settings, min(left, per_try))
+                    await stream.recreate_if_missing(
+                        self.js, self.settings, subject_job(subject), min(left, per_try)
+                    )
                 elif isinstance(e, nats.js.errors.NoStreamResponseError):
                     await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
@@ -351,13 +402,13 @@ class Bus:
         """(stream seq, body) of the newest message on `subject` (with wildcards: the newest of
         all the subjects it matches), or None. A direct get: no JetStream API request."""
         try:
-            raw = await self.js.get_last_msg(self.settings.stream, subject, direct=True)
+            raw = await self.js.get_last_msg(self.stream(subject), subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
         except nats.errors.NoRespondersError as e:
             if not self._ensure_on_miss:
                 raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
-            await self.ensure_stream(update=False)  # (once: it clears the flag)
+            await self.ensure_stream(subject_job(subject), update=False)  # (clears the flag)
             return await self.last_raw(subject)
         except UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
@@ -393,7 +444,7 @@ class Bus:
         all with `each_subject=False`), then every later one as the stream stores it, in stream
         order (see `tierpipe.history.watch`). Open it before publishing what its messages
         answer."""
-        return history.watch(self.js, self.settings.stream, subject, each_subject=each_subject)
+        return history.watch(self.js, self.stream(subject), subject, each_subject=each_subject)
 
     def follow(
         self,
@@ -405,8 +456,9 @@ class Bus:
         """Every message on `subject` (or any of several) from `start_seq` on, then every
         later one, in batches (see `tierpipe.history.follow`): for a reader that folds a lot.
         `decode`: what a body becomes (default: an event; the coordinator takes facts)."""
+        first = subject if isinstance(subject, str) else subject[0]
         return history.follow(
-            self.js, self.settings.stream, subject, start_seq=start_seq, decode=decode
+            self.js, self.stream(first), subject, start_seq=start_seq, decode=decode
         )
 
     async def _collect(
@@ -415,7 +467,7 @@ class Bus:
         return await history.collect(
             self._client(),
             self.js,
-            self.settings.stream,
+            self.stream(subject),
             subject,
             policy,
             seqs=seqs,

@@ -32,6 +32,8 @@ from tierpipe.names import (
     node_name,
     shard_relpath,
     state_subjects,
+    stream_name,
+    subject_job,
     validate_token,
 )
 from tierpipe.nats_conn import translate
@@ -248,7 +250,8 @@ def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
         if not args.no_s3:
             prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), "<hh>", job) if p)
             where += f", no objects under s3://{settings.s3_bucket}/{prefix}/"
-        raise ConfigError(f"unknown job {job!r}: no events on stream {settings.stream}, {where}")
+        stream = stream_name(settings.stream, job)
+        raise ConfigError(f"unknown job {job!r}: no events on stream {stream}, {where}")
     print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {job}")
     for line in done.skipped:
         print(f"  skipped {line}")
@@ -328,13 +331,13 @@ def _flush(
 
     async def send() -> int:
         async with Bus(settings, name="tierpipe-cli") as bus:
-            await bus.ensure_stream(update=False)
-            # A typo would be obeyed by nobody, silently: name only a node the stream knows.
+            await bus.ensure_stream(subject_job(subject), update=False)
+            # A typo would be obeyed by nobody, silently: name only a node the streams know.
             if node and not force and not await _node_known(bus, node):
                 raise ConfigError(
                     f"unknown node {node!r}: it has no flush worker "
-                    f"({consumer_name('flush', node)}) and no events on stream "
-                    f"{settings.stream}; check the name, or pass --force to send anyway"
+                    f"({consumer_name('flush', node)}) and no events on any job's stream "
+                    f"({settings.stream}_<job>); check the name, or pass --force to send anyway"
                 )
             return await bus.publish_raw(subject, msgspec.json.encode(control))
 
@@ -393,24 +396,29 @@ def _budget(
 
 
 async def _node_known(bus: Bus, node: str) -> bool:
-    """Whether `node` has a flush consumer on the stream or has published any event: one or
-    two JetStream API requests, however long the stream."""
-    stream = bus.settings.stream
+    """Whether `node` has a flush consumer on a job's stream or has published any event: one
+    or two JetStream API requests per job, however long the streams."""
     try:
-        try:
-            await bus.js.consumer_info(stream, consumer_name("flush", node))
-            return True
-        except nats.js.errors.NotFoundError:
-            pass
-        return await _stream_has(bus, filter_subject("*", node=node))
+        for job in await bus.jobs():
+            try:
+                await bus.js.consumer_info(
+                    stream_name(bus.settings.stream, job), consumer_name("flush", node)
+                )
+                return True
+            except nats.js.errors.NotFoundError:
+                pass
+            if await _stream_has(bus, filter_subject("*", node=node, job=job)):
+                return True
+        return False
     except (nats.errors.Error, TimeoutError) as e:
         raise BusUnavailableError(f"looking up node {node!r}: {e or type(e).__name__}") from e
 
 
 async def _stream_has(bus: Bus, subject: str) -> bool:
-    """Whether the stream holds any message on `subject` (wildcards allowed)."""
+    """Whether the job's stream holds any message on `subject` (wildcards allowed, but for
+    the job)."""
     try:
-        await bus.js.get_msg(bus.settings.stream, subject=subject)  # the newest one, by index
+        await bus.js.get_msg(bus.stream(subject), subject=subject)  # the newest one, by index
     except nats.js.errors.NotFoundError:  # no such message, or no stream at all
         return False
     return True
@@ -539,11 +547,12 @@ async def _folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, in
             break
         await anyio.sleep(0.05)
     if head is None:
+        stream = stream_name(settings.stream, job)
         events = (
-            f"though stream {settings.stream} holds its events up to seq {stream_seq} (no "
+            f"though stream {stream} holds its events up to seq {stream_seq} (no "
             "coordinator has folded them: an agent's evict stage does)"
             if stream_seq
-            else f"and no events on stream {settings.stream} (check the name)"
+            else f"and no events on stream {stream} (check the name)"
         )
         raise ConfigError(
             f"job {job!r} has no state in KV bucket {settings.kv_bucket} {events}; if its state "
@@ -557,7 +566,7 @@ async def _newest_seq(bus: Bus, subject: str) -> int:
     """Stream seq of the newest message on `subject` (0: none, or no stream at all)."""
     with translate(f"newest message on {subject}", keep=(nats.js.errors.NotFoundError,)):
         try:
-            msg = await bus.js.get_msg(bus.settings.stream, subject=subject)
+            msg = await bus.js.get_msg(bus.stream(subject), subject=subject)
         except nats.js.errors.NotFoundError:
             return 0
     return int(msg.seq or 0)

@@ -143,7 +143,7 @@ class Checkpointer:
         # Rank 0 makes sure the stream and the job-state bucket exist; the other ranks start
         # without a JetStream API request (tens of thousands would overflow the server's queue).
         if self.rank == 0:
-            await bus.ensure_stream(update=False)
+            await bus.ensure_stream(self.job, update=False)
         else:
             bus.ensure_stream_on_first_miss()
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)

@@ -1,11 +1,12 @@
 """How messages reach a stage's worker, and how the worker stops taking them.
 
-The durable pull consumers on the bus's stream: created or updated (`ensure_consumer`), bound
+The durable pull consumers on a job's stream: created or updated (`ensure_consumer`), bound
 (`pull`), read (`fetch`) and told apart from an outage when gone (`missing`), with nats-py's
 exceptions raised as `BusError` / `BusUnavailableError`. `StageConsumer` is the stage's own:
 bound at start, rebuilt when it or its stream is gone. `Drain` tracks the process's in-flight
 work, so a stop lets it finish in time. Plus what the runner and the consumer share: the retry
-delay (`backoff`) and best-effort acks (`quietly`).
+delay (`backoff`) and best-effort acks (`quietly`). A stage has one consumer per job it serves on
+this node, each on its job's stream, under the same durable name.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from nats.js import api
 
 from tierpipe.bus import Bus
 from tierpipe.errors import BusUnavailableError
+from tierpipe.history import STREAM_NOT_FOUND
+from tierpipe.names import stream_name
 from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.settings import Settings
 
@@ -42,15 +45,14 @@ __all__ = (
 
 log = structlog.get_logger(__name__)
 
-#: JetStream API error codes: the stream, or the consumer, does not exist.
-_STREAM_NOT_FOUND = 10059
+#: The JetStream API's error code for a consumer that does not exist.
 _CONSUMER_NOT_FOUND = 10014
 #: What `missing` found gone.
 Missing = Literal["stream", "consumer"]
 
 
-async def ensure_consumer(bus: Bus, durable: str, filters: list[str]) -> None:
-    """Create or update a durable pull consumer with explicit acks (idempotent)."""
+async def ensure_consumer(bus: Bus, job: str, durable: str, filters: list[str]) -> None:
+    """Create or update a durable pull consumer on `job`'s stream, explicit acks (idempotent)."""
     s = bus.settings
     config = api.ConsumerConfig(
         name=durable,
@@ -64,11 +66,11 @@ async def ensure_consumer(bus: Bus, durable: str, filters: list[str]) -> None:
         max_ack_pending=s.max_ack_pending,
     )
     with translate(f"consumer {durable}"):
-        await bus.js.add_consumer(s.stream, config)
+        await bus.js.add_consumer(stream_name(s.stream, job), config)
 
 
-async def missing(bus: Bus, durable: str) -> Missing | None:
-    """What of the stream and `durable` is gone: "stream" (and with it every consumer),
+async def missing(bus: Bus, job: str, durable: str) -> Missing | None:
+    """What of `job`'s stream and `durable` is gone: "stream" (and with it every consumer),
     "consumer", or None when both exist.
 
     Raises:
@@ -76,9 +78,9 @@ async def missing(bus: Bus, durable: str) -> Missing | None:
     """
     with translate(f"consumer {durable}"):
         try:
-            await bus.js.consumer_info(bus.settings.stream, durable)
+            await bus.js.consumer_info(stream_name(bus.settings.stream, job), durable)
         except nats.js.errors.NotFoundError as e:
-            if e.err_code == _STREAM_NOT_FOUND:
+            if e.err_code == STREAM_NOT_FOUND:
                 return "stream"
             if e.err_code == _CONSUMER_NOT_FOUND:
                 return "consumer"
@@ -86,9 +88,10 @@ async def missing(bus: Bus, durable: str) -> Missing | None:
     return None
 
 
-async def pull(bus: Bus, durable: str) -> Any:
-    """A pull subscription bound to an existing durable consumer."""
-    return await bus.js.pull_subscribe_bind(durable=durable, stream=bus.settings.stream)
+async def pull(bus: Bus, job: str, durable: str) -> Any:
+    """A pull subscription bound to an existing durable consumer of `job`'s stream."""
+    stream = stream_name(bus.settings.stream, job)
+    return await bus.js.pull_subscribe_bind(durable=durable, stream=stream)
 
 
 #: Messages a stage fetches at once: what it reports in one `NodeBatch` (the ranks of a node
@@ -109,22 +112,31 @@ async def fetch(sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
 
 
 class StageConsumer:
-    """The stage's pull subscription, rebuilt when its consumer or the whole stream is gone."""
+    """The stage's pull subscription on one job's stream, rebuilt when its consumer or the
+    stream is gone."""
 
     def __init__(
-        self, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str], sub: Any
+        self,
+        bus: Bus,
+        settings: Settings,
+        stage: str,
+        job: str,
+        durable: str,
+        filters: list[str],
+        sub: Any,
     ) -> None:
-        self.bus, self.settings, self.stage = bus, settings, stage
+        self.bus, self.settings, self.stage, self.job = bus, settings, stage, job
         self.durable, self.filters, self.sub = durable, filters, sub
         self.failures = 0
 
     @classmethod
     async def bind(
-        cls, bus: Bus, settings: Settings, stage: str, durable: str, filters: list[str]
+        cls, bus: Bus, settings: Settings, stage: str, job: str, durable: str, filters: list[str]
     ) -> StageConsumer:
-        """Create (or update) the durable consumer and subscribe to it."""
-        await ensure_consumer(bus, durable, filters)
-        return cls(bus, settings, stage, durable, filters, await pull(bus, durable))
+        """Create (or update) the durable consumer on `job`'s stream and subscribe to it."""
+        await ensure_consumer(bus, job, durable, filters)
+        sub = await pull(bus, job, durable)
+        return cls(bus, settings, stage, job, durable, filters, sub)
 
     async def fetch(self, drain: Drain) -> list[Msg]:
         """The next messages (up to `FETCH_BATCH`, whatever is there), or none (after a
@@ -146,7 +158,7 @@ class StageConsumer:
         try:
             # A pull from a consumer that no longer exists fails at once, every time: find out
             # whether that is why, rather than waiting for an outage that is not there.
-            gone = await missing(self.bus, self.durable)
+            gone = await missing(self.bus, self.job, self.durable)
             if gone is not None:
                 await self._recreate(gone)
                 return
@@ -157,13 +169,14 @@ class StageConsumer:
 
     async def _recreate(self, gone: Missing) -> None:
         if gone == "stream":
-            await self.bus.ensure_stream()
-        await ensure_consumer(self.bus, self.durable, self.filters)
-        old, self.sub = self.sub, await pull(self.bus, self.durable)
+            await self.bus.ensure_stream(self.job)
+        await ensure_consumer(self.bus, self.job, self.durable, self.filters)
+        old, self.sub = self.sub, await pull(self.bus, self.job, self.durable)
         await quietly(old.unsubscribe())
         # One line per recreation (at warning: events published meanwhile may be lost).
         if gone == "stream":
-            log.warning("stream_recreated", stage=self.stage, stream=self.settings.stream)
+            stream = stream_name(self.settings.stream, self.job)
+            log.warning("stream_recreated", stage=self.stage, stream=stream)
         else:
             log.warning("consumer_recreated", stage=self.stage, consumer=self.durable)
         self.failures = 0

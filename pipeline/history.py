@@ -20,7 +20,10 @@ from tierpipe.nats_conn import UNAVAILABLE, translate
 from tierpipe.schemas import Event, decode_event
 from tierpipe.schemas.facts import Fact
 
-__all__ = ("Folded", "Follow", "Stored", "Watch", "collect", "follow", "watch")
+__all__ = ("STREAM_NOT_FOUND", "Folded", "Follow", "Stored", "Watch", "collect", "follow", "watch")
+
+#: The JetStream API's error code for a stream that does not exist.
+STREAM_NOT_FOUND = 10059
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +226,10 @@ async def collect(
     try:
         try:
             info = await js.add_consumer(stream, config)
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == STREAM_NOT_FOUND:
+                return []  # (a job with no stream has no events)
+            raise BusError(f"replay {subject}: {e.description or e}") from e
         except nats.js.errors.APIError as e:
             raise BusError(f"replay {subject}: {e.description or e}") from e
         except UNAVAILABLE as e:

@@ -6,6 +6,7 @@ against `[A-Za-z0-9_-]{1,64}`; every other name is built from checked parts.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import typing
@@ -19,7 +20,6 @@ from tierpipe.errors import InvalidNameError
 from tierpipe.schemas import TOKEN_PATTERN, Event
 
 __all__ = (
-    "ALL_SUBJECTS",
     "CONTROL_FLUSH",
     "SUBJECT_ROOT",
     "batch_subject",
@@ -27,6 +27,7 @@ __all__ = (
     "event_subject",
     "filter_subject",
     "flush_control_subject",
+    "job_dirs",
     "job_subjects",
     "msg_id",
     "node_name",
@@ -35,12 +36,12 @@ __all__ = (
     "shard_relpath",
     "shard_subject",
     "state_subjects",
+    "stream_name",
+    "subject_job",
     "validate_token",
 )
 
 SUBJECT_ROOT = "tp"
-#: Every subject of the stream.
-ALL_SUBJECTS = f"{SUBJECT_ROOT}.>"
 #: Run-time commands for the flush stage (`FlushControl`); `.<node>` addresses one node.
 CONTROL_FLUSH = f"{SUBJECT_ROOT}.ctl.flush"
 #: Job names that would collide with control subjects.
@@ -59,6 +60,40 @@ def validate_token(what: str, value: object) -> str:
     if what == "job" and value in _RESERVED_JOBS:
         raise InvalidNameError(what, value, reserved=True)
     return value
+
+
+def job_dirs(root: str | os.PathLike[str]) -> set[str]:
+    """The jobs with a directory under `root` (a staging or NVMe root: `<root>/<job>/...`);
+    other entries, and a root not made yet, count for nothing."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return set()
+    return {
+        e.name
+        for e in entries
+        if _TOKEN.fullmatch(e.name) and e.name not in _RESERVED_JOBS and e.is_dir()
+    }
+
+
+def stream_name(base: str, job: str) -> str:
+    """The stream of one job's subjects (`tp.<job>.>`): `<base>_<job>` (`base`: the `stream`
+    setting). Each job has its own, with its own limits, so one job's history never pushes out
+    another's; the run-time commands (`tp.ctl.>`) have `<base>_ctl`."""
+    return f"{base}_{job}"
+
+
+def subject_job(subject: str) -> str:
+    """The job whose stream holds `subject` (`tp.<job>.…`; `ctl` for the run-time commands).
+
+    Raises:
+        InvalidNameError: `subject` names no single job (a wildcard in its place, say).
+    """
+    root, _, rest = subject.partition(".")
+    job = rest.partition(".")[0]
+    if root != SUBJECT_ROOT or not _TOKEN.fullmatch(job):
+        raise InvalidNameError("the job of subject", subject)
+    return job
 
 
 def redact_url(url: str) -> str:

@@ -1,11 +1,12 @@
 """The stage runner: the one place that owns delivery semantics for every stage.
 
 A stage is a module of `tierpipe.stages` (or any object) with `STAGE`, its name; `KINDS`, the
-event kinds it consumes on this node (on every node with `EVERY_NODE = True`); optionally
-`open(settings, bus)`, an async context manager that opens the stage's resources and yields its
-context (None without it); and `handle(ctx, event, attempt)`, which commits the side effects of
-one event and returns the event(s) to publish, or None. The runner binds the stage's durable
-consumer and, for every message:
+event kinds it consumes on this node; optionally `open(settings, bus)`, an async context manager
+that opens the stage's resources and yields its context (None without it); and `handle(ctx,
+event, attempt)`, which commits the side effects of one event and returns the event(s) to
+publish, or None. For every job this node takes part in (its directory under the staging or
+NVMe root: `local_jobs`), the runner binds the stage's durable consumer on that job's stream
+and, for every message:
 
 - publishes what the handler returned, in order, then acks: side effects, then events, then
   the ack, so a redelivery only republishes (deduplicated by `Nats-Msg-Id`);
@@ -53,7 +54,14 @@ from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
 from tierpipe.errors import PermanentError, RetryableError, TierpipeError, UnavailableError
 from tierpipe.faults import maybe_die
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
-from tierpipe.names import consumer_name, event_subject, filter_subject, node_name, validate_token
+from tierpipe.names import (
+    consumer_name,
+    event_subject,
+    filter_subject,
+    job_dirs,
+    node_name,
+    validate_token,
+)
 from tierpipe.schemas import (
     Event,
     NodeBatch,
@@ -75,8 +83,7 @@ Handler = Callable[[Any, int], Awaitable[Output]]
 
 
 class Stage(Protocol):
-    """A stage as the runner sees it (the modules of `tierpipe.stages`); `open` and
-    `EVERY_NODE` are optional."""
+    """A stage as the runner sees it (the modules of `tierpipe.stages`); `open` is optional."""
 
     # Module constants; read-only properties here, so a module's own tuple type matches.
     @property
@@ -120,7 +127,6 @@ async def run_stage(
             node=node_name(settings.node),
             kinds=stage.KINDS,
             handler=functools.partial(stage.handle, ctx),
-            every_node=getattr(stage, "EVERY_NODE", False),
             task_status=task_status,
         )
 
@@ -133,29 +139,52 @@ async def serve(
     node: str,
     kinds: tuple[str, ...],
     handler: Handler,
-    every_node: bool = False,
     task_status: TaskStatus[None] = _IGNORED,
 ) -> None:
-    """Run `handler(event, attempt)` for every event of `kinds` published on `node` (or on
-    any node with `every_node`), forever, on the stage's durable consumer for this node, and
-    publish what it returns."""
-    durable = consumer_name(stage, node)
-    filters = [filter_subject(k, node="*" if every_node else node) for k in kinds]
-    consumer = await StageConsumer.bind(bus, settings, stage, durable, filters)
+    """Run `handler(event, attempt)` for every event of `kinds` published on `node`, forever,
+    and publish what it returns: for every job this node takes part in (`local_jobs`, looked
+    for again every `JOB_SCAN_S`), on the stage's durable consumer for this node on that job's
+    stream. Started once the jobs already here are bound."""
     drain = _drain.get() or Drain(settings.drain_timeout_s)
-    log.info("stage_started", stage=stage, node=node, consumer=durable)
-    task_status.started()
-    worker = _Worker(bus, settings, stage, node, kinds, handler, drain, Batcher(bus))
-    while not drain.stopping:
-        msgs = await consumer.fetch(drain)
-        if not msgs:
-            continue
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(worker.keep_alive, msgs)  # (acks wait for the batches)
-            for msg in msgs:
-                await worker.process(msg)
-            await worker.batcher.flush()
-            tg.cancel_scope.cancel()
+    served: set[str] = set()
+    unbound: dict[str, str] = {}  # (job -> why it could not be bound: said once)
+    async with anyio.create_task_group() as tg:
+
+        async def scan() -> None:
+            for job in sorted(local_jobs(settings) - served):
+                try:
+                    # (a worker per job: its own batches)
+                    worker = _Worker(bus, settings, stage, node, kinds, handler, drain,
+                                     Batcher(bus))  # fmt: skip
+                    await tg.start(worker.serve, job)
+                except TierpipeError as e:  # (an outage: the next scan tries again)
+                    if unbound.get(job) != text(e):
+                        unbound[job] = text(e)
+                        log.warning("job_not_bound", stage=stage, job=job, error=text(e))
+                    continue
+                served.add(job)
+                unbound.pop(job, None)
+
+        await scan()
+        durable = consumer_name(stage, node)
+        log.info("stage_started", stage=stage, node=node, consumer=durable, jobs=sorted(served))
+        task_status.started()
+        while not drain.stopping:
+            await drain.sleep(JOB_SCAN_S)
+            if not drain.stopping:
+                await scan()
+
+
+#: How often a stage looks for jobs new to this node.
+JOB_SCAN_S = 0.5
+
+
+def local_jobs(settings: Settings) -> set[str]:
+    """The jobs this node takes part in: a directory of theirs is under the staging root (a
+    trainer here staged a save, or holds slots) or the NVMe root (this node holds copies).
+    Local and cheap: thousands of agents never ask the server which jobs exist, and a node
+    serves no job it has nothing of."""
+    return job_dirs(settings.staging_root) | job_dirs(settings.nvme_root)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +197,28 @@ class _Worker:
     handler: Handler
     drain: Drain
     batcher: Batcher
+
+    async def serve(self, job: str, *, task_status: TaskStatus[None] = _IGNORED) -> None:
+        """The stage's work for `job`: bind its consumer on the job's stream (started), then
+        fetch and handle, until the drain."""
+        durable = consumer_name(self.stage, self.node)
+        filters = [filter_subject(k, node=self.node, job=job) for k in self.kinds]
+        await self.bus.ensure_job_stream(job)
+        consumer = await StageConsumer.bind(
+            self.bus, self.settings, self.stage, job, durable, filters
+        )
+        log.info("job_bound", stage=self.stage, job=job, consumer=durable)
+        task_status.started()
+        while not self.drain.stopping:
+            msgs = await consumer.fetch(self.drain)
+            if not msgs:
+                continue
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.keep_alive, msgs)  # (acks wait for the batches)
+                for msg in msgs:
+                    await self.process(msg)
+                await self.batcher.flush()
+                tg.cancel_scope.cancel()
 
     async def keep_alive(self, msgs: list[Msg]) -> None:
         """Heartbeats for the messages of one fetch until they are settled (the ones waiting
@@ -414,16 +465,15 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
     register_secrets(settings_secrets(settings))
     drain = Drain(settings.drain_timeout_s)
     _drain.set(drain)
-    async with Bus(settings, name=f"tierpipe-agent-{node}", connect_wait_s=60.0) as bus:
-        await bus.ensure_stream()
-        async with anyio.create_task_group() as tg:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                for stage in stages:
-                    await tg.start(run_stage, stage, settings, bus)
-                log.info("agent_ready", node=node, stages=len(stages))
-                async for signum in signals:
-                    log.info("agent_stopping", signal=signal.Signals(signum).name)
-                    drain.begin()
-                    tg.cancel_scope.cancel()
-                    break
+    bus = Bus(settings, name=f"tierpipe-agent-{node}", connect_wait_s=60.0)
+    async with bus, anyio.create_task_group() as tg:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            for stage in stages:
+                await tg.start(run_stage, stage, settings, bus)
+            log.info("agent_ready", node=node, stages=len(stages))
+            async for signum in signals:
+                log.info("agent_stopping", signal=signal.Signals(signum).name)
+                drain.begin()
+                tg.cancel_scope.cancel()
+                break
     log.info("agent_stopped", node=node)

@@ -55,6 +55,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     nats_tls_ca_file: str | None = None
     nats_tls_cert_file: str | None = None
     nats_tls_key_file: str | None = None
+    #: The streams' names: `<stream>_<job>` holds one job's events (`tp.<job>.>`), with its own
+    #: limits; `<stream>_ctl` the run-time flush commands.
     stream: str = "TIERPIPE"
     #: Replicas of the stream and of the KV bucket (3 on a 3-server cluster).
     stream_replicas: int = 1
@@ -64,7 +66,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     #: first, so what stays is always a suffix of the history: a copy's removal is never lost
     #: while the events that created it remain. Older checkpoints: `tierpipe reindex`.
     stream_max_age_s: float = 30 * 86400.0
-    #: The stream's size limit in bytes (-1: none); the oldest events go first.
+    #: Each job's stream's size limit in bytes (-1: none); the oldest events of that job go
+    #: first, never another job's.
     stream_max_bytes: int = -1
     #: Consumers the stream admits: 4 durable ones per node (a stage each) plus short-lived
     #: readers. nats-server's own default is 1,000, which stops a cluster at 250 nodes.

@@ -1,5 +1,8 @@
-"""The `TIERPIPE` stream: its configuration from the settings, created or brought up to date
-in place (`Bus.ensure_stream`), and created again when a publish finds it gone."""
+"""A job's stream (`<stream>_<job>`, subjects `tp.<job>.>`): its configuration from the
+settings, created or brought up to date in place (`Bus.ensure_stream`), and created again when a
+publish finds it gone. Each job has its own stream, with its own age and size limits, so one
+job's history never pushes out another's, and a cluster spreads the jobs' stream leaders over
+its servers."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import structlog
 from nats.js import JetStreamContext, api
 
 from tierpipe.errors import BusUnavailableError
-from tierpipe.names import ALL_SUBJECTS
+from tierpipe.names import job_subjects, stream_name
 from tierpipe.nats_conn import translate
 from tierpipe.settings import Settings
 
@@ -19,12 +22,12 @@ __all__ = ("STREAM_FIELDS", "ensure_stream", "recreate_if_missing", "stream_conf
 log = structlog.get_logger(__name__)
 
 
-def stream_config(s: Settings) -> api.StreamConfig:
-    """The `TIERPIPE` stream as the settings want it."""
+def stream_config(s: Settings, job: str) -> api.StreamConfig:
+    """`job`'s stream as the settings want it."""
     return api.StreamConfig(
-        name=s.stream,
-        description="tierpipe checkpoint events (an index: recovery replays it)",
-        subjects=[ALL_SUBJECTS],
+        name=stream_name(s.stream, job),
+        description=f"tierpipe: the events of job {job} (the audit log; the stages' trigger)",
+        subjects=[job_subjects(job)],
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         discard=api.DiscardPolicy.OLD,
@@ -58,36 +61,40 @@ STREAM_FIELDS = (
 )
 
 
-async def ensure_stream(js: JetStreamContext, s: Settings, *, update: bool = True) -> None:
-    """Create the stream, or update it if its settings changed (idempotent).
+async def ensure_stream(
+    js: JetStreamContext, s: Settings, job: str, *, update: bool = True
+) -> None:
+    """Create `job`'s stream, or update it if its settings changed (idempotent).
 
     Trainers pass `update=False`: they create a missing stream but leave the agent's alone.
 
     Raises:
         BusError: the server refused the config (e.g. a change it cannot apply in place).
     """
-    want = stream_config(s)
-    with translate(f"stream {want.name}"):
+    name = stream_name(s.stream, job)
+    want = stream_config(s, job)
+    with translate(f"stream {name}"):
         try:
-            info = await js.stream_info(s.stream)
+            info = await js.stream_info(name)
         except nats.js.errors.NotFoundError:
             await js.add_stream(want)
-            log.info("stream_created", stream=want.name)
+            log.info("stream_created", stream=name)
             return
         have = info.config
         if update and any(getattr(have, f) != getattr(want, f) for f in STREAM_FIELDS):
             await js.update_stream(want)
-            log.info("stream_updated", stream=want.name)
+            log.info("stream_updated", stream=name)
 
 
-async def recreate_if_missing(js: JetStreamContext, s: Settings, timeout: float) -> None:
-    """Create the stream (with the settings at hand) if JetStream says it does not exist."""
+async def recreate_if_missing(js: JetStreamContext, s: Settings, job: str, timeout: float) -> None:
+    """Create `job`'s stream (with the settings at hand) if JetStream says it does not exist."""
+    name = stream_name(s.stream, job)
     try:
-        await asyncio.wait_for(js.stream_info(s.stream), timeout)
+        await asyncio.wait_for(js.stream_info(name), timeout)
     except nats.js.errors.NotFoundError:
-        log.warning("publish_found_no_stream", stream=s.stream)
+        log.warning("publish_found_no_stream", stream=name)
         try:
-            await ensure_stream(js, s, update=False)
+            await ensure_stream(js, s, job, update=False)
         except BusUnavailableError as e:
             log.debug("stream_not_recreated", error=str(e))
     except Exception as e:  # unknown (an outage, an election): keep trying the publish

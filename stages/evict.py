@@ -39,7 +39,7 @@ from tierpipe.errors import ShardFormatError, TierpipeError
 from tierpipe.faults import maybe_fail
 from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.names import node_name, plan_subject, shard_relpath, shard_subject
+from tierpipe.names import job_dirs, node_name, plan_subject, shard_relpath, shard_subject
 from tierpipe.schemas import (
     Event,
     ShardEvicted,
@@ -79,11 +79,14 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
         store = await JobStore(bus.js, settings).open()
         evict = Evict(settings, bus, nvme, store, stack)
         # Restore plans pin their step on this node at once too, whatever the floors say yet.
-        # Subscribed before the read: no plan falls between the two.
+        # Subscribed before the read: no plan falls between the two. (Only the jobs this
+        # node holds copies of: a plan pins nothing else here.)
         for subject in (plan_subject("*"), shard_subject("*", "restore", "*", 0)):
             await bus.subscribe(subject, evict.on_plan)
-            for _, event in await bus.latest(subject):
-                evict.pins.note(event)
+        for job in evict._local_jobs():
+            for subject in (plan_subject(job), shard_subject(job, "restore", "*", 0)):
+                for _, event in await bus.latest(subject):
+                    evict.pins.note(event)
         async with anyio.create_task_group() as tg:
             tg.start_soon(evict.follow_floors)
             tg.start_soon(evict.coordinator.run)
@@ -257,8 +260,7 @@ class Evict:
         return removed
 
     def _local_jobs(self) -> list[str]:
-        root = self.nvme.root
-        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return sorted(job_dirs(self.nvme.root))
 
     def local_copies(self, job: str) -> list[LocalCopy]:
         """This node's shard files of `job`, oldest step first (unreadable ones skipped: the

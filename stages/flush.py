@@ -30,7 +30,7 @@ from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.kvstate import JobStore
 from tierpipe.log import bind_io, unit_of_work
-from tierpipe.names import flush_control_subject, node_name, shard_subject
+from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -120,6 +120,7 @@ def apply_control(throttle: Throttle, control: FlushControl) -> None:
 async def _follow_controls(bus: Bus, throttle: Throttle, node: str) -> None:
     """Apply the newest rate command for this node, then every new one as it comes."""
     subjects = [flush_control_subject(), flush_control_subject(node)]
+    await bus.ensure_job_stream(subject_job(subjects[0]))  # (the commands' own stream)
     latest = [c for c in [await bus.last_raw(s) for s in subjects] if c is not None]
     for _, data in sorted(latest):  # the newest command wins
         _apply(throttle, data)
@@ -216,18 +217,18 @@ async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified
     """This node's newest `verified` per shard with no `flushed` of the same content, not
     evicted since, whose file is still there. Only this node's subjects are read."""
     verified: dict[tuple[str, int, int], ShardVerified] = {}
-    for e in await bus.history(shard_subject("*", "verified", node, "*")):
-        if isinstance(e, ShardVerified):
-            verified[(e.job, e.step, e.rank)] = e
-    flushed = {
-        (e.job, e.step, e.rank, e.header_digest)
-        for e in await bus.history(shard_subject("*", "flushed", node, "*"))
-        if isinstance(e, ShardFlushed)
-    }
+    flushed: set[tuple[str, int, int, str]] = set()
     evicted: dict[tuple[str, int, int], float] = {}
-    for e in await bus.history(shard_subject("*", "evicted", node, "*")):
-        if isinstance(e, ShardEvicted) and e.tier == "nvme":
-            evicted[(e.job, e.step, e.rank)] = e.ts
+    for job in sorted(job_dirs(nvme.root)):  # (a job with no copy here has nothing to flush)
+        for e in await bus.history(shard_subject(job, "verified", node, "*")):
+            if isinstance(e, ShardVerified):
+                verified[(e.job, e.step, e.rank)] = e
+        for e in await bus.history(shard_subject(job, "flushed", node, "*")):
+            if isinstance(e, ShardFlushed):
+                flushed.add((e.job, e.step, e.rank, e.header_digest))
+        for e in await bus.history(shard_subject(job, "evicted", node, "*")):
+            if isinstance(e, ShardEvicted) and e.tier == "nvme":
+                evicted[(e.job, e.step, e.rank)] = e.ts
     pending = []
     for key, e in verified.items():
         if (*key, e.header_digest) in flushed or evicted.get(key, 0.0) >= e.ts:

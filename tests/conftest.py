@@ -174,11 +174,15 @@ class Agent:
 
 
 @pytest.fixture
-def agent(settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
-    """Start node-agent processes: `agent("nvme-write", "verify")`, default all stages."""
+def agent(settings: Settings, tmp_path: Path, job: str) -> Iterator[Callable[..., Agent]]:
+    """Start node-agent processes: `agent("nvme-write", "verify")`, default all stages. The
+    test's job has its staging folder on the agent's node, as its trainers there make it (an
+    agent serves the jobs it finds on its node): tests that publish its events themselves
+    stand in for those trainers."""
     started: list[Agent] = []
 
     def start(*stages: str, settings: Settings = settings) -> Agent:
+        Path(settings.staging_root, job).mkdir(parents=True, exist_ok=True)
         a = Agent(settings, stages or ("all",), tmp_path / f"agent-{len(started)}.log")
         started.append(a.start())
         return a

@@ -126,7 +126,7 @@ def _coordinate(settings: Settings, job: str, body: Callable[[Bus, JobStore], ob
 
     async def main() -> None:
         async with Bus(settings) as bus:
-            await bus.ensure_stream()
+            await bus.ensure_stream(job)
             store = await JobStore(bus.js, settings).open()
             coordinator = Coordinator(settings, bus, await JobStore(bus.js, settings).open(),
                                       "coord", remove)  # fmt: skip

@@ -18,10 +18,14 @@ from tierpipe.bus import Bus, redact_url
 from tierpipe.consumer import ensure_consumer, fetch, missing, pull
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
+from tierpipe.names import stream_name
 from tierpipe.schemas import decode_event
 from tierpipe.settings import Settings, load_settings
 
 pytestmark = pytest.mark.anyio
+
+#: The job of the tests that need no events of their own.
+J = "j1"
 
 
 @pytest.fixture
@@ -40,19 +44,19 @@ async def test_ensure_stream_is_idempotent_and_applies_changes(own_server: NatsS
     """Ensuring twice changes nothing; a changed setting is applied to the existing stream."""
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(J)
         with capture_logs() as logs:
-            await bus.ensure_stream()
+            await bus.ensure_stream(J)
         assert [e["event"] for e in logs if e["event"].startswith("stream_")] == []
-        info = await bus.js.stream_info(s.stream)
-        assert info.config.subjects == ["tp.>"] and info.config.allow_direct
+        info = await bus.js.stream_info(stream_name(s.stream, J))
+        assert info.config.subjects == ["tp.j1.>"] and info.config.allow_direct
         assert info.config.deny_delete and info.config.max_msgs_per_subject == -1
         assert info.config.max_age == s.stream_max_age_s
         assert info.config.retention == "limits" and info.config.duplicate_window == 120
     changed = s.replace(stream_max_bytes=1 << 30, duplicate_window_s=30.0)
     async with Bus(changed) as bus:
-        await bus.ensure_stream()
-        info = await bus.js.stream_info(s.stream)
+        await bus.ensure_stream(J)
+        info = await bus.js.stream_info(stream_name(s.stream, J))
         assert info.config.max_bytes == 1 << 30 and info.config.duplicate_window == 30
 
 
@@ -62,13 +66,16 @@ async def test_stream_takes_the_consumers_of_thousands_of_nodes(own_server: Nats
     older stream is updated."""
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
-        await bus.js.add_stream(name=s.stream, subjects=["tp.>"])  # (as an older tierpipe made)
-        await bus.ensure_stream()
-        info = await bus.js.stream_info(s.stream)
+        await bus.js.add_stream(
+            name=stream_name(s.stream, J), subjects=["tp.j1.>"]
+        )  # (as an older tierpipe made)
+        await bus.ensure_stream(J)
+        info = await bus.js.stream_info(stream_name(s.stream, J))
         assert info.config.max_consumers == s.stream_max_consumers >= 40_000
         for i in range(1_001):
             await bus.js.add_consumer(
-                s.stream, api.ConsumerConfig(durable_name=f"c{i}", ack_policy="explicit")
+                stream_name(s.stream, J),
+                api.ConsumerConfig(durable_name=f"c{i}", ack_policy="explicit"),
             )
 
 
@@ -76,19 +83,19 @@ async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) ->
     """Re-ensuring a durable consumer with a new ack_wait updates it in place."""
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
-        await bus.ensure_stream()
-        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
-        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
+        await bus.ensure_stream(J)
+        await ensure_consumer(bus, J, "verify_n1", ["tp.j1.written.n1.*"])
+        await ensure_consumer(bus, J, "verify_n1", ["tp.j1.written.n1.*"])
         bus.settings = s.replace(ack_wait_s=12.0, max_deliver=3)
-        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
-        info = await bus.js.consumer_info(s.stream, "verify_n1")
+        await ensure_consumer(bus, J, "verify_n1", ["tp.j1.written.n1.*"])
+        info = await bus.js.consumer_info(stream_name(s.stream, J), "verify_n1")
         assert info.config.ack_wait == 12.0 and info.config.max_deliver == 3
 
 
 async def test_republished_event_is_deduplicated(settings: Settings, job: str) -> None:
     """Publishing the same event twice (a redelivered stage) stores it once."""
     async with Bus(settings) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         event = staged(job, settings.node or "")
         first = await bus.publish(event)
         again = await bus.publish(event)
@@ -101,9 +108,11 @@ async def test_events_are_readable_json_with_headers(
     """Operators see compact JSON bodies with kind/schema headers (as `nats stream view` shows)."""
     event = staged(job, settings.node or "", step=4)
     async with Bus(settings) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         await bus.publish(event)
-        raw = await bus.js.get_last_msg(settings.stream, f"tp.{job}.staged.{settings.node}.0")
+        raw = await bus.js.get_last_msg(
+            stream_name(settings.stream, job), f"tp.{job}.staged.{settings.node}.0"
+        )
     body = json.loads(raw.data)
     assert body["kind"] == "staged" and body["step"] == 4 and body["v"] == 1
     assert raw.headers["Tp-Kind"] == "staged"
@@ -112,7 +121,7 @@ async def test_events_are_readable_json_with_headers(
     assert decode_event(raw.data) == event
     jsz = await anyio.to_thread.run_sync(get_json, f"{nats_server.monitor_url}/jsz?streams=true")
     streams = [s["name"] for a in jsz["account_details"] for s in a["stream_detail"]]
-    assert settings.stream in streams
+    assert stream_name(settings.stream, job) in streams
 
 
 async def test_unreachable_server_is_a_clear_retryable_error() -> None:
@@ -136,16 +145,16 @@ async def test_a_deleted_consumer_or_stream_is_told_apart_from_an_outage(
     `missing()` then says whether the consumer or the whole stream is gone."""
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
-        await bus.ensure_stream()
-        await ensure_consumer(bus, "verify_n1", ["tp.*.written.n1.*"])
-        sub = await pull(bus, "verify_n1")
-        assert await fetch(sub, timeout=0.2) == [] and await missing(bus, "verify_n1") is None
-        await bus.js.delete_consumer(s.stream, "verify_n1")
+        await bus.ensure_stream(J)
+        await ensure_consumer(bus, J, "verify_n1", ["tp.j1.written.n1.*"])
+        sub = await pull(bus, J, "verify_n1")
+        assert await fetch(sub, timeout=0.2) == [] and await missing(bus, J, "verify_n1") is None
+        await bus.js.delete_consumer(stream_name(s.stream, J), "verify_n1")
         with pytest.raises(BusUnavailableError):
             await fetch(sub, timeout=0.5)
-        assert await missing(bus, "verify_n1") == "consumer"
-        await bus.js.delete_stream(s.stream)
-        assert await missing(bus, "verify_n1") == "stream"
+        assert await missing(bus, J, "verify_n1") == "consumer"
+        await bus.js.delete_stream(stream_name(s.stream, J))
+        assert await missing(bus, J, "verify_n1") == "stream"
 
 
 @pytest.mark.parametrize("listener", [False, True])
@@ -156,14 +165,14 @@ async def test_a_publish_recreates_a_deleted_stream(
     "no stream" at once or (with a core subscriber on the subject) the publish just times out."""
     s = load_settings(env={}, nats_url=own_server.url, request_timeout_s=4.0)
     async with Bus(s) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         if listener:  # e.g. a trainer's own progress subscription
 
             async def ignore(msg: object) -> None:
                 return None
 
             await bus.subscribe(f"tp.{job}.>", ignore)
-        await bus.js.delete_stream(s.stream)
+        await bus.js.delete_stream(stream_name(s.stream, job))
         published = await bus.publish(staged(job, "n1", step=2))
         assert published.seq == 1 and not published.duplicate
         assert [e.step for e in await bus.history(f"tp.{job}.>")] == [2]
@@ -175,7 +184,7 @@ async def test_a_watch_gives_the_newest_on_each_subject_then_every_new_one(
     """A watch starts with the newest stored event of each matching subject, then delivers each
     later one as the stream stores it, with its stream sequence."""
     async with Bus(settings) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         await bus.publish(staged(job, "a", step=1))
         newest = [await bus.publish(staged(job, n, step=2)) for n in ("a", "b")]
         async with bus.watch(f"tp.{job}.staged.*.*") as watch:
@@ -197,7 +206,7 @@ async def test_a_watch_misses_nothing_stored_while_its_server_restarted(
     lost) still arrive once it is back."""
     s = load_settings(env={}, nats_url=own_server.url)
     async with Bus(s) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         async with bus.watch(f"tp.{job}.staged.*.*") as watch:
             before = await bus.publish(staged(job, "a", step=1))
             assert (await watch.next(5) or before).seq == before.seq
@@ -207,3 +216,23 @@ async def test_a_watch_misses_nothing_stored_while_its_server_restarted(
                 after = await other.publish(staged(job, "a", step=2))
             got = await watch.next(30)
     assert got is not None and got.seq == after.seq
+
+
+async def test_one_jobs_history_never_pushes_out_anothers(own_server: NatsServer) -> None:
+    """Each job has a stream of its own, with its own limits: a busy job that fills its size
+    limit drops its own oldest events, never a quiet job's (one stream for all jobs dropped
+    the quiet job's history first: it was the oldest)."""
+    s = load_settings(env={}, nats_url=own_server.url, stream_max_bytes=32 << 10)
+    async with Bus(s) as bus:
+        for job in ("quiet", "busy"):
+            await bus.ensure_stream(job)
+        quiet = [await bus.publish(staged("quiet", "n1", step=t)) for t in range(1, 6)]
+        for t in range(1, 400):
+            await bus.publish(staged("busy", "n1", step=t))
+        assert [e.step for e in await bus.history("tp.quiet.>")] == [1, 2, 3, 4, 5]
+        assert [p.seq for p in quiet] == [1, 2, 3, 4, 5]  # (its own sequence)
+        busy = await bus.js.stream_info(stream_name(s.stream, "busy"))
+        assert busy.state.first_seq > 1 and busy.state.bytes <= 32 << 10
+        assert busy.state.last_seq == 399
+        assert await bus.jobs() == ["busy", "quiet"]
+        assert bus.stream("tp.busy.staged.n1.0") == stream_name(s.stream, "busy") == "TIERPIPE_busy"

@@ -25,6 +25,7 @@ from tierpipe.coordinator import Coordinator
 from tierpipe.errors import StorageUnavailableError
 from tierpipe.jobstate import JobState
 from tierpipe.kvstate import JobStore
+from tierpipe.names import stream_name
 from tierpipe.schemas import Event
 from tierpipe.schemas.commit import CommitManifest, decode_commit, encode_commit
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Keep, RankDigests
@@ -204,7 +205,7 @@ def test_lost_stream_and_kv_are_rebuilt_from_commit_manifests(
 
     async def lose_everything() -> None:
         async with Bus(settings) as bus:
-            await bus.js.purge_stream(settings.stream, subject=f"tp.{job}.>")
+            await bus.js.purge_stream(stream_name(settings.stream, job), subject=f"tp.{job}.>")
             await bus.js.delete_key_value(settings.kv_bucket)
 
     anyio.run(lose_everything)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -72,6 +73,8 @@ def test_a_killed_coordinator_is_replaced_and_nothing_is_lost(
 ) -> None:
     s = settings.replace(lease_ttl_s=2.0, coordinator_flush_s=0.05)
     nodes = {n: s.replace(node=f"{s.node}-{n}", nvme_root=f"{s.nvme_root}-{n}") for n in ("a", "b")}
+    for ns in nodes.values():  # (the job's folder on each node's drive: its agent serves it)
+        Path(ns.nvme_root, job).mkdir(parents=True)
     agents = {n: agent("evict", settings=ns).wait_ready() for n, ns in nodes.items()}
     node_of = {0: nodes["a"].node, 1: nodes["b"].node}
 

@@ -28,6 +28,7 @@ import pytest
 from tierpipe.bus import Bus
 from tierpipe.dev import NatsServer, find_binary, free_ports
 from tierpipe.kvstate import JobStore
+from tierpipe.names import stream_name
 from tierpipe.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -333,9 +334,9 @@ async def test_cluster_files_run_a_three_server_cluster_with_r3_stream_and_kv(
         )
         assert s.stream_replicas == 3
         async with Bus(s) as bus:
-            await bus.ensure_stream()
+            await bus.ensure_stream("llama")
             await JobStore(bus.js, s).open()
-            for stream in (s.stream, f"KV_{s.kv_bucket}"):
+            for stream in (stream_name(s.stream, "llama"), f"KV_{s.kv_bucket}"):
                 assert await _peers(bus, stream) == (3, set(CLUSTER_SERVERS)), stream
 
 

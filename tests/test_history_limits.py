@@ -116,7 +116,7 @@ async def test_stream_limits_drop_whole_history_prefixes(own_server: NatsServer)
     async with Bus(capped) as bus:
         await bus.js.add_stream(
             api.StreamConfig(
-                name="CAPPED",
+                name="CAPPED_jcap",
                 subjects=[f"{SUBJECT_ROOT}.jcap.>"],
                 storage=api.StorageType.FILE,
                 max_msgs_per_subject=12,
@@ -125,16 +125,16 @@ async def test_stream_limits_drop_whole_history_prefixes(own_server: NatsServer)
     old = await _publish_and_fold(capped, "jcap", events)
     assert old["nvme"] - truth["nvme"], "the old per-subject cap should resurrect removed copies"
     async with Bus(capped) as bus:
-        await bus.js.delete_stream("CAPPED")
+        await bus.js.delete_stream("CAPPED_jcap")
 
     limited = Settings(nats_url=own_server.url, stream="LIMITED", stream_max_bytes=48 << 10)
     async with Bus(limited) as bus:
-        await bus.ensure_stream()
-        info = await bus.js.stream_info("LIMITED")
+        await bus.ensure_stream("jcap")
+        info = await bus.js.stream_info("LIMITED_jcap")
         assert info.config.max_msgs_per_subject == -1
     new = await _publish_and_fold(limited, "jcap", events)
     async with Bus(limited) as bus:
-        info = await bus.js.stream_info("LIMITED")
+        info = await bus.js.stream_info("LIMITED_jcap")
     assert info.state.first_seq > 1, "the size limit should have dropped old events"
     assert new["nvme"] <= truth["nvme"] and new["s3"] <= truth["s3"]
     assert new["nvme"] == truth["nvme"]  # the newest steps are all still in the stream

@@ -309,7 +309,8 @@ def _publish(settings: Settings, events: list[Event]) -> None:
 
     async def go() -> None:
         async with Bus(settings) as bus:
-            await bus.ensure_stream()
+            for job in {e.job for e in events}:
+                await bus.ensure_stream(job)
             batches = Batcher(bus)
             for event in events:
                 await bus.publish(event)

@@ -19,6 +19,7 @@ from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError, LeaseLostError
 from tierpipe.jobstate import JobState, ranks_of
 from tierpipe.kvstate import JobStore
+from tierpipe.names import stream_name
 from tierpipe.schemas import Event
 from tierpipe.schemas.jobstate import Keep, StepRecord
 from tierpipe.settings import Settings, load_settings
@@ -179,7 +180,8 @@ def _bound_reads(s: Settings) -> None:
                 await bus.last_raw("tp.j.staged.*.1")
             bus.ensure_stream_on_first_miss()  # (as a rank but 0 does)
             assert await bus.last_raw("tp.j.staged.*.1") is None
-            assert (await bus.js.stream_info(s.stream)).config.name == s.stream
+            stream = stream_name(s.stream, "j")
+            assert (await bus.js.stream_info(stream)).config.name == stream
             store = JobStore(bus.js, s).bind()
             assert await store.head("j") is None
             assert await store.value("j.step.1.ranks.0") is None

@@ -11,13 +11,14 @@ import pytest
 
 from tierpipe.errors import InvalidNameError
 from tierpipe.names import (
-    ALL_SUBJECTS,
     event_subject,
     filter_subject,
     flush_control_subject,
     job_subjects,
     msg_id,
     shard_relpath,
+    stream_name,
+    subject_job,
     validate_token,
 )
 from tierpipe.schemas import ShardEvicted, ShardWritten, StageFailed, decode_event, encode_event
@@ -119,10 +120,13 @@ def test_unknown_schema_versions_are_refused_not_guessed(version: int) -> None:
 
 
 def test_filters_cover_what_their_readers_need() -> None:
-    """Filters for the stream, a job, one kind on one node, every shard event, and the flush
-    commands (every node or one)."""
-    assert ALL_SUBJECTS == "tp.>"
-    assert job_subjects("j1") == "tp.j1.>"
+    """Filters for a job (its stream's subjects), one kind on one node, every shard event, and
+    the flush commands (every node or one); the stream of each."""
+    assert job_subjects("j1") == "tp.j1.>" and stream_name("TIERPIPE", "j1") == "TIERPIPE_j1"
+    assert subject_job("tp.j1.batch.n1.verified") == "j1" and subject_job("tp.ctl.flush") == "ctl"
+    for no_job in ("tp.*.staged.n1.0", "tp.>", "x.j1.staged", "tp"):
+        with pytest.raises(InvalidNameError):
+            subject_job(no_job)
     assert filter_subject("verified", node="n1") == "tp.*.batch.n1.verified"  # per node
     assert filter_subject("failed", node="n1") == "tp.*.failed.n1.*"  # per rank
     assert filter_subject("*", node="*") == "tp.*.*.*.*"

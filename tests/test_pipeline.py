@@ -19,7 +19,7 @@ from tests.conftest import Agent, Events
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.errors import InvalidNameError, SlotTimeoutError
-from tierpipe.names import shard_relpath
+from tierpipe.names import shard_relpath, stream_name
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
@@ -223,7 +223,9 @@ def test_malformed_message_is_terminated_and_worker_keeps_serving(
 
     async def publish_garbage() -> int:
         async with Bus(settings) as bus:
-            ack = await bus.js.publish(subject, b"{not json", stream=settings.stream)
+            ack = await bus.js.publish(
+                subject, b"{not json", stream=stream_name(settings.stream, job)
+            )
             return ack.seq
 
     seq = anyio.run(publish_garbage)

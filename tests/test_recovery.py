@@ -19,7 +19,7 @@ from tests.conftest import Agent, Events
 from tierpipe.client import Checkpointer
 from tierpipe.errors import NoCheckpointError, RestoreTimeoutError, WorldSizeMismatchError
 from tierpipe.jobstate import ranks_of
-from tierpipe.names import shard_relpath
+from tierpipe.names import shard_relpath, stream_name
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
@@ -195,7 +195,7 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
 
     async def purge() -> None:
         async with Bus(settings) as bus:
-            await bus.js.purge_stream(settings.stream, subject=f"tp.{job}.>")
+            await bus.js.purge_stream(stream_name(settings.stream, job), subject=f"tp.{job}.>")
 
     anyio.run(purge)
     assert events.all() == []

@@ -23,7 +23,7 @@ from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.dev import NatsServer, S3Server, free_ports
 from tierpipe.errors import BusUnavailableError
-from tierpipe.names import shard_relpath
+from tierpipe.names import shard_relpath, stream_name, subject_job
 from tierpipe.schemas import (
     ShardEvicted,
     ShardFlushed,
@@ -52,7 +52,8 @@ def publish(settings: Settings, *events: Any) -> list[int]:
 
     async def go() -> list[int]:
         async with Bus(settings) as bus:
-            await bus.ensure_stream()
+            for job in {subject_job(e[0]) if isinstance(e, tuple) else e.job for e in events}:
+                await bus.ensure_stream(job)
             seqs = []
             for e in events:
                 if isinstance(e, tuple):
@@ -230,8 +231,8 @@ def test_a_deleted_stream_is_recreated_by_the_running_agent_and_trainer(
 
         async def delete() -> None:
             async with Bus(s) as bus:
-                assert (await bus.js.stream_info(s.stream)).config.deny_delete
-                assert await bus.js.delete_stream(s.stream)
+                assert (await bus.js.stream_info(stream_name(s.stream, job))).config.deny_delete
+                assert await bus.js.delete_stream(stream_name(s.stream, job))
 
         anyio.run(delete)
         verified = ckpt.save(2, state(2)).wait("verified", timeout=30)
@@ -415,7 +416,10 @@ def test_nats_killed_under_load_loses_no_acked_event_and_everyone_resumes(
 
     async def stored() -> dict[int, bytes]:
         async with Bus(s) as bus:
-            return {seq: (await bus.js.get_msg(s.stream, seq)).data for seq, _ in acked[:before]}
+            return {
+                seq: (await bus.js.get_msg(stream_name(s.stream, f"{job}-load"), seq)).data
+                for seq, _ in acked[:before]
+            }
 
     assert anyio.run(stored) == dict(acked[:before])
     assert running.proc is not None and running.proc.poll() is None
@@ -473,7 +477,7 @@ def test_a_three_server_cluster_losing_one_server_keeps_the_pipeline_going(
 
             async def leader() -> str:
                 async with Bus(s) as bus:
-                    info = await bus.js.stream_info(s.stream)
+                    info = await bus.js.stream_info(stream_name(s.stream, job))
                     assert info.config.num_replicas == 3
                     return info.cluster.leader
 

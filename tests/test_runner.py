@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import anyio
+import nats.js.errors
 import pytest
 
 from tests.conftest import Events, make_staged
@@ -24,6 +25,7 @@ from tierpipe.errors import (
     RetryableError,
     StorageUnavailableError,
 )
+from tierpipe.names import stream_name
 from tierpipe.runner import _drain, serve
 from tierpipe.schemas import ShardStaged, StageFailed
 from tierpipe.settings import Settings
@@ -35,9 +37,16 @@ def staged(settings: Settings, job: str, step: int) -> ShardStaged:
     return make_staged(job, settings.node or "", step)
 
 
+def here(settings: Settings, job: str) -> None:
+    """Make `job`'s staging folder, as its trainer on this node does: the runner serves the
+    jobs it finds on the node (`local_jobs`)."""
+    Path(settings.staging_root, job).mkdir(parents=True, exist_ok=True)
+
+
 async def run_stage(settings: Settings, handler, seconds: float, *events: ShardStaged) -> None:
+    here(settings, events[0].job)
     async with Bus(settings) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(events[0].job)
         for e in events:
             await bus.publish(e)
         with anyio.move_on_after(seconds):
@@ -142,8 +151,9 @@ async def test_a_failing_non_shard_event_is_reported_not_fatal(
         job=job, node=settings.node or "", ts=time.time(), stage="nvme-write", error="X",
         message="forged", retryable=False, attempt=1, step=5, rank=0, world_size=1,
     )  # fmt: skip
+    here(settings, job)
     async with Bus(settings) as bus:
-        await bus.ensure_stream()
+        await bus.ensure_stream(job)
         await bus.publish(forged)
         with anyio.move_on_after(2.5):
             await serve(
@@ -185,7 +195,7 @@ async def test_outage_is_retried_in_place_beyond_max_deliver(
 
     async def pending() -> tuple[int, int]:
         async with Bus(s) as bus:
-            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            info = await bus.js.consumer_info(stream_name(s.stream, job), f"test_{s.node}")
             return info.num_ack_pending + info.num_pending, info.num_redelivered
 
     assert await pending() == (0, 0)  # acked, and never handed back for redelivery
@@ -207,9 +217,10 @@ async def test_an_outage_is_handed_back_at_once_when_the_worker_stops(
         raise BusUnavailableError("down")
 
     s = settings.replace(retry_base_s=30.0, retry_max_s=30.0)  # a long wait between tries
+    here(s, job)
     try:
         async with Bus(s) as bus:
-            await bus.ensure_stream()
+            await bus.ensure_stream(job)
             await bus.publish(staged(s, job, 8))
             async with anyio.create_task_group() as tg:
                 await tg.start(
@@ -223,7 +234,7 @@ async def test_an_outage_is_handed_back_at_once_when_the_worker_stops(
                 t0 = time.monotonic()
                 drain.begin()
             assert time.monotonic() - t0 < 3.0
-            info = await bus.js.consumer_info(s.stream, f"test_{s.node}")
+            info = await bus.js.consumer_info(stream_name(s.stream, job), f"test_{s.node}")
             assert info.delivered.stream_seq >= 1 and info.ack_floor.stream_seq == 0  # not acked
     finally:
         _drain.reset(token)
@@ -271,6 +282,7 @@ def test_sigterm_drains_in_flight_work(
     """)
     )
 
+    here(settings, job)
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         # The script's folder comes first on sys.path: name this checkout's.
@@ -283,7 +295,7 @@ def test_sigterm_drains_in_flight_work(
 
         async def publish() -> None:
             async with Bus(settings) as bus:
-                await bus.ensure_stream()
+                await bus.ensure_stream(job)
                 await bus.publish(staged(settings, job, 9))
 
         anyio.run(publish)
@@ -298,7 +310,57 @@ def test_sigterm_drains_in_flight_work(
 
     async def pending() -> int:
         async with Bus(settings) as bus:
-            info = await bus.js.consumer_info(settings.stream, f"drain_{settings.node}")
+            info = await bus.js.consumer_info(
+                stream_name(settings.stream, job), f"drain_{settings.node}"
+            )
             return info.num_ack_pending + info.num_pending
 
     assert anyio.run(pending) == 0  # it was acked before exit
+
+
+def on_node(root: str, *names: str, file: str = "") -> None:
+    """Folders under a node's root (and a plain file), as trainers and agents make them."""
+    for name in names:
+        Path(root, name).mkdir(parents=True, exist_ok=True)
+    if file:
+        Path(root, file).write_bytes(b"")
+
+
+async def test_a_stage_serves_the_jobs_of_its_node_and_only_those(
+    settings: Settings, job: str
+) -> None:
+    """A stage binds a consumer on the stream of each job with a folder under this node's
+    staging or NVMe root, also one that appears while it runs, and none on another job's
+    stream: thousands of agents never hold consumers for jobs they have nothing of."""
+    seen: list[str] = []
+    got = {j: anyio.Event() for j in (job, f"{job}-later")}
+
+    async def handler(event: ShardStaged, attempt: int) -> None:
+        seen.append(event.job)
+        got[event.job].set()
+
+    later, elsewhere = f"{job}-later", f"{job}-elsewhere"
+    on_node(settings.staging_root, job)
+    on_node(settings.nvme_root, "not a job", file="file-not-dir")  # (no job's: ignored)
+    async with Bus(settings) as bus:
+        for j in (job, later, elsewhere):
+            await bus.ensure_stream(j)
+            await bus.publish(staged(settings, j, 1))
+        async with anyio.create_task_group() as tg:
+            await tg.start(
+                functools.partial(
+                    serve, bus, settings, stage="test", node=settings.node or "",
+                    kinds=("staged",), handler=handler,
+                )
+            )  # fmt: skip
+            with anyio.fail_after(10):
+                await got[job].wait()
+            on_node(settings.nvme_root, later)  # (a copy of `later` lands on this node)
+            with anyio.fail_after(10):
+                await got[later].wait()
+            await anyio.sleep(1.0)  # (two more scans)
+            tg.cancel_scope.cancel()
+        assert seen == [job, later]
+        stream = stream_name(settings.stream, elsewhere)
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await bus.js.consumer_info(stream, f"test_{settings.node}")

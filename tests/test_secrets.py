@@ -25,6 +25,7 @@ from tierpipe.client import Checkpointer
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusAuthError
 from tierpipe.log import configure_logging
+from tierpipe.names import stream_name
 from tierpipe.schemas import ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
 
@@ -38,15 +39,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str =
         time.sleep(0.05)
 
 
-def stream_bytes(settings: Settings) -> list[bytes]:
-    """Every message stored in the stream: headers and body, raw."""
+def stream_bytes(settings: Settings, job: str) -> list[bytes]:
+    """Every message stored in the job's stream: headers and body, raw."""
 
     async def read() -> list[bytes]:
         async with Bus(settings) as bus:
-            last = (await bus.js.stream_info(settings.stream)).state.last_seq
+            last = (await bus.js.stream_info(stream_name(settings.stream, job))).state.last_seq
             out = []
             for seq in range(1, last + 1):
-                msg = await bus.js.get_msg(settings.stream, seq)
+                msg = await bus.js.get_msg(stream_name(settings.stream, job), seq)
                 out.append(repr(msg.headers).encode() + b"\n" + (msg.data or b""))
             return out
 
@@ -174,7 +175,7 @@ def test_secrets_never_reach_a_log_line_or_an_event(
         finally:
             proc.kill()
             proc.wait()
-        messages = stream_bytes(s)
+        messages = stream_bytes(s, job)
     agent_log = log_path.read_text()
     assert "handler_crashed" in agent_log and "bus_reconnected" in agent_log
     assert "StorageAuthError" in agent_log

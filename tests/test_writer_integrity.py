@@ -30,7 +30,7 @@ from tierpipe.errors import (
     StorageConflictError,
 )
 from tierpipe.faults import POINTS
-from tierpipe.names import consumer_name, shard_relpath
+from tierpipe.names import consumer_name, shard_relpath, stream_name
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import (
     ShardEvicted,
@@ -340,7 +340,7 @@ def test_late_staged_event_of_a_failed_save_never_fails_its_retry(
             async with Bus(settings) as bus:
                 name = consumer_name("evict", settings.node)
                 while True:
-                    info = await bus.js.consumer_info(settings.stream, name)
+                    info = await bus.js.consumer_info(stream_name(settings.stream, job), name)
                     if info.ack_floor.stream_seq > seq and not info.num_pending:
                         return
                     await anyio.sleep(0.05)

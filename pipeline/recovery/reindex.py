@@ -86,7 +86,7 @@ async def reindex(
     published: list[tuple[int, Event]] = []
     nvme_count = s3_count = 0
     async with Bus(settings, name=f"tierpipe-reindex-{node}") as bus:
-        await bus.ensure_stream(update=False)
+        await bus.ensure_stream(job, update=False)
         batches = Batcher(bus, id_suffix=suffix)  # (what the job's coordinator reads)
         kv = await JobStore(bus.js, settings).open()
         lost = await kv.head(job) is None
