@@ -97,6 +97,10 @@ async def pull(bus: Bus, job: str, durable: str) -> Any:
 #: Messages a stage fetches at once: what it reports in one `NodeBatch` (the ranks of a node
 #: saving a step publish their `staged` events together).
 FETCH_BATCH = 16
+#: How long a fetch waits for a message. A long poll: a message that arrives meanwhile is handed
+#: over at once, so this sets only what an idle consumer costs the server (a pull request per
+#: wait), not latency. An agent has a consumer per stage for every job on its node.
+FETCH_WAIT_S = 5.0
 
 
 async def fetch(sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
@@ -142,7 +146,7 @@ class StageConsumer:
         """The next messages (up to `FETCH_BATCH`, whatever is there), or none (after a
         failure has been dealt with)."""
         try:
-            msgs = await fetch(self.sub, batch=FETCH_BATCH, timeout=1.0)
+            msgs = await fetch(self.sub, batch=FETCH_BATCH, timeout=FETCH_WAIT_S)
         except Exception as e:  # whatever it is, the stage must go on fetching
             await self._recover(e, drain)
             return []

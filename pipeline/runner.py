@@ -173,6 +173,9 @@ async def serve(
             await drain.sleep(JOB_SCAN_S)
             if not drain.stopping:
                 await scan()
+        # Stopping: wake the workers up from their fetches (work in hand is shielded by the
+        # drain and finishes within its timeout).
+        tg.cancel_scope.cancel()
 
 
 #: How often a stage looks for jobs new to this node.
@@ -217,7 +220,9 @@ class _Worker:
                 tg.start_soon(self.keep_alive, msgs)  # (acks wait for the batches)
                 for msg in msgs:
                     await self.process(msg)
-                await self.batcher.flush()
+                # Out even when the agent is stopping: the work is done, say so and ack it.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.drain.timeout_s):
+                    await self.batcher.flush()
                 tg.cancel_scope.cancel()
 
     async def keep_alive(self, msgs: list[Msg]) -> None:
