@@ -37,6 +37,10 @@ Figures (JSON keys):
   so it gets every event its node publishes about it (counted from the simulated events).
 - `coordinator_cpu_s_per_ckpt`: the coordinator's CPU per checkpoint (its process's loop thread);
   `coordinator_events_per_cpu_s`: stream messages folded per second of it.
+  `receive_cpu_s_per_ckpt` (`receive_us_per_msg`): the same process's CPU to read the same
+  checkpoint's messages again through the same kind of consumer and do nothing with them:
+  what nats-py costs before any decode or fold, the floor under `coordinator_cpu_s_per_ckpt`
+  for this many messages (`coordinator_cpu_over_receive`: the ratio).
   `fold_us_per_rank_event`: the part of it that is `JobState`'s fold alone, per rank event:
   `written`, `verified` and `flushed` of every rank for 2 steps (at most `FOLD_RANKS` ranks),
   decoded beforehand, folded in this process (the least CPU time of 3 folds).
@@ -92,6 +96,7 @@ import contextlib
 import cProfile
 import gc
 import importlib.util
+import inspect
 import json
 import pstats
 import statistics
@@ -374,6 +379,13 @@ class CoordinatorProcess:
     def leads(self, job: str) -> bool:
         return bool(self._ask("leads", job))
 
+    def receive(self, job: str, first: int, last: int) -> tuple[int, float]:
+        """Read the messages the job's coordinator folds, stream sequences `first` to `last`,
+        through the same kind of consumer on this process's connection, doing nothing with
+        them: (messages, loop-thread CPU seconds). What nats-py costs before any fold."""
+        n, cpu = self._ask("receive", job, first, last)
+        return int(n), float(cpu)
+
     def stop_profile(self) -> None:
         """Stop profiling and print the profile (the coordinator's stderr is this one's)."""
         self._ask("stop_profile")
@@ -421,6 +433,8 @@ def _coordinator_main(env: dict[str, str], conn: Any, profile: bool) -> None:
                     return coordinator.hosts(args[0], 0)
                 if kind == "leads":
                     return args[0] in coordinator.leading
+                if kind == "receive":
+                    return _receive(bus, *args)
                 if kind == "stop_profile":
                     if prof is not None:
                         prof.disable()
@@ -466,7 +480,24 @@ def _coordinator_main(env: dict[str, str], conn: Any, profile: bool) -> None:
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
+    out = fn(*args)
+    return await out if inspect.isawaitable(out) else out
+
+
+async def _receive(bus: Any, job: str, first: int, last: int) -> tuple[int, float]:
+    """`CoordinatorProcess.receive`, in its process."""
+    from tierpipe.names import state_subjects
+
+    def ignore(body: bytes) -> Any:
+        return None
+
+    n, t0 = 0, time.thread_time()
+    async with bus.follow(state_subjects(job), start_seq=first, decode=ignore) as follow:
+        while True:
+            got = await follow.batch(5.0)
+            n += sum(1 for m in got if m.seq <= last)
+            if not got or got[-1].seq >= last:
+                return n, time.thread_time() - t0
 
 
 def _instrument(store: JobStore, bus: Bus, stats: CoordinatorStats) -> None:
@@ -669,6 +700,8 @@ class Checkpoint:
     kv_writes: int
     kv_bytes: int
     floor_writes: int
+    #: The first and last stream sequence of the checkpoint's messages.
+    seqs: tuple[int, int] = (0, 0)
 
 
 async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
@@ -693,11 +726,12 @@ async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
         cpu1 = d.coordinator.cpu_s()
         del1 = _deliveries(d.monitor_url)
         kv1 = d.coordinator.stats.snapshot()
+        seq1 = await d.last_seq()
         ckpt = Checkpoint(
             step=step, wall_s=t3 - t0, publish_s=t1 - t0, fold_lag_s=t2 - t1, cpu_s=cpu1 - cpu0,
-            stream_msgs=await d.last_seq() - seq0, sim_events=d.publisher.count - sim0,
+            stream_msgs=seq1 - seq0, sim_events=d.publisher.count - sim0,
             deliveries=_delivered_since(del0, del1), kv_writes=kv1[0] - kv0[0],
-            kv_bytes=kv1[1] - kv0[1], floor_writes=kv1[2] - kv0[2],
+            kv_bytes=kv1[1] - kv0[1], floor_writes=kv1[2] - kv0[2], seqs=(seq0 + 1, seq1),
         )  # fmt: skip
         log(f"  step {step}: {ckpt.stream_msgs} msgs, publish {ckpt.publish_s:.2f} s, fold lag "
             f"{ckpt.fold_lag_s:.2f} s, coordinator cpu {ckpt.cpu_s:.3f} s, "
@@ -705,6 +739,11 @@ async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
             f"wall {ckpt.wall_s:.1f} s")  # fmt: skip
         out.append(ckpt)
     return out
+
+
+def _steady(ckpts: list[Checkpoint]) -> list[Checkpoint]:
+    """The steady-state checkpoints (step 3 on), or all of them when there are fewer."""
+    return [c for c in ckpts if c.step >= 3] or ckpts
 
 
 async def _history_job(d: Driver, steps: int) -> None:
@@ -1208,6 +1247,9 @@ async def _main(
                 log(f"control: {nodes} nodes x {ranks_per_node} ranks, {steps} steps")
                 ckpts = await _measured_job(d, steps)
                 coordinator.stop_profile()
+                received = [
+                    coordinator.receive(d.job, *c.seqs) for c in _steady(ckpts) if c.seqs[1]
+                ]
                 restart_bytes, restart_records = await _restart_read(store.kv, d.job)
                 record_bytes = 0
                 head = await d.head()
@@ -1234,8 +1276,9 @@ async def _main(
                 published_max = stats.published_max_bytes
                 kv_max = stats.kv_max_bytes
                 removed = sum(job == d.job for job, _ in stats.removed)
-    steady = [c for c in ckpts if c.step >= 3] or ckpts
+    steady = _steady(ckpts)
     cpu = _mean([c.cpu_s for c in steady])
+    receive_cpu = _mean([s for _, s in received])
     msgs = _mean([c.stream_msgs for c in steady])
     r = ranks_per_node
     stage = r + 3  # (see the module docstring: `staged` per rank, then the node's batches)
@@ -1260,6 +1303,9 @@ async def _main(
         "coordinator_cpu_s_per_ckpt": cpu,
         "coordinator_cpu_s_by_step": [round(c.cpu_s, 4) for c in ckpts],
         "coordinator_events_per_cpu_s": msgs / cpu if cpu else None,
+        "receive_cpu_s_per_ckpt": receive_cpu,
+        "receive_us_per_msg": 1e6 * receive_cpu / _mean([n for n, _ in received]),
+        "coordinator_cpu_over_receive": cpu / receive_cpu if receive_cpu else None,
         "fold_us_per_rank_event": round(
             _fold_us(min(layout.world_size, FOLD_RANKS), ranks_per_node), 2
         ),
