@@ -1190,6 +1190,9 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     from tierpipe.schemas import ShardEvent
 
     state = JobState(d.job, keep)
+    made = await d.bus.stream_made(d.job)
+    if made is not None:
+        state.on_stream(*made)  # (as the coordinator: the head names the stream it counts in)
     for seq, event in stored:
         if not isinstance(event, ShardEvent):  # (what the coordinator reads: `state_subjects`)
             state.apply(seq, event)

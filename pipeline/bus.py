@@ -41,7 +41,7 @@ from tierpipe.names import (
     subject_job,
     validate_token,
 )
-from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal
+from tierpipe.nats_conn import UNAVAILABLE, connect_options, refusal, translate
 from tierpipe.schemas import SCHEMA_VERSION, Event, StageFailed, decode_event, encode_event
 from tierpipe.schemas.facts import Fact
 from tierpipe.settings import Settings
@@ -251,6 +251,22 @@ class Bus:
         if job not in self._ensured:
             await self.ensure_stream(job)
             self._ensured.add(job)
+
+    async def stream_made(self, job: str) -> tuple[str, int] | None:
+        """When `job`'s stream was made, and the newest sequence it ever stored (that stays when
+        limits drop messages; a stream made again numbers from 1 again); None: there is no such
+        stream. A JetStream API request.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+        """
+        name = stream_name(self.settings.stream, job)
+        with translate(f"stream {name}", keep=(nats.js.errors.NotFoundError,)):
+            try:
+                info = await self.js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                return None
+        return str(info.created or ""), int(info.state.last_seq or 0)
 
     async def jobs(self) -> list[str]:
         """The jobs that have a stream, by name (operators' tools: a JetStream API request per

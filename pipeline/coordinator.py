@@ -157,6 +157,7 @@ class Coordinator:
         held = until is not None
         keep = await self.store.keep(job) or default_keep(s)
         state = await self.store.load(job, keep)
+        await self._made_again(job, state)
         head = state.head()
         start = head.resume_seq or 1
         # COMMITs left from an earlier term are dropped: the step may have been removed since
@@ -174,42 +175,62 @@ class Coordinator:
         budget, shares = await self.store.budget(job), await self.store.shares(job)
         active = ActiveNodes()
         try:
-            follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
-            async with follow as events:
-                while True:
-                    deadline = time.monotonic() + s.coordinator_flush_s
-                    while (left := deadline - time.monotonic()) > 0:
-                        batch = await events.batch(left)
-                        for stored in batch:
-                            if stored.event is None:  # (no event this version reads: skipped,
-                                state.passed(stored.seq)  # as replays do)
-                                continue
-                            if isinstance(stored.event, RecoveryPlanned | RestoreReport):
-                                pins.note(stored.event)  # pinned before later events fold
-                                state.pin(pins.steps(job), hold=held or pins.held(job))
-                            if isinstance(stored.event, BatchFact):
-                                active.note(stored.event)
-                            state.apply(stored.seq, stored.event)
-                        if not batch:
+            while True:  # (the stream made again: followed again from its start)
+                follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
+                async with follow as events:
+                    while True:
+                        deadline = time.monotonic() + s.coordinator_flush_s
+                        while (left := deadline - time.monotonic()) > 0:
+                            batch = await events.batch(left)
+                            for stored in batch:
+                                if stored.event is None:  # (no event this version reads:
+                                    state.passed(stored.seq)  # skipped, as replays do)
+                                    continue
+                                if isinstance(stored.event, RecoveryPlanned | RestoreReport):
+                                    pins.note(stored.event)  # pinned before later events fold
+                                    state.pin(pins.steps(job), hold=held or pins.held(job))
+                                if isinstance(stored.event, BatchFact):
+                                    active.note(stored.event)
+                                state.apply(stored.seq, stored.event)
+                            if not batch:
+                                break
+                        # (a pin that timed out goes)
+                        state.pin(pins.steps(job), hold=held or pins.held(job))
+                        again = False
+                        if time.monotonic() >= renew_at:
+                            lease = await self.store.renew(job, lease, s.lease_ttl_s)
+                            renew_at = time.monotonic() + s.lease_ttl_s / 3
+                            again = await self._made_again(job, state)
+                        if time.monotonic() >= keep_at:
+                            state.keep = await self.store.keep(job) or state.keep
+                            budget = await self.store.budget(job)
+                            keep_at = time.monotonic() + POLICY_READ_S
+                        changes = state.take_changes()
+                        if changes:
+                            await self._store(state, changes)
+                        shares = await self._share(job, budget, len(active), shares, lease.term)
+                        if again:
                             break
-                    # (a pin that timed out goes)
-                    state.pin(pins.steps(job), hold=held or pins.held(job))
-                    if time.monotonic() >= renew_at:
-                        lease = await self.store.renew(job, lease, s.lease_ttl_s)
-                        renew_at = time.monotonic() + s.lease_ttl_s / 3
-                    if time.monotonic() >= keep_at:
-                        state.keep = await self.store.keep(job) or state.keep
-                        budget = await self.store.budget(job)
-                        keep_at = time.monotonic() + POLICY_READ_S
-                    changes = state.take_changes()
-                    if changes:
-                        await self._store(state, changes)
-                    shares = await self._share(job, budget, len(active), shares, lease.term)
-                    if until is not None and state.seq >= until:
-                        return
+                        if until is not None and state.seq >= until:
+                            return
+                start = 1
         finally:
             with anyio.move_on_after(2, shield=True):  # (a clean stop hands the job on at once)
                 await self.store.release(job, lease)
+
+    async def _made_again(self, job: str, state: JobState) -> bool:
+        """Whether the job's stream was made again since `state` folded it: deleted, or lost
+        by its server, it numbers its events from 1 again, and the fold goes on from there
+        (`JobState.renumber`). A JetStream API request (at the lead's start, then at each lease
+        renewal)."""
+        found = await self.bus.stream_made(job)
+        if found is None:  # (gone for now: its next publish makes it again)
+            return False
+        folded = state.seq
+        if not state.on_stream(*found):
+            return False
+        log.warning("stream_made_again", job=job, folded_seq=folded, stream_seq=found[1])
+        return True
 
     async def _store(self, state: JobState, changes: Changes) -> None:
         """Store what changed, and remove the objects of the steps it drops below the

@@ -409,6 +409,8 @@ class JobState:
         self._first_seq: dict[int, int] = {}
         self._resume = (head.resume_seq, head.window) if head else (0, 0)
         self._world_size = head.world_size if head else 0
+        #: When the stream `seq` counts in was made (`on_stream`).
+        self.stream = head.stream if head else ""
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
         self._hold = False
@@ -456,6 +458,33 @@ class JobState:
             self._refresh(step, rank, f.world_size, shard)
         if rewind is not None:
             self._rewound(rank, f.epoch, rewind)
+
+    def on_stream(self, created: str, last_seq: int) -> bool:
+        """The job's stream as it is now (when it was made, its newest sequence); whether it
+        was made again since this fold read it (then the fold is `renumber`ed). A state stored
+        before heads named their stream counts as made again only if the stream's sequences
+        went back."""
+        if created == self.stream:
+            return False
+        made_again = bool(self.stream) or last_seq < self.seq
+        self.stream = created
+        self._changes.head = True
+        if made_again:
+            self.renumber()
+        return made_again
+
+    def renumber(self) -> None:
+        """The job's stream was made again (deleted, or lost by its server), and numbers its
+        events from 1 again. What the old stream's events proved stays, as records: every step
+        known now is known by its record alone from here on (only removals change it; a step
+        still in flight then never completes: its evidence went with the old stream, and a newer
+        step will). The fold goes on from the new stream's first event."""
+        self.seq = 0
+        self._ledger = _Ledger()
+        self._record_only = set(self._steps)
+        self._first_seq.clear()
+        self._resume = (0, max(self._steps, default=-1) + 1)
+        self._changes.head = True
 
     def passed(self, seq: int) -> None:
         """The fold has seen the job's events up to stream sequence `seq` (one it cannot read
@@ -687,6 +716,7 @@ class JobState:
             seq=self.seq,
             resume_seq=self._resume[0],
             window=self._resume[1],
+            stream=self.stream,
         )
         return msgspec.structs.replace(head, records=self._head_records(head))
 

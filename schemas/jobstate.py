@@ -193,6 +193,9 @@ class JobHead(msgspec.Struct, frozen=True, kw_only=True):
     #: NVMe retention or in flight); older steps are known from their records alone.
     resume_seq: NonNegInt = 0
     window: NonNegInt = 0
+    #: When the job's stream whose sequences `seq` and `resume_seq` count was made (a stream
+    #: deleted, or lost by its server, and made again numbers its events from 1 again).
+    stream: str = ""
     #: The records of the restart's `candidates()`, newest first, as many as fit in
     #: `HEAD_RECORD_BYTES`: a restarting node reads them with the head, not one by one.
     records: list[StoredRecord] = []

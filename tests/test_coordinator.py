@@ -175,3 +175,51 @@ def test_a_replacement_does_not_wait_for_a_batch_its_dead_node_never_sent(
     head, waited = anyio.run(main)
     assert waited < 15, f"waited {waited:.1f} s for a batch that never comes"
     assert head is not None and head.s3_steps == [1], head
+
+
+@pytest.mark.slow
+def test_a_stream_made_again_is_folded_from_its_start(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    """A job's stream deleted (or lost by its server) and made again numbers its events from 1
+    again. The coordinator notices (the stream's newest event is older than what it folded),
+    folds the new stream from its start, and keeps what the old one proved (the records): the
+    next steps complete, and a restart's wait for the fold ends."""
+    s = settings.replace(lease_ttl_s=2.0, coordinator_flush_s=0.05)
+    Path(s.nvme_root, job).mkdir(parents=True)
+    agent("evict", settings=s).wait_ready()
+
+    def save(step: int) -> None:
+        publish(s, [e for rank in (0, 1) for e in saved(job, step, rank, s.node or "")])
+
+    def head_has(step: int) -> Callable[[], bool]:
+        def check() -> bool:
+            head, _ = read(s, job)
+            return head is not None and step in head.s3_steps and step in head.nvme_steps
+
+        return check
+
+    for step in (1, 2):
+        save(step)
+    wait_for("steps 1-2 folded", head_has(2))
+
+    async def delete() -> None:
+        async with Bus(s) as bus:
+            assert await bus.js.delete_stream(bus.stream(f"tp.{job}.x"))
+
+    anyio.run(delete)
+    save(3)  # (its first publish makes the stream again)
+    wait_for("step 3 folded from the new stream", head_has(3), timeout=20)
+    head, _ = read(s, job)
+    assert head is not None and head.seq <= 20  # (the new stream's numbering)
+
+    async def fresh() -> JobHead:
+        async with Bus(s) as bus:
+            store = await JobStore(bus.js, s).open()
+            head = await current_head(
+                bus, store, s, job=job, holder="restart", deadline=time.monotonic() + 10
+            )
+            assert head is not None
+            return head
+
+    assert 3 in anyio.run(fresh).s3_steps

@@ -103,6 +103,37 @@ def test_a_step_completes_tier_by_tier() -> None:
     assert state.head().s3_steps == [5]
 
 
+def test_a_stream_made_again_keeps_what_the_old_one_proved() -> None:
+    """The stream deleted and made again numbers from 1 again: the state notices (the stream's
+    make time, or, for a head that never named one, sequences that went back), keeps the
+    complete steps as records, leaves a step whose evidence went with the old stream partial,
+    and folds the new stream's steps from its first event; a coordinator taking over from the
+    stored state reads the new stream from its start."""
+    done = [e for rank in range(WORLD) for e in lifecycle(1, rank)]
+    partial = [e for rank in range(WORLD) for e in lifecycle(2, rank)[:2]]  # (not flushed yet)
+    state = fold(done + partial)
+    assert not state.on_stream("t0", last_seq=state.seq)  # (first look: that stream is it)
+    assert not state.on_stream("t0", last_seq=state.seq + 5)
+    assert state.on_stream("t1", last_seq=0)  # (made again: a new make time)
+    head = state.head()
+    assert (head.seq, head.resume_seq, head.stream) == (0, 0, "t1")
+    assert head.nvme_steps == [1, 2] and head.s3_steps == [1]
+    for seq, e in enumerate([lifecycle(2, r)[2] for r in range(WORLD)], 1):
+        state.apply(seq, e)  # (no verified copy in the new stream backs them: counts nothing)
+    for seq, e in enumerate([e for rank in range(WORLD) for e in lifecycle(3, rank)], 10):
+        state.apply(seq, e)
+    head = state.head()
+    assert head.s3_steps == [1, 3] and head.nvme_steps == [1, 2, 3] and head.seq == 18
+    assert head.resume_seq == 10 and head.window == 3
+    taken = JobState("j", EVERYTHING, head=head, floors=state.floors(), records=state.records())
+    assert taken.head().s3_steps == [1]  # (step 3 is folded again from seq 10 of the new one)
+
+    old = fold(done)  # (stored before heads named their stream)
+    assert not old.on_stream("t0", last_seq=old.seq) and old.head().seq == len(done)
+    old = fold(done)
+    assert old.on_stream("t0", last_seq=2) and old.head().seq == 0  # (sequences went back)
+
+
 def test_the_head_carries_its_candidates_records_as_far_as_they_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
