@@ -160,6 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     budget.add_argument("--json", action="store_true", help="one JSON object")
 
+    up = sub.add_parser(
+        "up",
+        help="run this machine's NATS, S3 store and node agent under one supervisor",
+        description="Starts an embedded nats-server and S3 store (SeaweedFS) on loopback and "
+        "this node's agent, restarts whichever exits (with backoff), writes the environment a "
+        "trainer needs to <data>/env (source it, then run your trainer), and on Ctrl-C drains "
+        "the agent and stops the servers.",
+    )
+    up.add_argument("--data", default=".tierpipe", help="directory for everything (./.tierpipe)")
+    up.add_argument(
+        "--nats-port", type=int, default=4222, help="the embedded nats-server's port (4222)"
+    )
+    up.add_argument("--nats-url", help="use this running NATS server instead of an embedded one")
+    up.add_argument("--s3-endpoint", help="use this S3 endpoint instead of an embedded store")
+    up.add_argument(
+        "--no-s3", action="store_true", help="no object storage: NVMe only (retention may then "
+        "remove copies that were never flushed)",
+    )  # fmt: skip
+
     demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
     demo.add_argument("--ranks", type=int, default=2)
     demo.add_argument("--steps", type=int, default=12)
@@ -216,6 +235,13 @@ def _run(args: argparse.Namespace) -> int:
             return _budget(
                 settings, validate_token("job", args.job), flush=flush,
                 gets=args.restore_gets, as_json=args.json,
+            )  # fmt: skip
+        case "up":
+            from tierpipe.dev.up import run_up
+
+            return run_up(
+                settings, data=args.data, nats_url=args.nats_url, nats_port=args.nats_port,
+                s3_endpoint=args.s3_endpoint, no_s3=args.no_s3,
             )  # fmt: skip
         case "demo":
             from tierpipe.dev.demo import run_demo

@@ -77,7 +77,11 @@ class NatsServer(Server):
             "-l",
             str(self.log_path),
         ]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        # A session of its own: a terminal's Ctrl-C goes to whoever runs it (`tierpipe up`
+        # stops it after its agent drained), not straight to the server.
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+        )
         ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while True:

@@ -153,9 +153,10 @@ class S3Server(Server):
         self._remove_sockets()
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=self.data_dir
-            )
+            self.proc = subprocess.Popen(  # (a session of its own, as NatsServer's)
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                cwd=self.data_dir, start_new_session=True,
+            )  # fmt: skip
         master_url = f"http://127.0.0.1:{self.ports['master']}"
         client = None
         try:

@@ -1,0 +1,139 @@
+"""`tierpipe up`: the servers and this node's agent under one supervisor, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import Events
+from tierpipe import Checkpointer
+from tierpipe.dev import free_ports
+from tierpipe.dev.process import port_free
+from tierpipe.schemas import ShardFlushed, ShardVerified
+from tierpipe.settings import Settings, load_settings
+
+pytestmark = pytest.mark.slow
+
+
+class Up:
+    """A `tierpipe up` process and its output."""
+
+    def __init__(self, data: Path, port: int, staging: str, *args: str) -> None:
+        self.data, self.out = data, data.parent / f"{data.name}.out"
+        env = {**os.environ, "TIERPIPE_STAGING_ROOT": staging, "TIERPIPE_NODE": "up-node"}
+        env = {k: v for k, v in env.items() if k not in ("TIERPIPE_NATS_URL", "TIERPIPE_CONFIG")}
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierpipe.cli", "up", "--data", str(data),
+                 "--nats-port", str(port), *args],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, what: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while what not in self.text():
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, f"no {what!r} in:\n{self.text()}"
+            time.sleep(0.1)
+
+    def settings(self) -> Settings:
+        """The environment a trainer gets from `source <data>/env`."""
+        env = {}
+        for line in (self.data / "env").read_text().splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = shlex.split(value)[0]
+        return load_settings(path=None, env=env)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def save_and_wait(settings: Settings, job: str, step: int) -> object:
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as ckpt:
+        return ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait("verified", 60)
+
+
+def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
+    tmp_path: Path, job: str, settings: Settings
+) -> None:
+    """`tierpipe up` prints the environment (secret masked) and writes it whole, mode 0600; a
+    trainer with it saves to NVMe and S3; a killed agent is started again and said so; a
+    second `up` on the same data or port is refused clearly; Ctrl-C stops everything."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root)
+    try:
+        up.wait_for("tierpipe up: ready")
+        out = up.text()
+        env_file = tmp_path / "up" / "env"
+        assert env_file.stat().st_mode & 0o777 == 0o600
+        s = up.settings()
+        assert s.s3_secret_access_key and s.s3_secret_access_key not in out
+        assert "TIERPIPE_S3_SECRET_ACCESS_KEY=***" in out
+        assert s.nats_url == f"nats://127.0.0.1:{port}" and s.node == "up-node"
+        assert isinstance(save_and_wait(s, job, 1), ShardVerified)
+        Events(s, job).wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
+
+        agent = int((tmp_path / "up" / "agent.pid").read_text())
+        os.kill(agent, signal.SIGKILL)
+        up.wait_for("agent started again (restart 1)", timeout=30)
+        assert "agent exited with -9; starting it again in 1 s" in up.text()
+        assert isinstance(save_and_wait(s, job, 3), ShardVerified)
+
+        again = subprocess.run(
+            [sys.executable, "-m", "tierpipe.cli", "up", "--data", str(tmp_path / "up"),
+             "--nats-port", str(free_ports(1)[0])],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert (
+            again.returncode == 2
+            and f"in use by another `tierpipe up` (pid {up.proc.pid})" in again.stderr
+        )
+        taken = subprocess.run(
+            [sys.executable, "-m", "tierpipe.cli", "up", "--data", str(tmp_path / "other"),
+             "--nats-port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert taken.returncode == 2 and f"port {port} on 127.0.0.1 is taken" in taken.stderr
+
+        assert up.stop() == 0
+        assert "tierpipe up: stopped" in up.text()
+        assert port_free(port)
+        with pytest.raises(ProcessLookupError):
+            os.kill(agent, 0)
+    finally:
+        up.kill()
+
+
+def test_up_without_s3_keeps_checkpoints_on_nvme(
+    tmp_path: Path, job: str, settings: Settings
+) -> None:
+    """`--no-s3`: no store started, no S3 in the environment, retention may remove copies
+    never flushed (nothing would ever flush them), and saves still reach `verified`."""
+    up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        assert "S3" not in (tmp_path / "up" / "env").read_text()
+        s = up.settings()
+        assert s.evict_unflushed and s.s3_endpoint is None
+        assert isinstance(save_and_wait(s, job, 1), ShardVerified)
+        assert up.stop() == 0
+    finally:
+        up.kill()
