@@ -31,7 +31,7 @@ from nats.js import api
 
 from tierpipe import history, stream
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, InvalidNameError
-from tierpipe.history import Follow, Watch
+from tierpipe.history import Follow, Raw, Watch
 from tierpipe.log import register_secrets, scrub, settings_secrets
 from tierpipe.names import (
     event_subject,
@@ -448,6 +448,20 @@ class Bus:
         Undecodable messages are skipped (the stages report those when they meet them).
         """
         return [e for _, e in await self._collect(subject, api.DeliverPolicy.ALL, seqs=False)]
+
+    async def stored(self, subject: str, *, since: float | None = None) -> list[Raw]:
+        """Every stored message on `subject` as it is (or those stored at `since` or later,
+        seconds since the epoch), oldest first, as of now: what an operator looks at."""
+        return await history.collect_raw(
+            self._client(), self.js, self.stream(subject), subject, api.DeliverPolicy.ALL,
+            timeout=self.settings.request_timeout_s, since=since,
+        )  # fmt: skip
+
+    def tail(
+        self, subject: str, *, after: int
+    ) -> contextlib.AbstractAsyncContextManager[asyncio.Queue[Raw]]:
+        """Every message on `subject` stored after stream sequence `after`, as it comes."""
+        return history.tail(self.js, self.stream(subject), subject, after=after)
 
     async def latest(self, subject: str) -> list[tuple[int, Event]]:
         """(stream seq, event) of the newest message on each subject matching `subject`."""

@@ -25,19 +25,22 @@ from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError,
 from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.log import configure_logging
 from tierpipe.names import (
+    batch_subject,
     consumer_name,
     filter_subject,
     flush_control_subject,
     job_subjects,
     node_name,
+    plan_subject,
     shard_relpath,
+    shard_subject,
     state_subjects,
     stream_name,
     subject_job,
     validate_token,
 )
 from tierpipe.nats_conn import translate
-from tierpipe.schemas import FlushAction, FlushControl
+from tierpipe.schemas import FlushAction, FlushControl, StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
     Budget,
@@ -48,7 +51,12 @@ from tierpipe.schemas.jobstate import (
 )
 from tierpipe.settings import Settings, load_settings
 from tierpipe.status import (
+    EVENT_KINDS,
+    JobRow,
     JobView,
+    event_json_line,
+    event_line,
+    jobs_table,
     kv_plan,
     lag_note,
     rank_details,
@@ -160,6 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     budget.add_argument("--json", action="store_true", help="one JSON object")
 
+    events = sub.add_parser(
+        "events",
+        help="a job's events as its stream stores them (subject, sequence, time, body)",
+        description="What `nats stream view` / `nats sub` would show of one job, without the "
+        "NATS CLI: every stored event (or one kind, or those of the last --since), oldest "
+        "first; --follow then prints each new one until Ctrl-C.",
+    )
+    events.add_argument("--job", required=True)
+    events.add_argument("--kind", choices=EVENT_KINDS, help="only this kind")
+    events.add_argument("--since", help="only those stored in the last 90s, 15m, 2h, 1d, ...")
+    events.add_argument("--follow", "-f", action="store_true", help="then print new ones")
+    events.add_argument(
+        "--json", action="store_true", help="one JSON object a line: seq, time, subject, event"
+    )
+
+    ls = sub.add_parser(
+        "ls",
+        help="every job: newest complete step per tier, fold lag, coordinator, last error",
+    )
+    ls.add_argument("--json", action="store_true", help="one JSON object per job")
+
     up = sub.add_parser(
         "up",
         help="run this machine's NATS, S3 store and node agent under one supervisor",
@@ -236,6 +265,15 @@ def _run(args: argparse.Namespace) -> int:
                 settings, validate_token("job", args.job), flush=flush,
                 gets=args.restore_gets, as_json=args.json,
             )  # fmt: skip
+        case "events":
+            job = validate_token("job", args.job)
+            since = parse_duration(args.since) if args.since is not None else None
+            return _events(
+                settings, job, kind=args.kind, since=since, follow=args.follow,
+                as_json=args.json,
+            )  # fmt: skip
+        case "ls":
+            return _ls(settings, as_json=args.json)
         case "up":
             from tierpipe.dev.up import run_up
 
@@ -333,6 +371,77 @@ def parse_rate(text: str) -> int:
     if m is None or m.group(2).lower() not in units:
         raise ConfigError(f"cannot read a rate from {text!r} (try 50MiB or 200MB)")
     return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `15m`, `2h`, `1d`, `30` (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text)
+    if m is None:
+        raise ConfigError(f"cannot read a duration from {text!r} (try 90s, 15m, 2h or 1d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def _events(
+    settings: Settings, job: str, *, kind: str | None, since: float | None, follow: bool,
+    as_json: bool,
+) -> int:  # fmt: skip
+    if kind is None:
+        subject = job_subjects(job)
+    elif kind == "plan":
+        subject = plan_subject(job)
+    elif kind == "batch":
+        subject = batch_subject(job, "*", "*")
+    else:
+        subject = shard_subject(job, kind, "*", "*")
+    show = event_json_line if as_json else event_line
+
+    async def main() -> None:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            made = await bus.stream_made(job)
+            if made is None:
+                raise ConfigError(
+                    f"job {job!r} has no stream ({stream_name(settings.stream, job)}): check "
+                    "the name (`tierpipe ls` lists the jobs)"
+                )
+            found = await bus.stored(subject, since=None if since is None else time.time() - since)
+            for raw in found:
+                print(show(raw), flush=follow)
+            if follow:
+                async with bus.tail(subject, after=found[-1].seq if found else made[1]) as new:
+                    while True:
+                        print(show(await new.get()), flush=True)
+
+    try:
+        anyio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _ls(settings: Settings, *, as_json: bool) -> int:
+    async def read() -> list[JobRow]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore(bus.js, settings).open()
+            heads = await store.heads()
+            rows = []
+            for job in sorted(set(heads) | set(await bus.jobs())):
+                newest = max([await _newest_seq(bus, s) for s in state_subjects(job)])
+                failed = await bus.last_event(shard_subject(job, "failed", "*", "*"))
+                rows.append(
+                    JobRow(
+                        job, heads.get(job), newest, await store.lease(job),
+                        failed if isinstance(failed, StageFailed) else None,
+                    )
+                )  # fmt: skip
+            return rows
+
+    rows = anyio.run(read)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row.as_json()))
+    else:
+        print(jobs_table(rows))
+    return 0
 
 
 def _flush(

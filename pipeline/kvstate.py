@@ -213,6 +213,24 @@ class JobStore:
         found = await self._value(step_key(job, step))
         return None if found is None else decode_record(found[0])
 
+    async def heads(self) -> dict[str, JobHead]:
+        """Every job's head as stored now (`tierpipe ls`): one watch of `*.head`, stopped once
+        it delivered what is stored; a value that does not decode is skipped."""
+        out: dict[str, JobHead] = {}
+        with _translated("kv watch *.head"):
+            watcher = await self.kv.watch("*.head", ignore_deletes=True)
+            try:
+                async for entry in watcher:
+                    if entry is None:  # (what was stored is all delivered)
+                        break
+                    with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                        head = msgspec.json.decode(entry.value or b"", type=JobHead)
+                        out[head.job] = head
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+        return out
+
     async def lease(self, job: str) -> Lease | None:
         found = await self._get(lease_key(job), Lease)
         return None if found is None else found[0]

@@ -8,6 +8,8 @@ default; per-rank detail is for one step at a time.
 
 from __future__ import annotations
 
+import datetime
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +17,9 @@ from typing import Any, Literal
 
 from tierpipe.catalog import Shard
 from tierpipe.errors import NoCheckpointError
+from tierpipe.history import Raw
 from tierpipe.jobstate import has_rank, ranks_of
+from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
     Floors,
@@ -29,9 +33,14 @@ from tierpipe.schemas.jobstate import (
 __all__ = (
     "ASSUME_NVME_KEPT",
     "ASSUME_NVME_LOST",
+    "EVENT_KINDS",
+    "JobRow",
     "JobView",
     "KvPlan",
     "RankDetail",
+    "event_json_line",
+    "event_line",
+    "jobs_table",
     "kv_plan",
     "lag_note",
     "rank_details",
@@ -165,6 +174,107 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
     )
+
+
+# --- every job (`tierpipe ls`)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One job as `tierpipe ls` read it."""
+
+    job: str
+    #: Its state in KV (None: none yet, or lost: `tierpipe reindex`).
+    head: JobHead | None
+    #: The stream seq of its newest event the coordinator folds (0: none).
+    stream_seq: int
+    lease: Lease | None
+    #: Its newest `failed` event.
+    failed: StageFailed | None
+
+    @property
+    def lag(self) -> int:
+        """Events the job state has not folded yet (by stream sequence)."""
+        return max(0, self.stream_seq - (self.head.seq if self.head else 0))
+
+    def as_json(self) -> dict[str, Any]:
+        head, f = self.head, self.failed
+        return {
+            "job": self.job,
+            "world_size": head.world_size if head else None,
+            "newest_nvme": head.newest_nvme if head else None,
+            "newest_s3": head.newest_s3 if head else None,
+            "steps": head.steps if head else [],
+            "lag": self.lag,
+            "coordinator": self.lease.holder if self.lease else None,
+            "last_error": None if f is None else {
+                "ts": f.ts, "stage": f.stage, "node": f.node, "step": f.step, "rank": f.rank,
+                "error": f.error, "message": f.message, "retryable": f.retryable,
+            },
+        }  # fmt: skip
+
+
+def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
+    """A line per job: world size, newest complete step per tier, kept steps, fold lag, who
+    coordinates it, its newest failure."""
+    now = time.time() if now is None else now
+    out = [("JOB", "WORLD", "NVME", "S3", "KEPT", "LAG", "COORDINATOR", "LAST ERROR")]
+    for r in rows:
+        h = r.head
+
+        def newest(step: int | None) -> str:
+            return "-" if step is None else str(step)
+
+        error = "-"
+        if r.failed is not None:
+            f = r.failed
+            where = f"step {f.step} rank {f.rank} " if f.step is not None else ""
+            error = f"{_ago(now - f.ts)} ago {f.stage} {where}{f.error}: {f.message}"[:100]
+        coordinator = "-" if r.lease is None else r.lease.holder
+        if r.lease is not None and r.lease.expires < now:
+            coordinator += " (expired)"
+        out.append((
+            r.job, str(h.world_size) if h else "-", newest(h.newest_nvme if h else None),
+            newest(h.newest_s3 if h else None), str(len(h.steps)) if h else "no state",
+            str(r.lag), coordinator, error,
+        ))  # fmt: skip
+    return _table(out) if rows else "no jobs"
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+# --- a job's events (`tierpipe events`)
+
+#: What `tierpipe events --kind` takes.
+EVENT_KINDS = (
+    "staged", "written", "verified", "flushed", "evicted", "failed", "batch", "restore", "plan",
+)  # fmt: skip
+
+
+def event_line(raw: Raw) -> str:
+    """`seq  time  subject  body`, the body as stored (compact JSON)."""
+    when = datetime.datetime.fromtimestamp(raw.time).isoformat(sep=" ", timespec="milliseconds")
+    return f"{raw.seq:>8}  {when}  {raw.subject}  {raw.data.decode(errors='replace')}"
+
+
+def event_json_line(raw: Raw) -> str:
+    """One JSON object: seq, time (ISO, UTC), subject, and the event (or `body` when it is not
+    JSON)."""
+    out: dict[str, Any] = {
+        "seq": raw.seq,
+        "time": datetime.datetime.fromtimestamp(raw.time, datetime.UTC).isoformat(),
+        "subject": raw.subject,
+    }
+    try:
+        out["event"] = json.loads(raw.data)
+    except ValueError:
+        out["body"] = raw.data.decode(errors="replace")
+    return json.dumps(out)
 
 
 # --- one step, rank by rank
