@@ -87,6 +87,8 @@ class Bus:
         self._up = asyncio.Event()
         self.nc: nats.NATS | None = None
         self.js: Any = None
+        #: Called with every event published (an agent's metrics count them).
+        self.on_publish: Callable[[Event], None] | None = None
         # Every process that talks to NATS masks these in its logs (see tierpipe.log).
         register_secrets(settings_secrets(settings))
 
@@ -324,6 +326,8 @@ class Bus:
         }
         subject = event_subject(event)
         ack = await self._publish(subject, encode_event(event), headers=headers, timeout=timeout)
+        if self.on_publish is not None and not ack.duplicate:
+            self.on_publish(event)
         return Published(ack.seq, bool(ack.duplicate))
 
     async def _publish(

@@ -48,12 +48,15 @@ import structlog
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
+from tierpipe import metrics
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
 from tierpipe.errors import PermanentError, RetryableError, TierpipeError, UnavailableError
 from tierpipe.faults import maybe_die
+from tierpipe.kvstate import JobStore
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
+from tierpipe.metrics import METRICS
 from tierpipe.names import (
     consumer_name,
     event_subject,
@@ -292,6 +295,7 @@ class _Worker:
             if name == "done" and not fields["published"]:
                 level = logging.DEBUG  # it led to nothing (evict folding another node's event)
             seconds = round(time.perf_counter() - t0, 4)
+            METRICS.observe_message(self.stage, name, seconds)
             log.log(level, "message_handled", outcome=name, seconds=seconds, **fields)
         return name
 
@@ -471,8 +475,10 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
     drain = Drain(settings.drain_timeout_s)
     _drain.set(drain)
     bus = Bus(settings, name=f"tierpipe-agent-{node}", connect_wait_s=60.0)
+    bus.on_publish = METRICS.observe_event
     async with bus, anyio.create_task_group() as tg:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            tg.start_soon(metrics.serve, settings, bus, JobStore(bus.js, settings).bind())
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))

@@ -58,6 +58,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     #: The streams' names: `<stream>_<job>` holds one job's events (`tp.<job>.>`), with its own
     #: limits; `<stream>_ctl` the run-time flush commands.
     stream: str = "TIERPIPE"
+    #: Where an agent serves Prometheus `/metrics` and `/healthz` (0: any free port, logged as
+    #: `metrics_serving`; -1: off). Loopback unless set otherwise.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
     #: Replicas of the stream and of the KV bucket (3 on a 3-server cluster).
     stream_replicas: int = 1
     #: The JetStream KV bucket of the jobs' compacted state (`tierpipe.kvstate`).
@@ -191,6 +195,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             self.io_chunk_bytes,
         )
         _check(self.nvme_reserve_bytes >= 0, "nvme_reserve_bytes", self.nvme_reserve_bytes)
+        _check(-1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port)
         _check(self.stream_max_age_s >= 0, "stream_max_age_s", self.stream_max_age_s)
         _check(
             self.stream_max_bytes == -1 or self.stream_max_bytes > 0,

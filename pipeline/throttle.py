@@ -58,6 +58,8 @@ class Throttle:
         self._paused = False
         self._changed = anyio.Event()
         self._lock = anyio.Lock()
+        #: Time uploads spent waiting for the rate (or a pause) so far.
+        self.waited_s = 0.0
 
     @property
     def rate(self) -> float | None:
@@ -93,6 +95,13 @@ class Throttle:
             await also._take(nbytes)
 
     async def _take(self, nbytes: int) -> None:
+        t0 = anyio.current_time()
+        try:
+            await self._take_now(nbytes)
+        finally:
+            self.waited_s += anyio.current_time() - t0
+
+    async def _take_now(self, nbytes: int) -> None:
         async with self._lock:
             while True:
                 changed = self._changed

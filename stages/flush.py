@@ -30,6 +30,7 @@ from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.kvstate import JobStore
 from tierpipe.log import bind_io, unit_of_work
+from tierpipe.metrics import METRICS
 from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
 from tierpipe.schemas import (
     SCHEMA_VERSION,
@@ -72,6 +73,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
     background, abort this node's orphaned uploads and re-drive its unflushed shards."""
     node = node_name(settings.node)
     throttle = Throttle(settings.flush_max_bytes_per_s or None)
+    METRICS.watch_throttle(throttle)
     with NvmeStore.from_settings(settings) as nvme:
         async with (
             nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),  # one agent per node

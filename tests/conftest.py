@@ -129,6 +129,7 @@ def settings(
         max_deliver=5,
         slot_wait_timeout_s=10.0,
         drain_timeout_s=5.0,
+        metrics_port=0,  # (any free port: tests run many agents at once)
         log_level="info",
         log_format="json",
     )

@@ -102,7 +102,13 @@ def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_pat
     is published beyond loopback."""
     model = _compose_model(tmp_path)
     services = model["services"]
-    assert set(services) == {"nats", "s3", "agent-node-a", "agent-node-b", "trainer"}
+    assert set(services) == {"nats", "s3", "agent-node-a", "agent-node-b", "trainer", "prometheus"}
+    # Prometheus scrapes each agent's /metrics on the compose network (deploy/prometheus.yml).
+    scrape = (ROOT / "deploy" / "prometheus.yml").read_text()
+    for name in ("agent-node-a", "agent-node-b"):
+        assert services[name]["environment"]["TIERPIPE_METRICS_HOST"] == "0.0.0.0"
+        assert f"{name}:9464" in scrape
+    assert services["prometheus"]["ports"][0]["host_ip"] == "127.0.0.1"
     assert services["s3"]["entrypoint"] == ["weed"] and services["s3"]["command"][0] == "mini"
     for name in ("agent-node-a", "agent-node-b"):
         assert services[name]["depends_on"]["s3"]["condition"] == "service_healthy", name
@@ -116,7 +122,7 @@ def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_pat
     for name, service in services.items():
         for port in service.get("ports", []):
             assert port.get("host_ip") == "127.0.0.1", (name, port)
-        if name not in ("nats", "s3"):
+        if name not in ("nats", "s3", "prometheus"):  # (it needs only the agents)
             assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
 
     agent, trainer = services["agent-node-a"], services["trainer"]
