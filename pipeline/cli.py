@@ -183,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="one JSON object a line: seq, time, subject, event"
     )
 
+    export = sub.add_parser(
+        "export",
+        help="write a step of a job in a format other tools load (torch, safetensors, dcp)",
+        description="Reads every rank's shard of the step (this node's NVMe copy, else object "
+        "storage; every digest checked) and writes it per rank into DIR: rank-R-of-W.pt "
+        "(torch.load(..., weights_only=True)), rank-R-of-W.safetensors (tensors by dotted key "
+        "path, other values in its metadata) or rank-R-of-W/ (torch.distributed.checkpoint).",
+    )
+    export.add_argument("--job", required=True)
+    export.add_argument("--step", type=int, help="default: the newest complete step")
+    export.add_argument("--to", required=True, choices=("torch", "safetensors", "dcp"))
+    export.add_argument("dir", help="where to write (made if missing)")
+
     ls = sub.add_parser(
         "ls",
         help="every job: newest complete step per tier, fold lag, coordinator, last error",
@@ -274,6 +287,9 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "ls":
             return _ls(settings, as_json=args.json)
+        case "export":
+            job = validate_token("job", args.job)
+            return _export(settings, job, args.step, args.to, Path(args.dir))
         case "up":
             from tierpipe.dev.up import run_up
 
@@ -415,6 +431,26 @@ def _events(
         anyio.run(main)
     except KeyboardInterrupt:
         return 0
+    return 0
+
+
+def _export(settings: Settings, job: str, step: int | None, fmt: str, out: Path) -> int:
+    from tierpipe.recovery.export import export_step
+
+    async def run() -> tuple[int, list[Path]]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore(bus.js, settings).open()
+            chosen = step
+            if chosen is None:
+                head, _ = await _folded_head(bus, store, job)
+                complete = sorted(set(head.nvme_steps) | set(head.s3_steps))
+                if not complete:
+                    raise NoCheckpointError(f"job {job!r} has no complete step to export")
+                chosen = complete[-1]
+            return chosen, await export_step(settings, store, job, chosen, fmt, out)
+
+    chosen, paths = anyio.run(run)
+    print(f"exported step {chosen} of {job} ({len(paths)} ranks) as {fmt} into {out}")
     return 0
 
 
