@@ -314,6 +314,9 @@ class Deployment:
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir=SCRATCH))
         self.staging_root = Path(tempfile.mkdtemp(prefix=f"tierpipe-bench-{self.tag}-", dir=SHM))
         self.nvme_root.mkdir()
+        # The bench's job is on this node, as its trainer makes it: the agent serves the jobs
+        # it finds on its node, and binds their consumers before it says it is ready.
+        (self.staging_root / JOB).mkdir()
         self.server = NatsServer(self.dir / "nats").start()
         env_settings = {
             "TIERPIPE_NATS_URL": self.server.url,
