@@ -24,6 +24,8 @@ BENCHMARKS = {
     "restore": "NVMe and S3 restore into preallocated tensors vs dd, torch.load, safetensors, DCP,"
     " raw GET",
     "plan": "recovery plan at 1024 ranks x 20 steps, 100k-event replay (synthetic events)",
+    "overhead": "a small real model trained on the CPU with and without a save every 50 steps"
+    " (blocking and overlapped, the agent running): overhead_pct",
     "control": "the control plane at scale: real nats-server, coordinator and KV, simulated"
     " agents and ranks (--nodes, --ranks-per-node, --steps)",
 }
@@ -41,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(
         f"{k}: {v}" for k, v in BENCHMARKS.items()))  # fmt: skip
-    parser.add_argument("--size-gib", type=float, default=2.0, help="state size (default 2)")
+    parser.add_argument(
+        "--size-gib", type=float, default=None, help="state size (default 2; overhead: 0.05)"
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
     parser.add_argument(
         "--profile",
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}"
         )
     args = parser.parse_args(argv)
+    if args.size_gib is None:
+        args.size_gib = 0.05 if args.name == "overhead" else 2.0
     given = [k for k in CONTROL_DEFAULTS if getattr(args, k) is not None]
     if args.name != "control" and given:
         parser.error(f"--{given[0].replace('_', '-')} applies to control only")

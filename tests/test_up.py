@@ -122,6 +122,31 @@ def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
         up.kill()
 
 
+def test_a_killed_up_leaves_nothing_running(tmp_path: Path, settings: Settings) -> None:
+    """`tierpipe up` killed with SIGKILL (no cleanup of its own) takes its servers and agent
+    with it: nothing is left holding the ports or the data."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        agent = int((tmp_path / "up" / "agent.pid").read_text())
+        up.kill()
+        deadline = time.monotonic() + 20
+        while not port_free(port) or _alive(agent):
+            assert time.monotonic() < deadline, "the servers or the agent outlived `tierpipe up`"
+            time.sleep(0.1)
+    finally:
+        up.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+
+
 def test_up_without_s3_keeps_checkpoints_on_nvme(
     tmp_path: Path, job: str, settings: Settings
 ) -> None:

@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from tierpipe.dev.process import Server, find_binary, terminate
+from tierpipe.dev.process import Server, find_binary, own_session, terminate
 from tierpipe.errors import TierpipeError
 
 __all__ = ("NatsServer",)
@@ -78,9 +78,9 @@ class NatsServer(Server):
             str(self.log_path),
         ]
         # A session of its own: a terminal's Ctrl-C goes to whoever runs it (`tierpipe up`
-        # stops it after its agent drained), not straight to the server.
+        # stops it after its agent drained), not straight to the server; gone with its parent.
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=own_session
         )
         ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s

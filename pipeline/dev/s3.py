@@ -17,7 +17,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierpipe.dev.process import Server, ephemeral_range, find_binary, port_free, terminate
+from tierpipe.dev.process import (
+    Server,
+    ephemeral_range,
+    find_binary,
+    own_session,
+    port_free,
+    terminate,
+)
 from tierpipe.errors import ConfigError, TierpipeError
 
 __all__ = ("S3Server",)
@@ -155,7 +162,7 @@ class S3Server(Server):
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(  # (a session of its own, as NatsServer's)
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                cwd=self.data_dir, start_new_session=True,
+                cwd=self.data_dir, preexec_fn=own_session,
             )  # fmt: skip
         master_url = f"http://127.0.0.1:{self.ports['master']}"
         client = None

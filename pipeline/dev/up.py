@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierpipe.dev.nats import NatsServer
-from tierpipe.dev.process import port_free, terminate
+from tierpipe.dev.process import own_session, port_free, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.errors import ConfigError, TierpipeError
 from tierpipe.names import node_name
@@ -308,7 +308,7 @@ def _start_agent(env: dict[str, str], stages: list[str], log: Path) -> subproces
             stdin=subprocess.DEVNULL,
             stdout=f,
             stderr=f,
-            start_new_session=True,  # (Ctrl-C reaches the supervisor, which drains it)
+            preexec_fn=own_session,  # (Ctrl-C reaches the supervisor, which drains it)
         )
     log.with_name("agent.pid").write_text(f"{proc.pid}\n")
     return proc
