@@ -196,6 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--to", required=True, choices=("torch", "safetensors", "dcp"))
     export.add_argument("dir", help="where to write (made if missing)")
 
+    prefetch = sub.add_parser(
+        "prefetch",
+        help="pull a node's shards of the newest step in object storage onto this node's NVMe",
+        description="For a standby node: fetches the ranks of --node (default: this node) of "
+        "the newest step complete in object storage (or --step), checks every digest, writes "
+        "them to this node's NVMe and reports them written and verified here, so a restore on "
+        "this node reads NVMe instead of object storage.",
+    )
+    prefetch.add_argument("--job", required=True)
+    prefetch.add_argument("--node", help="whose ranks (default: this node's)")
+    prefetch.add_argument("--step", type=int, help="default: the newest complete in object storage")
+
     ls = sub.add_parser(
         "ls",
         help="every job: newest complete step per tier, fold lag, coordinator, last error",
@@ -287,6 +299,15 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "ls":
             return _ls(settings, as_json=args.json)
+        case "prefetch":
+            from tierpipe.recovery.prefetch import prefetch
+
+            job = validate_token("job", args.job)
+            node = validate_token("node", args.node) if args.node else None
+            done = anyio.run(lambda: prefetch(settings, job, of_node=node, step=args.step))
+            print(f"step {done.step} of {job}: fetched ranks {done.fetched or 'none'} onto this "
+                  f"node's NVMe ({len(done.present)} already there)")  # fmt: skip
+            return 0
         case "export":
             job = validate_token("job", args.job)
             return _export(settings, job, args.step, args.to, Path(args.dir))

@@ -53,7 +53,7 @@ from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store, ShardKey
 from tierpipe.storage.s3_commit import check_objects, read_commits
 
-__all__ = ("Reindexed", "reindex")
+__all__ = ("Reindexed", "nvme_events", "reindex")
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ async def reindex(
             for path in sorted((store.root / job).glob("step-*/rank-*.shard")):
                 try:
                     events = await anyio.to_thread.run_sync(
-                        _nvme_events, store, path, job, node, verify
+                        nvme_events, store, path, job, node, verify
                     )
                 except (TierpipeError, OSError) as e:
                     skipped.append(f"{path}: {e}")
@@ -164,7 +164,7 @@ async def _rebuild(
     return True
 
 
-def _nvme_events(
+def nvme_events(
     store: NvmeStore, path: Path, job: str, node: str, verify: bool
 ) -> list[ShardWritten | ShardVerified]:
     head = read_head(path)
