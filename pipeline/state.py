@@ -88,6 +88,25 @@ class StatePlan:
             if device is None or c.src.device == device:
                 dst.copy_(c.src, non_blocking=non_blocking)
 
+    def copy_cpu_serially(self, dsts: list[torch.Tensor]) -> None:
+        """`copy_into` for the CPU tensors, on the calling thread alone: a plain memmove per
+        contiguous tensor (it releases the GIL), `copy_` for the rest. For an overlapped copy on
+        a helper thread: torch's own copy would start an OpenMP team there, whose threads spin
+        against the training threads' long after the copy (measured: +20 % on a 2-core
+        training run with a save every 50 steps; `bench overhead`)."""
+        for c, dst in zip(self.copies, dsts, strict=True):
+            src = c.src
+            if src.device.type != "cpu":
+                continue
+            if (
+                src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
+                and not src.is_conj() and not src.is_neg() and c.nbytes
+                == src.numel() * src.element_size()
+            ):  # fmt: skip
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), c.nbytes)
+            else:
+                dst.copy_(src)
+
 
 def plan_state(
     state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int = 0

@@ -85,7 +85,7 @@ class StagedCopy:
     def finish(self) -> None:
         """Run the CPU part, report it, then wait for the CUDA part (on the copier thread)."""
         try:
-            self.plan.copy_into(self.dsts, device=torch.device("cpu"))
+            self.plan.copy_cpu_serially(self.dsts)
         finally:
             self.host_copied.set()
         for _, event in self.cuda_events:
