@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data"
     )
+    demo.add_argument(
+        "--rank",
+        type=int,
+        help="run only this trainer rank, against the agent and servers the settings name "
+        "(what the demo starts per rank, and compose.yaml's trainer); prints one JSON line",
+    )
 
     args = parser.parse_args(argv)
     try:
@@ -318,6 +324,13 @@ def _run(args: argparse.Namespace) -> int:
                 settings, data=args.data, nats_url=args.nats_url, nats_port=args.nats_port,
                 s3_endpoint=args.s3_endpoint, no_s3=args.no_s3,
             )  # fmt: skip
+        case "demo" if args.rank is not None:
+            from tierpipe.dev.demo import run_rank
+
+            if not 0 <= args.rank < args.ranks:
+                raise ConfigError(f"--rank must be in 0..{args.ranks - 1} (--ranks {args.ranks})")
+            print(json.dumps(run_rank(args.rank, args.ranks, args.steps, args.every)))
+            return 0
         case "demo":
             from tierpipe.dev.demo import run_demo
 

@@ -130,8 +130,9 @@ def test_compose_trainer_and_agent_of_node_a_share_node_staging_and_nvme(tmp_pat
     assert services["agent-node-b"]["command"] == ["worker", "all"]
     assert agent["environment"]["TIERPIPE_NODE"] == "node-a"
     assert services["agent-node-b"]["environment"]["TIERPIPE_NODE"] == "node-b"
-    assert trainer["entrypoint"] + trainer["command"] == [
-        "python", "-m", "tierpipe.dev.demo", "0", "1", "6", "2",
+    # A CLI subcommand (the image's entrypoint is `tierpipe`), not a module's __main__.
+    assert trainer["command"] == [
+        "demo", "--rank", "0", "--ranks", "1", "--steps", "6", "--every", "2",
     ]  # fmt: skip
     for key in ("TIERPIPE_NODE", "TIERPIPE_NATS_URL", "TIERPIPE_STAGING_ROOT", "TIERPIPE_NVME_ROOT",
                 "TIERPIPE_STREAM_REPLICAS"):  # fmt: skip

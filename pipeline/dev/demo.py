@@ -8,7 +8,7 @@ the run goes. At the end every rank restores the newest checkpoint into a fresh 
 plans, all ranks load, as after a restart) and checks it bitwise against its live state, and the
 demo prints where every shard is, from the event stream.
 
-`python -m tierpipe.dev.demo RANK WORLD_SIZE STEPS EVERY` runs one trainer rank alone (what the demo
+`tierpipe demo --rank R --ranks W --steps S --every N` runs one trainer rank alone (what the demo
 starts per rank, and compose.yaml's trainer) and prints one JSON line.
 """
 
@@ -36,7 +36,7 @@ from tierpipe.dev.s3 import S3Server
 from tierpipe.settings import Settings
 from tierpipe.status import shard_table
 
-__all__ = ("Replay", "run_demo")
+__all__ = ("Replay", "run_demo", "run_rank")
 
 #: Folds every stored event of a job into a catalog (`tierpipe.cli.replay_catalog`).
 Replay = Callable[[Settings, str], Awaitable[Catalog]]
@@ -81,10 +81,11 @@ def run_demo(
         t0 = time.monotonic()
         agent = subprocess.Popen([sys.executable, "-m", "tierpipe.cli", "worker", "all"], env=env)
         stack.callback(_stop, agent)
-        trainer = [sys.executable, "-m", "tierpipe.dev.demo"]  # this module's __main__
+        trainer = [sys.executable, "-m", "tierpipe.cli", "demo", "--ranks", str(ranks),
+                   "--steps", str(steps), "--every", str(every), "--rank"]  # fmt: skip
         trainers = [
             subprocess.Popen(
-                [*trainer, str(r), str(ranks), str(steps), str(every)],
+                [*trainer, str(r)],
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -179,7 +180,7 @@ def _model(seed: int) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:
+def run_rank(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:
     """One trainer rank (run in its own process): train and save, then restore into a fresh
     model the way a restarted job would, and compare with the live state."""
     import torch
@@ -220,8 +221,3 @@ def _train(rank: int, world_size: int, steps: int, every: int) -> dict[str, obje
         "bitwise_equal": bool(equal),
         "max_stall_ms": max(stalls) * 1e3,
     }
-
-
-if __name__ == "__main__":
-    rank, world, n_steps, n_every = map(int, sys.argv[1:5])
-    print(json.dumps(_train(rank, world, n_steps, n_every)))
