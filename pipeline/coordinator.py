@@ -35,6 +35,7 @@ import structlog
 
 from tierpipe.batcher import Batcher
 from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
+from tierpipe.history import Follow
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import plan_subject, shard_subject, state_subjects
@@ -179,21 +180,8 @@ class Coordinator:
                 follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
                 async with follow as events:
                     while True:
-                        deadline = time.monotonic() + s.coordinator_flush_s
-                        while (left := deadline - time.monotonic()) > 0:
-                            batch = await events.batch(left)
-                            for stored in batch:
-                                if stored.event is None:  # (no event this version reads:
-                                    state.passed(stored.seq)  # skipped, as replays do)
-                                    continue
-                                if isinstance(stored.event, RecoveryPlanned | RestoreReport):
-                                    pins.note(stored.event)  # pinned before later events fold
-                                    state.pin(pins.steps(job), hold=held or pins.held(job))
-                                if isinstance(stored.event, BatchFact):
-                                    active.note(stored.event)
-                                state.apply(stored.seq, stored.event)
-                            if not batch:
-                                break
+                        await _fold_for(s.coordinator_flush_s, events, state, pins, active,
+                                        held=held)  # fmt: skip
                         # (a pin that timed out goes)
                         state.pin(pins.steps(job), hold=held or pins.held(job))
                         again = False
@@ -322,6 +310,34 @@ class Coordinator:
             del self._commits[(j, step)]
             log.info("step_committed", job=job, step=step, ranks=manifest.world_size,
                      epoch=manifest.epoch, written=written)  # fmt: skip
+
+
+async def _fold_for(
+    seconds: float,
+    events: Follow,
+    state: JobState,
+    pins: RestorePins,
+    active: ActiveNodes,
+    *,
+    held: bool,
+) -> None:
+    """Fold what arrives for up to `seconds` (less once the follow is idle)."""
+    job = state.job
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        batch = await events.batch(left)
+        for stored in batch:
+            if stored.event is None:  # (no event this version reads: skipped, as replays do)
+                state.passed(stored.seq)
+                continue
+            if isinstance(stored.event, RecoveryPlanned | RestoreReport):
+                pins.note(stored.event)  # pinned before later events fold
+                state.pin(pins.steps(job), hold=held or pins.held(job))
+            if isinstance(stored.event, BatchFact):
+                active.note(stored.event)
+            state.apply(stored.seq, stored.event)
+        if not batch:
+            return
 
 
 def _decode(data: bytes) -> Event | Fact:

@@ -30,7 +30,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tierpipe.names import job_dirs
+from tierpipe.names import local_jobs
 from tierpipe.schemas import (
     Event,
     NodeBatch,
@@ -41,6 +41,7 @@ from tierpipe.schemas import (
     StageFailed,
 )
 from tierpipe.settings import Settings
+from tierpipe.staging import markers
 from tierpipe.throttle import Throttle
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class Metrics:
             self.throttle_wait.set(t.waited_s)
         if store is None:
             return
-        for job in sorted(job_dirs(settings.staging_root) | job_dirs(settings.nvme_root)):
+        for job in sorted(local_jobs(settings.staging_root, settings.nvme_root)):
             head = await store.head(job)
             if head is None:
                 continue
@@ -145,7 +146,7 @@ class Metrics:
 
 def _slots_in_use(staging: Path) -> int:
     """Staging slots holding an unreleased step (`tierpipe.staging`'s markers)."""
-    return sum(1 for _ in staging.glob("*/rank-*/slot-*.step-*"))
+    return sum(len(markers(d)) for d in staging.glob("*/rank-*"))
 
 
 #: The process's metrics (agents serve them; a trainer's are never scraped).

@@ -29,6 +29,7 @@ __all__ = (
     "flush_control_subject",
     "job_dirs",
     "job_subjects",
+    "local_jobs",
     "msg_id",
     "node_name",
     "plan_subject",
@@ -74,6 +75,13 @@ def job_dirs(root: str | os.PathLike[str]) -> set[str]:
         for e in entries
         if _TOKEN.fullmatch(e.name) and e.name not in _RESERVED_JOBS and e.is_dir()
     }
+
+
+def local_jobs(staging_root: str | os.PathLike[str], nvme_root: str | os.PathLike[str]) -> set[str]:
+    """The jobs a node takes part in: a folder of theirs is under its staging root (a trainer
+    there staged a save, or holds slots) or its NVMe root (the node holds copies). Local and
+    cheap: thousands of agents never ask the server which jobs exist."""
+    return job_dirs(staging_root) | job_dirs(nvme_root)
 
 
 def stream_name(base: str, job: str) -> str:

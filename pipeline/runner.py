@@ -61,7 +61,7 @@ from tierpipe.names import (
     consumer_name,
     event_subject,
     filter_subject,
-    job_dirs,
+    local_jobs,
     node_name,
     validate_token,
 )
@@ -154,7 +154,7 @@ async def serve(
     async with anyio.create_task_group() as tg:
 
         async def scan() -> None:
-            for job in sorted(local_jobs(settings) - served):
+            for job in sorted(local_jobs(settings.staging_root, settings.nvme_root) - served):
                 try:
                     # (a worker per job: its own batches)
                     worker = _Worker(bus, settings, stage, node, kinds, handler, drain,
@@ -183,14 +183,6 @@ async def serve(
 
 #: How often a stage looks for jobs new to this node.
 JOB_SCAN_S = 0.5
-
-
-def local_jobs(settings: Settings) -> set[str]:
-    """The jobs this node takes part in: a directory of theirs is under the staging root (a
-    trainer here staged a save, or holds slots) or the NVMe root (this node holds copies).
-    Local and cheap: thousands of agents never ask the server which jobs exist, and a node
-    serves no job it has nothing of."""
-    return job_dirs(settings.staging_root) | job_dirs(settings.nvme_root)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ def run_up(
         _say(out, _ready(root, env, settings))
         stop.install()
         while not stop.requested:
-            for name, what in (("agent", agent), *servers.supervised()):
+            for name, what in (("agent", agent), *servers.running):
                 note = what.check()
                 if note:
                     _say(out, f"tierpipe up: {name} {note}")
@@ -149,10 +149,8 @@ class _Servers:
     stack: ExitStack
     root: Path
     out: TextIO
+    #: The servers it started, by name.
     running: list[tuple[str, _Supervised]] = field(default_factory=list)
-
-    def supervised(self) -> list[tuple[str, _Supervised]]:
-        return self.running
 
     def nats(self, url: str | None, port: int) -> dict[str, str]:
         if url:

@@ -65,8 +65,9 @@ async def prefetch(
         rec = None if step is None else await store.record(job, step)
         if step is None or rec is None or rec.s3_removed:
             raise NoCheckpointError(f"job {job!r} has no step {step or ''} in object storage")
+        # (the newest event on each of the node's subjects: a kind per rank, not its history)
         ranks = sorted({
-            e.rank for e in await bus.history(shard_subject(job, "*", source, "*"))
+            e.rank for _, e in await bus.latest(shard_subject(job, "*", source, "*"))
             if isinstance(e, ShardEvent) and e.world_size == rec.world_size
         })  # fmt: skip
         if not ranks:
