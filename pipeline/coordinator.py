@@ -171,6 +171,9 @@ class Coordinator:
             newest = await self.bus.last_event(subject)  # (it may predate resume_seq)
             if newest is not None:
                 pins.note(newest)
+        # A catch-up holds the floors from its first event (not only from its first pin):
+        # folding the job state to read it removes nothing.
+        state.pin(pins.steps(job), hold=held or pins.held(job))
         renew_at = time.monotonic() + s.lease_ttl_s / 3
         keep_at = time.monotonic() + POLICY_READ_S
         budget, shares = await self.store.budget(job), await self.store.shares(job)

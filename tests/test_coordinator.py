@@ -148,6 +148,29 @@ def test_a_replacement_nodes_rank_waits_for_what_the_dead_node_published(
     assert head is not None and head.s3_steps == [1], head
 
 
+def test_a_rank_that_folds_the_job_state_itself_removes_nothing(
+    settings: Settings, job: str
+) -> None:
+    """With no live coordinator (its node died), a restoring rank folds the job's events into
+    KV itself; that fold keeps every step where it is, even past the retention policy (the
+    coordinator that takes over later removes them): found by the demo, whose restarted rank
+    crashed with "no object removal while catching up" when more steps were in S3 than
+    `s3_keep_latest_k`."""
+    s = settings.replace(s3_keep_latest_k=1)
+    publish(s, [e for step in (1, 2, 3) for rank in (0, 1) for e in saved(job, step, rank, "b")])
+
+    async def main() -> JobHead | None:
+        async with Bus(s) as bus:
+            store = await JobStore(bus.js, s).open()
+            return await current_head(
+                bus, store, s, job=job, holder="node-c-rank-1",
+                deadline=time.monotonic() + 30, own=own_events(job, "node-c", 1), ranks=[1],
+            )  # fmt: skip
+
+    head = anyio.run(main)
+    assert head is not None and head.s3_steps == [1, 2, 3], head
+
+
 def test_a_replacement_does_not_wait_for_a_batch_its_dead_node_never_sent(
     settings: Settings, job: str
 ) -> None:
