@@ -233,18 +233,25 @@ def main(argv: list[str] | None = None) -> int:
         "remove copies that were never flushed)",
     )  # fmt: skip
 
-    demo = sub.add_parser("demo", help="a small end-to-end session on this machine")
-    demo.add_argument("--ranks", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=12)
-    demo.add_argument("--every", type=int, default=2)
-    demo.add_argument(
-        "--data", default="tierpipe-data/demo", help="directory for NVMe and NATS data"
+    demo = sub.add_parser(
+        "demo", help="the whole story on this machine: train, lose a node, resume (about 1 min)"
     )
+    demo.add_argument("--ranks", type=int, default=2, help="ranks, spread over two nodes (2)")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--every", type=int, default=5, help="a save every this many steps (5)")
+    demo.add_argument(
+        "--data", default="tierpipe-data/demo", help="directory for NVMe, NATS, S3 data and logs"
+    )
+    demo.add_argument(
+        "--plot", nargs="?", const="tierpipe-demo.png", metavar="PNG",
+        help="render the timeline of events per tier (default file tierpipe-demo.png; needs "
+        "matplotlib: pip install 'tierpipe[plot]')",
+    )  # fmt: skip
     demo.add_argument(
         "--rank",
         type=int,
         help="run only this trainer rank, against the agent and servers the settings name "
-        "(what the demo starts per rank, and compose.yaml's trainer); prints one JSON line",
+        "(what the demo starts per rank, and compose.yaml's trainer); prints JSON lines",
     )
 
     args = parser.parse_args(argv)
@@ -325,23 +332,18 @@ def _run(args: argparse.Namespace) -> int:
                 s3_endpoint=args.s3_endpoint, no_s3=args.no_s3,
             )  # fmt: skip
         case "demo" if args.rank is not None:
-            from tierpipe.dev.demo import run_rank
+            from tierpipe.dev.trainer import run_rank
 
             if not 0 <= args.rank < args.ranks:
                 raise ConfigError(f"--rank must be in 0..{args.ranks - 1} (--ranks {args.ranks})")
-            print(json.dumps(run_rank(args.rank, args.ranks, args.steps, args.every)))
-            return 0
+            return run_rank(args.rank, args.ranks, args.steps, args.every)
         case "demo":
             from tierpipe.dev.demo import run_demo
 
             return run_demo(
-                settings,
-                ranks=args.ranks,
-                steps=args.steps,
-                every=args.every,
-                data=args.data,
-                replay=replay_catalog,
-            )
+                settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data,
+                plot=args.plot,
+            )  # fmt: skip
     return 0
 
 

@@ -699,20 +699,3 @@ def test_retention_never_evicts_the_step_a_restore_is_reading(
             saver.result(timeout=60)
     assert (restored.step, restored.rounds, restored.source.tier) == (step, 1, "s3")
     assert_equal(target, saved_states[step])
-
-
-@pytest.mark.slow
-def test_demo_passes_under_a_cpu_hog(tmp_path: Path, cpu_hog: None) -> None:
-    """`tierpipe demo` (what `make demo` runs) succeeds with every core busy elsewhere."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERPIPE_")}
-    out = subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", "demo", "--steps", "6", "--every", "2",
-         "--data", str(tmp_path / "demo")],
-        env=env,
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("bitwise equal to the live state: True") == 2, out.stdout

@@ -1,125 +1,304 @@
-"""`tierpipe demo`: a small end-to-end session on this machine.
+"""`tierpipe demo`: the whole story on one machine, in about a minute.
 
 Starts an embedded nats-server and S3 store (SeaweedFS) unless `TIERPIPE_NATS_URL` /
-`TIERPIPE_S3_ENDPOINT` point at real ones, one node agent (`tierpipe worker all`), then a few
-trainer ranks as separate processes, each training a tiny transformer and saving every few steps.
-Retention keeps the newest 2 complete steps on NVMe and 3 in S3, so older steps are evicted as
-the run goes. At the end every rank restores the newest checkpoint into a fresh model (rank 0
-plans, all ranks load, as after a restart) and checks it bitwise against its live state, and the
-demo prints where every shard is, from the event stream.
-
-`tierpipe demo --rank R --ranks W --steps S --every N` runs one trainer rank alone (what the demo
-starts per rank, and compose.yaml's trainer) and prints one JSON line.
+`TIERPIPE_S3_ENDPOINT` point at real ones, and two simulated nodes, each a node agent
+(`tierpipe worker all`) with its own NVMe folder and staging folder. A small language model
+trains on ranks spread over both nodes (DDP over gloo; `tierpipe.dev.trainer`), saving every few
+steps. Mid-run node-b is lost: its agent and trainers are SIGKILLed and its NVMe and staging
+folders wiped; the survivors' trainers are stopped, as torchrun would. The job restarts with a
+replacement node (node-c, empty): the survivors' ranks restore from their NVMe, the replacement's
+from S3, and every rank trains on. The demo checks that the steps trained twice (after the
+restored step, up to where the first run stopped) had the same losses to the bit, that each
+rank's final checkpoint reloads bitwise, and prints what it cost: the stall per save against
+`torch.save` of the same state, the training-step overhead at the demo's interval, bytes and
+seconds per tier (from the event stream), steps lost and seconds to resume. `--plot FILE`
+renders the timeline of events per tier to a PNG.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
+import queue
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.dev.nats import NatsServer
+from tierpipe.dev.process import free_ports, own_session, terminate
 from tierpipe.dev.s3 import S3Server
+from tierpipe.dev.trainer import JOB
+from tierpipe.errors import ConfigError
+from tierpipe.names import job_subjects, msg_id
+from tierpipe.schemas import (
+    Event,
+    NodeBatch,
+    ShardEvicted,
+    ShardFlushed,
+    ShardStaged,
+    ShardVerified,
+    ShardWritten,
+)
 from tierpipe.settings import Settings
-from tierpipe.status import shard_table
 
-__all__ = ("Replay", "run_demo", "run_rank")
+__all__ = ("run_demo",)
 
-#: Folds every stored event of a job into a catalog (`tierpipe.cli.replay_catalog`).
-Replay = Callable[[Settings, str], Awaitable[Catalog]]
+#: Where the story's moments happen: (seconds since the start, what).
+Moments = list[tuple[float, str]]
 
-_JOB = "demo"
-_NODE = "demo-node"
+
+@dataclass
+class _Node:
+    name: str
+    nvme: Path
+    staging: Path
+    agent: subprocess.Popen[bytes] | None = None
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        return {**base, "TIERPIPE_NODE": self.name, "TIERPIPE_NVME_ROOT": str(self.nvme),
+                "TIERPIPE_STAGING_ROOT": str(self.staging)}  # fmt: skip
+
+    def start(self, base: dict[str, str], log: Path) -> _Node:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as f:
+            self.agent = subprocess.Popen(
+                [sys.executable, "-m", "tierpipe.cli", "worker", "all"],
+                env=self.env(base), stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                preexec_fn=own_session,
+            )  # fmt: skip
+        return self
+
+    def lose(self) -> None:
+        """SIGKILL the agent and wipe the node's disks: the node is gone."""
+        if self.agent is not None:
+            self.agent.kill()
+            self.agent.wait()
+        shutil.rmtree(self.nvme, ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            terminate(self.agent, 30)
+
+
+@dataclass
+class _Attempt:
+    """One launch of every rank (what torchrun does per attempt), with their JSON lines."""
+
+    procs: dict[int, subprocess.Popen[str]]
+    lines: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def drain(self, timeout_s: float) -> Iterator[dict[str, Any]]:
+        """Lines that arrived within `timeout_s` (all that are there, then waits)."""
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        while True:
+            self.seen.append(line)
+            yield line
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [x for x in self.seen if x["event"] == event]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values()) or not self.lines.empty()
+
+    def kill(self, ranks: list[int], sig: int) -> None:
+        for r in ranks:
+            p = self.procs[r]
+            if p.poll() is None:
+                p.send_signal(sig)
+        for r in ranks:
+            self.procs[r].wait(30)
 
 
 def run_demo(
-    settings: Settings, *, ranks: int, steps: int, every: int, data: str, replay: Replay
+    settings: Settings, *, ranks: int, steps: int, every: int, data: str, plot: str | None = None
 ) -> int:
-    """Run the demo; 0 when every rank restored bitwise and the newest step reached S3.
-
-    Args:
-        replay: how to read the job's catalog from the event stream (the CLI passes its own, so
-            the dev harness does not import the CLI that imports it).
-    """
+    """Run the demo; 0 when the story held (see the module docstring), else 1."""
+    if ranks < 2 or ranks % 2:
+        raise ConfigError(f"--ranks must be even: its ranks spread over two nodes (got {ranks})")
+    if steps < 4 * every:
+        raise ConfigError(f"--steps must be at least 4 x --every (got {steps} and {every})")
     root = Path(data).absolute()
     shutil.rmtree(root, ignore_errors=True)
-    staging = Path(settings.staging_root).absolute() / f"demo-{os.getpid()}"
+    (root / "logs").mkdir(parents=True)
+    shm = Path(settings.staging_root).absolute() / f"demo-{os.getpid()}"
+    per_node = ranks // 2
     with ExitStack() as stack:
-        stack.callback(shutil.rmtree, staging, True)
-        env = {**os.environ, **_services(stack, root)}
-        env.update(
-            TIERPIPE_NODE=_NODE,
-            TIERPIPE_NVME_ROOT=str(root / "nvme"),
-            TIERPIPE_STAGING_ROOT=str(staging),
-            TIERPIPE_NVME_KEEP_LATEST_K=os.environ.get("TIERPIPE_NVME_KEEP_LATEST_K", "2"),
-            TIERPIPE_S3_KEEP_LATEST_K=os.environ.get("TIERPIPE_S3_KEEP_LATEST_K", "3"),
-            TIERPIPE_LOG_LEVEL=os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
-        )
-        demo = settings.replace(
-            nats_url=env["TIERPIPE_NATS_URL"],
-            nvme_keep_latest_k=int(env["TIERPIPE_NVME_KEEP_LATEST_K"]),
-        )
-        print(f"tierpipe demo: {ranks} ranks x {steps} steps, a save every {every}")
+        stack.callback(shutil.rmtree, shm, True)
+        base = {
+            **os.environ,
+            **_services(stack, root),
+            "TIERPIPE_NVME_KEEP_LATEST_K": os.environ.get("TIERPIPE_NVME_KEEP_LATEST_K", "3"),
+            "TIERPIPE_S3_KEEP_LATEST_K": os.environ.get("TIERPIPE_S3_KEEP_LATEST_K", "3"),
+            "TIERPIPE_LOG_LEVEL": os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
+            "TIERPIPE_METRICS_PORT": "0",  # (two agents on one machine)
+            "LOCAL_WORLD_SIZE": str(per_node),
+        }
+        bus_settings = settings.replace(nats_url=base["TIERPIPE_NATS_URL"])
+        nodes = {n: _Node(n, root / "nvme" / n, shm / n) for n in ("node-a", "node-b", "node-c")}
+        print(f"tierpipe demo: {ranks} ranks on 2 nodes, {steps} steps, a save every {every}")
+        print(f"  NATS {base['TIERPIPE_NATS_URL']}   S3 {base['TIERPIPE_S3_ENDPOINT']}"
+              f" bucket {base['TIERPIPE_S3_BUCKET']}   data {root}")  # fmt: skip
+        t0 = time.time()
+        moments: Moments = []
+        for n in ("node-a", "node-b"):
+            stack.callback(nodes[n].start(base, root / "logs" / f"agent-{n}.log").stop)
+        placement = {r: "node-a" if r < per_node else "node-b" for r in range(ranks)}
+        first = _launch(base, nodes, placement, steps, every, root, attempt=1)
+        stack.callback(_Attempt.kill, first, list(range(ranks)), signal.SIGKILL)
+        lost_after = _train_until_flushed(first, bus_settings, at=steps * 3 // 5, every=every)
+        if lost_after is None:
+            print("the first run ended before a checkpoint reached S3: raise --steps")
+            return 1
+        moments.append((time.time() - t0, "node-b lost"))
         print(
-            f"  NATS      {env['TIERPIPE_NATS_URL']}\n  S3        {env['TIERPIPE_S3_ENDPOINT']}"
-            f" bucket {env['TIERPIPE_S3_BUCKET']}\n  NVMe root {env['TIERPIPE_NVME_ROOT']}"
-            f"\n  staging   {staging}"
+            f"\n!! node-b lost at step {lost_after}: its agent and trainers SIGKILLed, its NVMe "
+            "and staging wiped;\n   the survivors' trainers stopped (as torchrun would)"
         )
-        t0 = time.monotonic()
-        agent = subprocess.Popen([sys.executable, "-m", "tierpipe.cli", "worker", "all"], env=env)
-        stack.callback(_stop, agent)
-        trainer = [sys.executable, "-m", "tierpipe.cli", "demo", "--ranks", str(ranks),
-                   "--steps", str(steps), "--every", str(every), "--rank"]  # fmt: skip
-        trainers = [
-            subprocess.Popen(
-                [*trainer, str(r)],
-                env=env,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(ranks)
-        ]
-        results = []
-        for p in trainers:
-            out, _ = p.communicate(timeout=300)
-            if p.returncode != 0:
-                print(f"trainer exited with {p.returncode}", file=sys.stderr)
-                return 1
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        last = max(r["step"] for r in results)
-        catalog = anyio.run(_settled, demo, last, replay)
-    shards = catalog.shards(_JOB)
-    print("\nshards (from the event stream):")
-    print(shard_table(shards))
-    print("\ntrainers:")
-    for r in results:
-        print(
-            f"  rank {r['rank']}: restored step {r['step']} from {r['tier']} in "
-            f"{r['restore_ms']:.0f} ms, bitwise equal to the live state: {r['bitwise_equal']}; "
-            f"longest save() stall {r['max_stall_ms']:.2f} ms"
-        )
-    newest_on_s3 = catalog.complete_steps(_JOB, ("s3",))
-    ok = all(r["bitwise_equal"] for r in results) and last in newest_on_s3
-    print(
-        f"\nnewest step {last} verified on NVMe and flushed to S3 for every rank: "
-        f"{last in newest_on_s3}; steps complete on NVMe "
-        f"{catalog.complete_steps(_JOB, ('nvme',))}, in S3 {newest_on_s3} "
-        f"({time.monotonic() - t0:.1f} s)"
-    )
-    return 0 if ok else 1
+        b_ranks = [r for r, n in placement.items() if n == "node-b"]
+        first.kill(b_ranks, signal.SIGKILL)
+        nodes["node-b"].lose()
+        first.kill([r for r in placement if r not in b_ranks], signal.SIGTERM)
+        list(first.drain(0.1))
+        placement = {r: "node-c" if n == "node-b" else n for r, n in placement.items()}
+        stack.callback(nodes["node-c"].start(base, root / "logs" / "agent-node-c.log").stop)
+        restart = time.time()
+        moments.append((restart - t0, "restart with node-c"))
+        print("!! the job restarts: node-b's ranks on node-c (a replacement, its NVMe empty)")
+        second = _launch(base, nodes, placement, steps, every, root, attempt=2)
+        stack.callback(_Attempt.kill, second, list(range(ranks)), signal.SIGKILL)
+        while second.running():
+            for line in second.drain(0.5):
+                if line["event"] == "restored":
+                    r = line["rank"]
+                    print(f"   rank {r} on {placement[r]}: restored step {line['step']} from "
+                          f"{line['tier']} in {line['restore_s']:.2f} s")  # fmt: skip
+        codes = {r: p.wait() for r, p in second.procs.items()}
+        if restored := second.of("restored"):
+            moments.append((max(x["t"] for x in restored) - t0, "every rank restored"))
+        events = anyio.run(_settled, bus_settings, steps)
+    return _report(first, second, codes, events, placement, every, t0, restart, moments, plot)
+
+
+def _launch(
+    base: dict[str, str],
+    nodes: dict[str, _Node],
+    placement: dict[int, str],
+    steps: int,
+    every: int,
+    root: Path,
+    *,
+    attempt: int,
+) -> _Attempt:
+    """Start every rank (`tierpipe demo --rank R`) on its node, with a fresh rendezvous."""
+    (port,) = free_ports(1)
+    ranks = len(placement)
+    per_node = int(base["LOCAL_WORLD_SIZE"])
+    procs = {}
+    for rank, node in placement.items():
+        env = nodes[node].env(base)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank % per_node))  # fmt: skip
+        log = open(root / "logs" / f"rank-{rank}-attempt-{attempt}.log", "ab")  # noqa: SIM115
+        procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "tierpipe.cli", "demo", "--rank", str(rank), "--ranks",
+             str(ranks), "--steps", str(steps), "--every", str(every)],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
+            preexec_fn=own_session,
+        )  # fmt: skip
+        log.close()
+    attempt_ = _Attempt(procs)
+    for p in procs.values():
+        threading.Thread(target=_read_lines, args=(p, attempt_.lines), daemon=True).start()
+    return attempt_
+
+
+def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]]) -> None:
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and "event" in line:
+            out.put(line)
+
+
+def _train_until_flushed(
+    attempt: _Attempt, settings: Settings, *, at: int, every: int
+) -> int | None:
+    """Let the first run train past step `at`, then until the newest step every rank had saved
+    by then is complete in S3; returns the newest step any rank trained (None: the run ended
+    first)."""
+    target: int | None = None
+    trained = 0
+    checked = 0.0
+    while attempt.running():
+        for line in attempt.drain(0.2):
+            if line["event"] == "step":
+                trained = max(trained, line["step"])
+                if line["rank"] == 0 and line["step"] % every == 0:
+                    print(f"   step {line['step']:>4}  loss {float.fromhex(line['loss']):.4f}")
+        if target is None and trained >= at:
+            saved: dict[int, int] = defaultdict(int)
+            for s in attempt.of("saved"):
+                saved[s["rank"]] = max(saved[s["rank"]], s["step"])
+            target = min(saved.values()) if len(saved) == len(attempt.procs) else None
+        if target is not None and time.monotonic() - checked > 0.5:
+            checked = time.monotonic()
+            catalog = anyio.run(_catalog, settings)
+            if target in catalog.complete_steps(JOB, ("s3",)):
+                return trained
+    return None
+
+
+async def _catalog(settings: Settings) -> Catalog:
+    async with Bus(settings, name="tierpipe-demo") as bus:
+        return await Catalog.replay(bus, JOB)
+
+
+async def _settled(settings: Settings, last: int, timeout_s: float = 60.0) -> list[Event]:
+    """The job's events, each fact once (per rank; a node's batch repeats them), once the last
+    step reached S3 on every rank (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    async with Bus(settings, name="tierpipe-demo") as bus:
+        while True:
+            stored = await bus.history(job_subjects(JOB))
+            events: list[Event] = [e for e in stored if not isinstance(e, NodeBatch)]
+            seen = {msg_id(e) for e in events}
+            for b in stored:  # (what only a node's batch says: the coordinator's removals)
+                if isinstance(b, NodeBatch):
+                    events += [e for e in b.events if msg_id(e) not in seen]
+                    seen.update(msg_id(e) for e in b.events)
+            catalog = Catalog()
+            for e in events:
+                catalog.apply(e)
+            if last in catalog.complete_steps(JOB, ("s3",)) or time.monotonic() > deadline:
+                return events
+            await anyio.sleep(0.3)
 
 
 def _services(stack: ExitStack, root: Path) -> dict[str, str]:
@@ -131,7 +310,10 @@ def _services(stack: ExitStack, root: Path) -> dict[str, str]:
     if "TIERPIPE_S3_ENDPOINT" not in os.environ:
         s3 = stack.enter_context(
             S3Server(
-                root / "s3", access_key="demo", secret_key=secrets.token_hex(16), bucket="demo"
+                root / "s3",
+                access_key=f"demo-{secrets.token_hex(4)}",  # (logs mask it: not a plain word)
+                secret_key=secrets.token_hex(16),
+                bucket="demo",
             )
         )
         env.update(
@@ -145,79 +327,116 @@ def _services(stack: ExitStack, root: Path) -> dict[str, str]:
     return env
 
 
-async def _settled(
-    settings: Settings, last: int, replay: Replay, timeout_s: float = 60.0
-) -> Catalog:
-    """The job's catalog once the newest step reached S3 on every rank and retention caught up."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        catalog = await replay(settings, _JOB)
-        flushed = last in catalog.complete_steps(_JOB, ("s3",))
-        nvme = catalog.complete_steps(_JOB, ("nvme",))
-        if (flushed and len(nvme) <= settings.nvme_keep_latest_k) or time.monotonic() > deadline:
-            return catalog
-        await anyio.sleep(0.2)
+def _report(
+    first: _Attempt,
+    second: _Attempt,
+    codes: dict[int, int],
+    events: list[Event],
+    placement: dict[int, str],
+    every: int,
+    t0: float,
+    restart: float,
+    moments: Moments,
+    plot: str | None,
+) -> int:
+    """Print the story's table; 0 when it held."""
+    done = {x["rank"]: x for x in second.of("done")}
+    restored = {x["rank"]: x for x in second.of("restored")}
+    if len(done) < len(placement) or len(restored) < len(placement):
+        print(f"\nthe restarted ranks did not all finish (exit codes {codes}); logs in "
+              "<data>/logs")  # fmt: skip
+        return 1
+    before = {(x["rank"], x["step"]): x["loss"] for x in first.of("step")}
+    after = {(x["rank"], x["step"]): x["loss"] for x in second.of("step")}
+    twice = sorted(set(before) & set(after))
+    same = all(before[k] == after[k] for k in twice)
+    trained_to = max(step for _, step in before)
+    resumed = min(x["step"] for x in restored.values())
+    stalls = [x["stall_s"] for x in first.of("saved") + second.of("saved")]
+    stall = statistics.median(stalls)
+    torch_save = statistics.median(x["torch_save_s"] for x in done.values())
+    step_s = statistics.median(x["step_s"] for x in done.values() if x["step_s"] is not None)
+    first_steps = [min(x["t"] for x in second.of("step") if x["rank"] == r) for r in done]
+    catalog = Catalog()
+    for e in events:
+        catalog.apply(e)
+    last = max(x["step"] for x in done.values())
+    tiers_ok = all(
+        restored[r]["tier"] == ("s3" if node == "node-c" else "nvme")
+        for r, node in placement.items()
+    )
+    ok = (
+        all(c == 0 for c in codes.values())
+        and same
+        and bool(twice)
+        and tiers_ok
+        and all(x["bitwise_equal"] for x in done.values())
+        and last in catalog.complete_steps(JOB, ("s3",))
+    )
+    print("\nwhat a save cost the trainer")
+    print(f"  stall per save (median of {len(stalls)})      {stall * 1e3:9.2f} ms")
+    print(f"  torch.save + fsync of the same state    {torch_save * 1e3:9.2f} ms   "
+          f"(tierpipe's stall is {stall / torch_save:.3f}x of it)")  # fmt: skip
+    print(f"  training-step overhead, a save every {every} steps: "
+          f"{stall / (every * step_s) * 100:.2f} % (step {step_s * 1e3:.0f} ms)")  # fmt: skip
+    print("\nwhat the tiers did (from the event stream)")
+    for line in _tier_lines(events):
+        print("  " + line)
+    print("\nthe restart")
+    print(f"  steps lost: {trained_to - resumed} (trained to step {trained_to}, resumed from "
+          f"step {resumed})")  # fmt: skip
+    started = max(x["t"] for x in second.of("started"))
+    print(f"  seconds to resume: {max(first_steps) - restart:.1f}, from the restart to the first "
+          "step trained on every rank:")  # fmt: skip
+    print(f"    {started - restart:5.1f} s  new processes start, import Python modules and torch")
+    ready = max(x["t"] for x in restored.values())
+    restore_s = max(x["restore_s"] for x in restored.values())
+    print(f"    {ready - started - restore_s:5.1f} s  connect (gloo, NATS), find the newest step")
+    print(f"    {restore_s:5.1f} s  restore(): the job state made current (when the job's "
+          "coordinator ran on the lost node, once its lease ran out: lease_ttl_s), the plan, "
+          "every byte read and checked")  # fmt: skip
+    for r in sorted(restored):
+        print(f"  rank {r} on {placement[r]}: restored step {restored[r]['step']} from "
+              f"{restored[r]['tier']}")  # fmt: skip
+    print(f"  the {len(twice)} losses of the steps trained twice (after step {resumed}) are "
+          f"identical to the bit: {same and bool(twice)}")  # fmt: skip
+    print(f"  every rank's final checkpoint (step {last}) reloads bitwise: "
+          f"{all(x['bitwise_equal'] for x in done.values())}; it is in S3: "
+          f"{last in catalog.complete_steps(JOB, ('s3',))}")  # fmt: skip
+    if plot:
+        from tierpipe.dev.timeline import render
+
+        render(events, moments, t0=t0, path=Path(plot))
+        print(f"\ntimeline: {plot}")
+    print(f"\n{'the story held' if ok else 'THE STORY DID NOT HOLD'} "
+          f"({time.time() - t0:.0f} s)")  # fmt: skip
+    return 0 if ok else 1
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def _model(seed: int) -> tuple[Any, Any]:
-    import torch
-
-    torch.manual_seed(seed)
-    vocab, dim = 256, 64
-    embed = torch.nn.Embedding(vocab, dim)
-    body = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, batch_first=True)
-    head = torch.nn.Linear(dim, vocab, bias=False)
-    head.weight = embed.weight  # tied weights must come back tied
-    model = torch.nn.ModuleDict({"embed": embed, "body": body, "head": head})
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def run_rank(rank: int, world_size: int, steps: int, every: int) -> dict[str, object]:
-    """One trainer rank (run in its own process): train and save, then restore into a fresh
-    model the way a restarted job would, and compare with the live state."""
-    import torch
-
-    from tierpipe.client import Checkpointer
-
-    random.seed(rank)
-    model, optim = _model(1234 + rank)
-    stalls = []
-    with Checkpointer(_JOB, rank=rank, world_size=world_size) as ckpt:
-        for step in range(1, steps + 1):
-            tokens = torch.randint(0, 256, (8, 32))
-            logits = model["head"](model["body"](model["embed"](tokens)))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-            if step % every == 0:
-                t = time.perf_counter()
-                state = {
-                    "model": model,
-                    "optim": optim,
-                    "step": step,
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                }
-                ckpt.save(step, state)
-                stalls.append(time.perf_counter() - t)
-        ckpt.wait_until_finished(timeout=120)
-        fresh, fresh_optim = _model(0)  # what a restarted rank would build, then restore into
-        restored = ckpt.restore({"model": fresh, "optim": fresh_optim})
-    equal = all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
-    equal &= fresh["embed"].weight.data_ptr() == fresh["head"].weight.data_ptr()
-    return {
-        "rank": rank,
-        "step": restored.step,
-        "tier": restored.source.tier,
-        "restore_ms": restored.seconds * 1e3,
-        "bitwise_equal": bool(equal),
-        "max_stall_ms": max(stalls) * 1e3,
-    }
+def _tier_lines(events: list[Event]) -> list[str]:
+    """Copies, bytes and seconds per tier: RAM (the trainers' staging copies), NVMe write and
+    verify, S3 flush, and evictions per tier (the copies of saves: not a restore's write-back
+    of what it read from S3)."""
+    rows: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    evicted: dict[str, int] = defaultdict(int)
+    flushed: set[tuple[int, int, str]] = set()
+    for e in events:
+        match e:
+            case ShardStaged(origin="save"):
+                rows["RAM (staged)"].append((e.nbytes, e.stall_s))
+            case ShardWritten(origin="save"):
+                rows["NVMe write"].append((e.nbytes, e.seconds))
+            case ShardVerified(origin="save"):
+                rows["NVMe verify"].append((e.nbytes, e.seconds))
+            case ShardFlushed() if (e.step, e.rank, e.header_digest) not in flushed:
+                flushed.add((e.step, e.rank, e.header_digest))  # (a copy found there: once)
+                rows["S3 flush"].append((e.nbytes, e.seconds))
+            case ShardEvicted():
+                evicted[e.tier] += 1
+    out = [f"{'':14}{'copies':>7}{'MiB':>9}{'seconds':>9}{'MiB/s':>8}"]
+    for name, got in rows.items():
+        nbytes, seconds = sum(b for b, _ in got), sum(s for _, s in got)
+        rate = f"{nbytes / 2**20 / seconds:8.0f}" if seconds > 0 else f"{'':8}"
+        out.append(f"{name:14}{len(got):7}{nbytes / 2**20:9.1f}{seconds:9.2f}{rate}")
+    out.append("evicted       " + ", ".join(f"{t} {n}" for t, n in sorted(evicted.items())))
+    return out
