@@ -1,0 +1,9 @@
+"""Integrations with training frameworks, each an optional extra imported only when used.
+
+- `tierpipe.integrations.lightning` (`pip install tierpipe[lightning]`): a Lightning callback
+  that saves on every rank and a `CheckpointIO` that resumes from tierpipe.
+- `tierpipe.integrations.hf` (`pip install tierpipe[hf]`): a Hugging Face `TrainerCallback`
+  that saves at `save_steps`, and the checkpoint folder the `Trainer` resumes from.
+
+`import tierpipe` never imports these frameworks.
+"""
