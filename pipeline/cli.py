@@ -10,6 +10,8 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args
 
@@ -40,6 +42,7 @@ from tierpipe.names import (
     validate_token,
 )
 from tierpipe.nats_conn import translate
+from tierpipe.progress import Progress
 from tierpipe.schemas import FlushAction, FlushControl, StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -317,7 +320,10 @@ def _run(args: argparse.Namespace) -> int:
 
             job = validate_token("job", args.job)
             node = validate_token("node", args.node) if args.node else None
-            done = anyio.run(lambda: prefetch(settings, job, of_node=node, step=args.step))
+            with _progress_bar(f"prefetching {job}") as bar:
+                done = anyio.run(
+                    lambda: prefetch(settings, job, of_node=node, step=args.step, progress=bar)
+                )
             print(f"step {done.step} of {job}: fetched ranks {done.fetched or 'none'} onto this "
                   f"node's NVMe ({len(done.present)} already there)")  # fmt: skip
             return 0
@@ -357,10 +363,31 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
+@contextmanager
+def _progress_bar(what: str) -> Iterator[Progress]:
+    """A progress bar on stderr for long work, fed by a `Progress` callback; drawn only when
+    stderr is a terminal (a pipe or a log gets the result lines alone)."""
+    from rich import progress as rp
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    columns = ("{task.description}", rp.BarColumn(), rp.MofNCompleteColumn(),
+               rp.TimeElapsedColumn())  # fmt: skip
+    with rp.Progress(*columns, console=console, transient=True,
+                     disable=not console.is_terminal) as bar:  # fmt: skip
+        task = bar.add_task(what, total=None)
+        yield lambda finished, total: bar.update(task, completed=finished, total=total)
+
+
 def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
     from tierpipe.recovery.reindex import reindex
 
-    done = anyio.run(lambda: reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3))
+    with _progress_bar(f"reindexing {job}") as bar:
+        done = anyio.run(
+            lambda: reindex(
+                settings, job, verify=not args.no_verify, s3=not args.no_s3, progress=bar
+            )
+        )
     if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):
         where = f"no shard files under {settings.nvme_root}/{job}"
         if not args.no_s3:

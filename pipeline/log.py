@@ -153,9 +153,11 @@ def bind_io(nbytes: int, seconds: float, **fields: Any) -> None:
 
 
 def _console_tracebacks() -> Any:
-    """rich's traceback (when installed) without locals, else the plain one."""
+    """rich's traceback (when installed) without locals, and only each frame's own line as
+    the plain one shows it: the lines around it may hold literals, and the traceback is
+    rendered after the secrets were masked."""
     try:
         import rich  # noqa: F401
     except ImportError:
         return structlog.dev.plain_traceback
-    return structlog.dev.RichTracebackFormatter(show_locals=False)
+    return structlog.dev.RichTracebackFormatter(show_locals=False, extra_lines=0)

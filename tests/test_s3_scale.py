@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -155,8 +156,12 @@ async def test_reindex_finds_a_jobs_objects_under_every_hash_prefix(settings: Se
         misplaced = keys[0].replace(f"/{spread}/", f"/{int(spread, 16) ^ 1:02x}/")
         for key in [*keys, misplaced]:
             await store.client.put_object(Bucket=store.bucket, Key=key, Body=b"x", Metadata=meta)
-    done = await reindex(s, JOB, s3=True)
+    seen: list[tuple[int, int]] = []
+    done = await reindex(s, JOB, s3=True, progress=lambda *p: seen.append(p))
     assert done.s3 == world and done.nvme == 0
+    # (the progress it reported: never backwards, never past what it knew, all done at the end)
+    assert seen[-1] == (world + 1, world + 1), seen[-5:]
+    assert all(a[0] <= b[0] <= b[1] for a, b in itertools.pairwise(seen)), seen
     assert done.skipped == [f"s3://{s.s3_bucket}/{misplaced}: not a shard of {JOB}"]
 
 

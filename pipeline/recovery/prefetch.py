@@ -24,6 +24,7 @@ from tierpipe.bus import Bus
 from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, shard_subject
+from tierpipe.progress import Progress, Ticker
 from tierpipe.recovery.reindex import nvme_events
 from tierpipe.schemas import ShardEvent
 from tierpipe.settings import Settings
@@ -47,10 +48,15 @@ class Prefetched:
 
 
 async def prefetch(
-    settings: Settings, job: str, *, of_node: str | None = None, step: int | None = None
+    settings: Settings,
+    job: str,
+    *,
+    of_node: str | None = None,
+    step: int | None = None,
+    progress: Progress | None = None,
 ) -> Prefetched:
     """Fetch `of_node`'s ranks (default: this node's) of `step` (default: the newest complete in
-    object storage) onto this node's NVMe.
+    object storage) onto this node's NVMe; `progress` is called with (ranks done, ranks).
 
     Raises:
         NoCheckpointError: no such step in object storage, or a rank has no recorded copy.
@@ -77,9 +83,12 @@ async def prefetch(
             )
         fetched, present = [], []
         batches = Batcher(bus)
+        tick = Ticker(progress)
+        tick.more(len(ranks))
         with NvmeStore.from_settings(settings) as nvme:
             async with S3Store(settings) as s3:
                 for rank in ranks:
+                    tick()
                     found = await store.rank_digest(job, step, rank)
                     if found is None:
                         raise NoCheckpointError(f"rank {rank} of step {step} has no recorded copy")
@@ -104,6 +113,7 @@ async def prefetch(
                     fetched.append(rank)
                     log.info("shard_prefetched", job=job, step=step, rank=rank, path=str(path))
         await batches.flush()
+        tick.done()
     return Prefetched(step, fetched, present)
 
 

@@ -38,6 +38,7 @@ from tierpipe.errors import TierpipeError
 from tierpipe.jobstate import JobState
 from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, validate_token
+from tierpipe.progress import Progress, Ticker
 from tierpipe.schemas import (
     TOKEN_PATTERN,
     Event,
@@ -73,11 +74,20 @@ class Reindexed:
 
 
 async def reindex(
-    settings: Settings, job: str, *, verify: bool = True, s3: bool = True
+    settings: Settings,
+    job: str,
+    *,
+    verify: bool = True,
+    s3: bool = True,
+    progress: Progress | None = None,
 ) -> Reindexed:
     """Republish the events of `job` from the shard files on this node's NVMe, the job's
     COMMIT manifests and the objects under the object-storage prefix, and rebuild its job
-    state if the KV has none. Bad or foreign files are skipped and listed."""
+    state if the KV has none. Bad or foreign files are skipped and listed.
+
+    Args:
+        progress: called with (files and objects done, known so far) as the work goes.
+    """
     validate_token("job", job)
     node = node_name(settings.node)
     suffix = f"/reindex/{time.time_ns()}"
@@ -95,8 +105,12 @@ async def reindex(
             published.append(((await bus.publish(event, id_suffix=suffix)).seq, event))
             batches.add(event)
 
+        tick = Ticker(progress)
         with NvmeStore.from_settings(settings) as store:
-            for path in sorted((store.root / job).glob("step-*/rank-*.shard")):
+            paths = sorted((store.root / job).glob("step-*/rank-*.shard"))
+            tick.more(len(paths))
+            for path in paths:
+                tick()
                 try:
                     events = await anyio.to_thread.run_sync(
                         nvme_events, store, path, job, node, verify
@@ -111,7 +125,10 @@ async def reindex(
         if s3:
             async with S3Store(settings) as objects:
                 done: set[str] = set()  # keys a manifest vouched for
-                for manifest in await read_commits(objects, job):
+                manifests = await read_commits(objects, job)
+                tick.more(len(manifests))
+                for manifest in manifests:
+                    tick()
                     good, bad = await check_objects(objects, manifest)
                     for rank, head in sorted(good.items()):
                         shard = ShardKey(job, manifest.step, rank, manifest.world_size)
@@ -122,9 +139,10 @@ async def reindex(
                     skipped += [f"step {manifest.step} rank {r}: {why}" for r, why in bad.items()]
                     committed.append(manifest.step)
                     s3_count += len(good)
-                for key, size in await objects.list_job(job):
-                    if key in done:
-                        continue
+                listed = [(k, n) for k, n in await objects.list_job(job) if k not in done]
+                tick.more(len(listed))
+                for key, size in listed:
+                    tick()
                     flushed = await _s3_event(objects, key, size, job, node)
                     if flushed is None:
                         skipped.append(f"s3://{objects.bucket}/{key}: not a shard of {job}")
@@ -132,6 +150,7 @@ async def reindex(
                     await publish(flushed)
                     s3_count += 1
                 await batches.flush()
+        tick.done()
         rebuilt = lost and bool(published) and await _rebuild(kv, settings, job, node, published)
     log.info("reindexed", job=job, nvme=nvme_count, s3=s3_count, committed=len(committed),
              skipped=len(skipped), rebuilt=rebuilt)  # fmt: skip
