@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
 
@@ -180,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     events.add_argument("--job", required=True)
     events.add_argument("--kind", choices=EVENT_KINDS, help="only this kind")
-    events.add_argument("--since", help="only those stored in the last 90s, 15m, 2h, 1d, ...")
+    events.add_argument(
+        "--since", help="only those stored in the last 90s, 15m, 2h, 1d, ... or since an ISO "
+        "8601 time (2026-12-01T03:00:00Z)",
+    )  # fmt: skip
     events.add_argument("--follow", "-f", action="store_true", help="then print new ones")
     events.add_argument(
         "--json", action="store_true", help="one JSON object a line: seq, time, subject, event"
@@ -308,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "events":
             job = validate_token("job", args.job)
-            since = parse_duration(args.since) if args.since is not None else None
+            since = parse_since(args.since) if args.since is not None else None
             return _events(
                 settings, job, kind=args.kind, since=since, follow=args.follow,
                 as_json=args.json,
@@ -452,12 +456,20 @@ def parse_rate(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
-def parse_duration(text: str) -> float:
-    """`90s`, `15m`, `2h`, `1d`, `30` (seconds) -> seconds."""
+def parse_since(text: str, *, now: float | None = None) -> float:
+    """`90s`, `15m`, `2h`, `1d`, `30` (seconds) ago, or an ISO 8601 time
+    (`2026-12-01T03:00:00Z`; without a zone: UTC) -> a Unix time."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text)
-    if m is None:
-        raise ConfigError(f"cannot read a duration from {text!r} (try 90s, 15m, 2h or 1d)")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if m is not None:
+        ago = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return (time.time() if now is None else now) - ago
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ConfigError(
+            f"cannot read a time from {text!r} (try 90s, 15m, 2h, 1d or 2026-12-01T03:00:00Z)"
+        ) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
 
 
 def _events(
@@ -482,7 +494,7 @@ def _events(
                     f"job {job!r} has no stream ({stream_name(settings.stream, job)}): check "
                     "the name (`tierpipe ls` lists the jobs)"
                 )
-            found = await bus.stored(subject, since=None if since is None else time.time() - since)
+            found = await bus.stored(subject, since=since)
             for raw in found:
                 print(show(raw), flush=follow)
             if follow:

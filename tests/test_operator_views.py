@@ -7,12 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 
 import anyio
+import pytest
 
 from tests.conftest import make_staged, run_cli
 from tests.test_status_cli import _saves, _store_state
 from tierpipe.bus import Bus
+from tierpipe.cli import parse_since
+from tierpipe.errors import ConfigError
 from tierpipe.schemas import Event, StageFailed
 from tierpipe.settings import Settings
 
@@ -52,10 +56,16 @@ def test_events_show_a_jobs_stream_by_kind_and_age_and_follow_it(
     assert only["seq"] == seqs[1] and only["event"]["message"] == "bad digest"
     assert only["subject"] == f"tp.{job}.failed.{node}.0" and only["time"].endswith("+00:00")
 
-    time.sleep(1.5)
+    time.sleep(0.5)
+    cutoff = datetime.now(UTC)  # (an absolute time: a CLI that starts slowly sees the same)
+    time.sleep(0.5)
     (newest,) = publish(settings, make_staged(job, node, 2))
-    out = run_cli(settings, "events", "--job", job, "--since", "1s")
+    out = run_cli(settings, "events", "--job", job, "--since", cutoff.isoformat())
     assert [int(line.split()[0]) for line in out.stdout.splitlines()] == [newest]
+    assert parse_since("90s", now=1000.0) == 910.0 and parse_since("2h", now=1e4) == 2800.0
+    assert parse_since("1970-01-01T00:01:00") == 60.0  # (no zone: UTC)
+    with pytest.raises(ConfigError, match="cannot read a time"):
+        parse_since("yesterday")
 
     follow = subprocess.Popen(
         [sys.executable, "-m", "tierpipe.cli", "events", "--job", job, "--kind", "staged",

@@ -29,8 +29,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,9 +167,12 @@ def run_demo(
         for n in ("node-a", "node-b"):
             stack.callback(nodes[n].start(base, root / "logs" / f"agent-{n}.log").stop)
         placement = {r: "node-a" if r < per_node else "node-b" for r in range(ranks)}
+        show = stack.enter_context(_steps_bar(steps))
         first = _launch(base, nodes, placement, steps, every, root, attempt=1)
         stack.callback(_Attempt.kill, first, list(range(ranks)), signal.SIGKILL)
-        lost_after = _train_until_flushed(first, bus_settings, at=steps * 3 // 5, every=every)
+        lost_after = _train_until_flushed(
+            first, bus_settings, at=steps * 3 // 5, every=every, show=show
+        )
         if lost_after is None:
             print("the first run ended before a checkpoint reached S3: raise --steps")
             return 1
@@ -192,6 +195,8 @@ def run_demo(
         stack.callback(_Attempt.kill, second, list(range(ranks)), signal.SIGKILL)
         while second.running():
             for line in second.drain(0.5):
+                if line["event"] == "step" and line["rank"] == 0:
+                    show("training on node-a and node-c", line["step"])
                 if line["event"] == "restored":
                     r = line["rank"]
                     print(f"   rank {r} on {placement[r]}: restored step {line['step']} from "
@@ -201,6 +206,25 @@ def run_demo(
             moments.append((max(x["t"] for x in restored) - t0, "every rank restored"))
         events = anyio.run(_settled, bus_settings, steps)
     return _report(first, second, codes, events, placement, every, t0, restart, moments, plot)
+
+
+#: Shows what the demo does (a description) and rank 0's newest step.
+_Show = Callable[[str, int], None]
+
+
+@contextmanager
+def _steps_bar(steps: int) -> Iterator[_Show]:
+    """A progress bar of rank 0's steps under the demo's lines, on a terminal only (rich)."""
+    from rich import progress as rp
+    from rich.console import Console
+
+    console = Console()
+    columns = ("{task.description}", rp.BarColumn(), rp.MofNCompleteColumn(),
+               rp.TimeElapsedColumn())  # fmt: skip
+    with rp.Progress(*columns, console=console, transient=True,
+                     disable=not console.is_terminal) as bar:  # fmt: skip
+        task = bar.add_task("starting", total=steps)
+        yield lambda what, step: bar.update(task, description=what, completed=step)
 
 
 def _launch(
@@ -248,7 +272,7 @@ def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]]) -
 
 
 def _train_until_flushed(
-    attempt: _Attempt, settings: Settings, *, at: int, every: int
+    attempt: _Attempt, settings: Settings, *, at: int, every: int, show: _Show
 ) -> int | None:
     """Let the first run train past step `at`, then until the newest step every rank had saved
     by then is complete in S3; returns the newest step any rank trained (None: the run ended
@@ -260,6 +284,8 @@ def _train_until_flushed(
         for line in attempt.drain(0.2):
             if line["event"] == "step":
                 trained = max(trained, line["step"])
+                if line["rank"] == 0:
+                    show("training on node-a and node-b", line["step"])
                 if line["rank"] == 0 and line["step"] % every == 0:
                     print(f"   step {line['step']:>4}  loss {float.fromhex(line['loss']):.4f}")
         if target is None and trained >= at:
