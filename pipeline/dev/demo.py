@@ -5,7 +5,9 @@ Starts an embedded nats-server and S3 store (SeaweedFS) unless `TIERPIPE_NATS_UR
 (`tierpipe worker all`) with its own NVMe folder and staging folder. A small language model
 trains on ranks spread over both nodes (DDP over gloo; `tierpipe.dev.trainer`), saving every few
 steps. Mid-run node-b is lost: its agent and trainers are SIGKILLed and its NVMe and staging
-folders wiped; the survivors' trainers are stopped, as torchrun would. The job restarts with a
+folders wiped; the survivors' trainers are stopped, as torchrun would. (Just before, the trainers
+pause until the newest step every rank saved is in S3, so that the replacement has a copy to
+read however slowly this machine flushes.) The job restarts with a
 replacement node (node-c, empty): the survivors' ranks restore from their NVMe, the replacement's
 from S3, and every rank trains on. The demo checks that the steps trained twice (after the
 restored step, up to where the first run stopped) had the same losses to the bit, that each
@@ -124,11 +126,15 @@ class _Attempt:
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs.values()) or not self.lines.empty()
 
-    def kill(self, ranks: list[int], sig: int) -> None:
-        for r in ranks:
+    def signal(self, sig: int, ranks: list[int] | None = None) -> None:
+        for r in self.procs if ranks is None else ranks:
             p = self.procs[r]
             if p.poll() is None:
                 p.send_signal(sig)
+
+    def kill(self, ranks: list[int], sig: int) -> None:
+        self.signal(sig, ranks)
+        self.signal(signal.SIGCONT, ranks)  # (a paused process acts on SIGTERM only now)
         for r in ranks:
             self.procs[r].wait(30)
 
@@ -174,7 +180,8 @@ def run_demo(
             first, bus_settings, at=steps * 3 // 5, every=every, show=show
         )
         if lost_after is None:
-            print("the first run ended before a checkpoint reached S3: raise --steps")
+            print("no checkpoint reached S3 before the first run ended (raise --steps) or in "
+                  "120 s (logs in <data>/logs)")  # fmt: skip
             return 1
         moments.append((time.time() - t0, "node-b lost"))
         print(
@@ -274,12 +281,12 @@ def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]]) -
 def _train_until_flushed(
     attempt: _Attempt, settings: Settings, *, at: int, every: int, show: _Show
 ) -> int | None:
-    """Let the first run train past step `at`, then until the newest step every rank had saved
-    by then is complete in S3; returns the newest step any rank trained (None: the run ended
-    first)."""
+    """Let the first run train past step `at`, then pause its trainers (SIGSTOP) until the
+    newest step every rank had saved by then is complete in S3, so that the replacement has a
+    copy to read however slowly this machine flushes; returns the newest step any rank trained
+    (None: the run ended first, or the step never reached S3)."""
     target: int | None = None
     trained = 0
-    checked = 0.0
     while attempt.running():
         for line in attempt.drain(0.2):
             if line["event"] == "step":
@@ -288,16 +295,26 @@ def _train_until_flushed(
                     show("training on node-a and node-b", line["step"])
                 if line["rank"] == 0 and line["step"] % every == 0:
                     print(f"   step {line['step']:>4}  loss {float.fromhex(line['loss']):.4f}")
-        if target is None and trained >= at:
+        if trained >= at:
             saved: dict[int, int] = defaultdict(int)
             for s in attempt.of("saved"):
                 saved[s["rank"]] = max(saved[s["rank"]], s["step"])
-            target = min(saved.values()) if len(saved) == len(attempt.procs) else None
-        if target is not None and time.monotonic() - checked > 0.5:
-            checked = time.monotonic()
-            catalog = anyio.run(_catalog, settings)
-            if target in catalog.complete_steps(JOB, ("s3",)):
-                return trained
+            if len(saved) == len(attempt.procs):
+                target = min(saved.values())
+                break
+    if target is None:
+        return None
+    attempt.signal(signal.SIGSTOP)
+    show(f"trainers paused until step {target} is in S3", trained)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if target in anyio.run(_catalog, settings).complete_steps(JOB, ("s3",)):
+            for line in attempt.drain(0.2):  # (what they said before they stopped)
+                if line["event"] == "step":
+                    trained = max(trained, line["step"])
+            print(f"   (trainers paused at step {trained} until step {target} was in S3)")
+            return trained
+        time.sleep(0.3)
     return None
 
 
