@@ -10,8 +10,6 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
@@ -43,7 +41,7 @@ from tierpipe.names import (
     validate_token,
 )
 from tierpipe.nats_conn import translate
-from tierpipe.progress import Progress
+from tierpipe.progress import bar
 from tierpipe.schemas import FlushAction, FlushControl, StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -324,9 +322,9 @@ def _run(args: argparse.Namespace) -> int:
 
             job = validate_token("job", args.job)
             node = validate_token("node", args.node) if args.node else None
-            with _progress_bar(f"prefetching {job}") as bar:
+            with bar(f"prefetching {job}") as shown:
                 done = anyio.run(
-                    lambda: prefetch(settings, job, of_node=node, step=args.step, progress=bar)
+                    lambda: prefetch(settings, job, of_node=node, step=args.step, progress=shown)
                 )
             print(f"step {done.step} of {job}: fetched ranks {done.fetched or 'none'} onto this "
                   f"node's NVMe ({len(done.present)} already there)")  # fmt: skip
@@ -367,29 +365,13 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
-@contextmanager
-def _progress_bar(what: str) -> Iterator[Progress]:
-    """A progress bar on stderr for long work, fed by a `Progress` callback; drawn only when
-    stderr is a terminal (a pipe or a log gets the result lines alone)."""
-    from rich import progress as rp
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    columns = ("{task.description}", rp.BarColumn(), rp.MofNCompleteColumn(),
-               rp.TimeElapsedColumn())  # fmt: skip
-    with rp.Progress(*columns, console=console, transient=True,
-                     disable=not console.is_terminal) as bar:  # fmt: skip
-        task = bar.add_task(what, total=None)
-        yield lambda finished, total: bar.update(task, completed=finished, total=total)
-
-
 def _reindex(settings: Settings, job: str, args: argparse.Namespace) -> int:
     from tierpipe.recovery.reindex import reindex
 
-    with _progress_bar(f"reindexing {job}") as bar:
+    with bar(f"reindexing {job}") as shown:
         done = anyio.run(
             lambda: reindex(
-                settings, job, verify=not args.no_verify, s3=not args.no_s3, progress=bar
+                settings, job, verify=not args.no_verify, s3=not args.no_s3, progress=shown
             )
         )
     if not (done.nvme or done.s3 or done.skipped) and not anyio.run(_job_has_events, settings, job):

@@ -31,8 +31,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,11 +42,12 @@ import anyio
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.dev.nats import NatsServer
-from tierpipe.dev.process import free_ports, own_session, terminate
+from tierpipe.dev.process import free_ports, own_session, start_agent, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.dev.trainer import JOB
 from tierpipe.errors import ConfigError
 from tierpipe.names import job_subjects, msg_id
+from tierpipe.progress import Bar, bar
 from tierpipe.schemas import (
     Event,
     NodeBatch,
@@ -77,12 +78,7 @@ class _Node:
 
     def start(self, base: dict[str, str], log: Path) -> _Node:
         self.staging.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as f:
-            self.agent = subprocess.Popen(
-                [sys.executable, "-m", "tierpipe.cli", "worker", "all"],
-                env=self.env(base), stdin=subprocess.DEVNULL, stdout=f, stderr=f,
-                preexec_fn=own_session,
-            )  # fmt: skip
+        self.agent = start_agent(self.env(base), ["all"], log)
         return self
 
     def lose(self) -> None:
@@ -173,7 +169,7 @@ def run_demo(
         for n in ("node-a", "node-b"):
             stack.callback(nodes[n].start(base, root / "logs" / f"agent-{n}.log").stop)
         placement = {r: "node-a" if r < per_node else "node-b" for r in range(ranks)}
-        show = stack.enter_context(_steps_bar(steps))
+        show = stack.enter_context(bar("starting", total=steps, stderr=False))
         first = _launch(base, nodes, placement, steps, every, root, attempt=1)
         stack.callback(_Attempt.kill, first, list(range(ranks)), signal.SIGKILL)
         lost_after = _train_until_flushed(
@@ -203,7 +199,7 @@ def run_demo(
         while second.running():
             for line in second.drain(0.5):
                 if line["event"] == "step" and line["rank"] == 0:
-                    show("training on node-a and node-c", line["step"])
+                    show(line["step"], what="training on node-a and node-c")
                 if line["event"] == "restored":
                     r = line["rank"]
                     print(f"   rank {r} on {placement[r]}: restored step {line['step']} from "
@@ -213,25 +209,6 @@ def run_demo(
             moments.append((max(x["t"] for x in restored) - t0, "every rank restored"))
         events = anyio.run(_settled, bus_settings, steps)
     return _report(first, second, codes, events, placement, every, t0, restart, moments, plot)
-
-
-#: Shows what the demo does (a description) and rank 0's newest step.
-_Show = Callable[[str, int], None]
-
-
-@contextmanager
-def _steps_bar(steps: int) -> Iterator[_Show]:
-    """A progress bar of rank 0's steps under the demo's lines, on a terminal only (rich)."""
-    from rich import progress as rp
-    from rich.console import Console
-
-    console = Console()
-    columns = ("{task.description}", rp.BarColumn(), rp.MofNCompleteColumn(),
-               rp.TimeElapsedColumn())  # fmt: skip
-    with rp.Progress(*columns, console=console, transient=True,
-                     disable=not console.is_terminal) as bar:  # fmt: skip
-        task = bar.add_task("starting", total=steps)
-        yield lambda what, step: bar.update(task, description=what, completed=step)
 
 
 def _launch(
@@ -279,7 +256,7 @@ def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]]) -
 
 
 def _train_until_flushed(
-    attempt: _Attempt, settings: Settings, *, at: int, every: int, show: _Show
+    attempt: _Attempt, settings: Settings, *, at: int, every: int, show: Bar
 ) -> int | None:
     """Let the first run train past step `at`, then pause its trainers (SIGSTOP) until the
     newest step every rank had saved by then is complete in S3, so that the replacement has a
@@ -292,7 +269,7 @@ def _train_until_flushed(
             if line["event"] == "step":
                 trained = max(trained, line["step"])
                 if line["rank"] == 0:
-                    show("training on node-a and node-b", line["step"])
+                    show(line["step"], what="training on node-a and node-b")
                 if line["rank"] == 0 and line["step"] % every == 0:
                     print(f"   step {line['step']:>4}  loss {float.fromhex(line['loss']):.4f}")
         if trained >= at:
@@ -305,7 +282,7 @@ def _train_until_flushed(
     if target is None:
         return None
     attempt.signal(signal.SIGSTOP)
-    show(f"trainers paused until step {target} is in S3", trained)
+    show(trained, what=f"trainers paused until step {target} is in S3")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if target in anyio.run(_catalog, settings).complete_steps(JOB, ("s3",)):

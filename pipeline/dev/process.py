@@ -25,6 +25,7 @@ __all__ = (
     "free_ports",
     "own_session",
     "port_free",
+    "start_agent",
     "terminate",
 )
 
@@ -122,3 +123,14 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def start_agent(env: dict[str, str], stages: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """A node agent (`tierpipe worker <stages>`) with exactly `env`, appending its output to
+    `log`, in a session of its own (`own_session`: Ctrl-C reaches whoever started it, which
+    stops it in order)."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tierpipe.cli", "worker", *stages],
+            env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f, preexec_fn=own_session,
+        )  # fmt: skip

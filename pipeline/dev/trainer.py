@@ -34,18 +34,27 @@ JOB = "demo"
 _VOCAB, _DIM, _LAYERS, _SEQ, _BATCH = 2048, 128, 2, 64, 8
 
 
-def _model() -> torch.nn.ModuleDict:
+class _LM(torch.nn.Module):
+    """A small causal language model with tied input and output embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(_VOCAB, _DIM)
+        torch.nn.init.normal_(self.embed.weight, std=0.02)  # (tied to the output: small logits)
+        layer = torch.nn.TransformerEncoderLayer(
+            _DIM, nhead=4, dim_feedforward=4 * _DIM, dropout=0.1, batch_first=True
+        )
+        self.body = torch.nn.TransformerEncoder(layer, _LAYERS)
+        self.head = torch.nn.Linear(_DIM, _VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied weights must come back tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(tokens), mask=_MASK, is_causal=True))
+
+
+def _model() -> _LM:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    embed = torch.nn.Embedding(_VOCAB, _DIM)
-    torch.nn.init.normal_(embed.weight, std=0.02)  # (tied to the output layer: small logits)
-    layer = torch.nn.TransformerEncoderLayer(
-        _DIM, nhead=4, dim_feedforward=4 * _DIM, dropout=0.1, batch_first=True
-    )
-    head = torch.nn.Linear(_DIM, _VOCAB, bias=False)
-    head.weight = embed.weight  # tied weights must come back tied
-    return torch.nn.ModuleDict(
-        {"embed": embed, "body": torch.nn.TransformerEncoder(layer, _LAYERS), "head": head}
-    )
+    return _LM()
 
 
 #: The "language": each token is followed by its image under a fixed permutation, so the loss
@@ -64,11 +73,9 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 
 
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    inner: Any = (
-        model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    )
-    x = inner["body"](inner["embed"](tokens[:, :-1]), mask=_MASK, is_causal=True)
-    logits = inner["head"](x)
+    # Through the module's forward (DDP's, with more than one rank): that is what makes DDP
+    # average the gradients in backward.
+    logits = model(tokens[:, :-1])
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
@@ -134,8 +141,7 @@ def run_rank(rank: int, world_size: int, steps: int, every: int) -> int:
         fresh = _model()  # what a restarted rank would build, then restore into
         again = ckpt.restore({"model": fresh, "optim": torch.optim.AdamW(fresh.parameters())})
     equal = all(torch.equal(fresh.state_dict()[k], v) for k, v in live.items())
-    tied: Any = (fresh["embed"].weight, fresh["head"].weight)
-    equal &= tied[0].data_ptr() == tied[1].data_ptr()
+    equal &= fresh.embed.weight.data_ptr() == fresh.head.weight.data_ptr()
     if world_size > 1:
         dist.destroy_process_group()
     _emit(

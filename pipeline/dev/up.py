@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierpipe.dev.nats import NatsServer
-from tierpipe.dev.process import own_session, port_free, terminate
+from tierpipe.dev.process import port_free, start_agent, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.errors import ConfigError, TierpipeError
 from tierpipe.names import node_name
@@ -299,15 +299,7 @@ class _Supervised:
 
 def _start_agent(env: dict[str, str], stages: list[str], log: Path) -> subprocess.Popen[bytes]:
     """The agent, logging to `log`; its pid in `agent.pid` next to it."""
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tierpipe.cli", "worker", *stages],
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=f,
-            preexec_fn=own_session,  # (Ctrl-C reaches the supervisor, which drains it)
-        )
+    proc = start_agent({**os.environ, **env}, stages, log)
     log.with_name("agent.pid").write_text(f"{proc.pid}\n")
     return proc
 
