@@ -77,7 +77,7 @@ def main() -> None:
                 emit(event="saved", step=step, digest=digest(model, optim))
             emit(event="step", step=step)
             time.sleep(0.05)
-        ckpt.wait_until_finished(timeout=60)
+        ckpt.wait_until_finished(timeout=180)  # (a loaded machine verifies slowly)
     emit(event="done", step=steps, digest=digest(model, optim))
 
 

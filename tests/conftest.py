@@ -127,7 +127,9 @@ def settings(
         retry_base_s=0.1,
         retry_max_s=1.0,
         max_deliver=5,
-        slot_wait_timeout_s=10.0,
+        # A test's deadline, not a product figure (300 s): long enough for an agent that
+        # starts slowly on a loaded machine; tests of the timeout itself set their own.
+        slot_wait_timeout_s=60.0,
         drain_timeout_s=5.0,
         metrics_port=0,  # (any free port: tests run many agents at once)
         log_level="info",
@@ -205,36 +207,53 @@ class Events:
         """Events of one kind (`*`: every kind; `plan`: rank 0's recovery plans; `batch`: the
         nodes' batches as they are), each fact once: the per-rank events in stream order, then
         what only a node's batch reported (the coordinator's object removals)."""
-        root = f"{SUBJECT_ROOT}.{self.job}."
-        subject = root + ("plan" if kind == "plan" else f"{kind}.>")
 
         async def replay() -> list[Event]:
-            async with Bus(self.settings) as bus:
-                found = await bus.history(subject)
-                if kind in ("plan", "batch"):
-                    return found
-                batches = await bus.history(root + f"batch.*.{kind}")
-            out = [e for e in found if not isinstance(e, NodeBatch)]
-            seen = {msg_id(e) for e in out}
-            for b in batches:
-                if isinstance(b, NodeBatch):
-                    out += [e for e in b.events if msg_id(e) not in seen]
-                    seen.update(msg_id(e) for e in b.events)
-            return out
+            async with self._bus() as bus:
+                return await self._replay(bus, kind)
 
         return anyio.run(replay)
 
     def wait_for(
         self, predicate: Callable[[Event], bool], *, kind: str = "*", timeout: float = 30.0
     ) -> Event:
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.all(kind):
-                if predicate(event):
-                    return event
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no matching {kind} event in {timeout} s: {self.all()}")
-            time.sleep(0.05)
+        """The first event of `kind` that `predicate` accepts, read over one connection, looking
+        again less often the longer it takes (each look replays the subject: on a loaded
+        machine, tight polling would be the load)."""
+
+        async def wait() -> Event:
+            deadline = time.monotonic() + timeout
+            pause = 0.05
+            async with self._bus() as bus:
+                while True:
+                    found = await self._replay(bus, kind)
+                    for event in found:
+                        if predicate(event):
+                            return event
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"no matching {kind} event in {timeout} s: {found}")
+                    await anyio.sleep(pause)
+                    pause = min(pause * 1.5, 0.5)
+
+        return anyio.run(wait)
+
+    def _bus(self) -> Bus:
+        # A loaded machine may take seconds to connect: ride it out as an agent does.
+        return Bus(self.settings, name="tests-events", connect_wait_s=60.0)
+
+    async def _replay(self, bus: Bus, kind: str) -> list[Event]:
+        root = f"{SUBJECT_ROOT}.{self.job}."
+        found = await bus.history(root + ("plan" if kind == "plan" else f"{kind}.>"))
+        if kind in ("plan", "batch"):
+            return found
+        batches = await bus.history(root + f"batch.*.{kind}")
+        out = [e for e in found if not isinstance(e, NodeBatch)]
+        seen = {msg_id(e) for e in out}
+        for b in batches:
+            if isinstance(b, NodeBatch):
+                out += [e for e in b.events if msg_id(e) not in seen]
+                seen.update(msg_id(e) for e in b.events)
+        return out
 
 
 @pytest.fixture
