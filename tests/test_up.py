@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,8 +20,6 @@ from tierpipe.dev import free_ports
 from tierpipe.dev.process import port_free
 from tierpipe.schemas import ShardFlushed, ShardVerified
 from tierpipe.settings import Settings, load_settings
-
-pytestmark = pytest.mark.slow
 
 
 class Up:
@@ -71,6 +70,7 @@ def save_and_wait(settings: Settings, job: str, step: int) -> object:
         return ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait("verified", 60)
 
 
+@pytest.mark.slow
 def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
     tmp_path: Path, job: str, settings: Settings
 ) -> None:
@@ -122,6 +122,7 @@ def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
         up.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_up_leaves_nothing_running(tmp_path: Path, settings: Settings) -> None:
     """`tierpipe up` killed with SIGKILL (no cleanup of its own) takes its servers and agent
     with it: nothing is left holding the ports or the data."""
@@ -147,6 +148,7 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
 
 
+@pytest.mark.slow
 def test_up_without_s3_keeps_checkpoints_on_nvme(
     tmp_path: Path, job: str, settings: Settings
 ) -> None:
@@ -162,3 +164,38 @@ def test_up_without_s3_keeps_checkpoints_on_nvme(
         assert up.stop() == 0
     finally:
         up.kill()
+
+
+def test_a_port_in_time_wait_is_free(tmp_path: Path) -> None:
+    """A port whose last server was killed mid-connection (TIME-WAIT) can be bound again by a
+    server (SO_REUSEADDR, as nats-server and SeaweedFS bind), so it counts as free."""
+    port = free_ports(1)[0]
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: its end of the port goes to TIME-WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError, match="Address already in use"):
+        plain.bind(("127.0.0.1", port))  # (what the old check did)
+    assert port_free(port)
+
+
+def test_a_stale_seaweedfs_socket_file_does_not_take_a_port() -> None:
+    """A `/tmp/seaweedfs-*-<port>.sock` nobody listens on (a killed server's) leaves the port
+    free; one a live server listens on does not."""
+    port = free_ports(1)[0]
+    path = Path(f"/tmp/seaweedfs-s3-{port}.sock")
+    try:
+        with socket.socket(socket.AF_UNIX) as live:
+            live.bind(str(path))
+            live.listen()
+            assert not port_free(port)
+        assert path.exists()  # closed, not removed: what a killed weed leaves
+        assert port_free(port)
+    finally:
+        path.unlink(missing_ok=True)
