@@ -25,8 +25,8 @@ from tierpipe.settings import Settings, load_settings
 class Up:
     """A `tierpipe up` process and its output."""
 
-    def __init__(self, data: Path, port: int, staging: str, *args: str) -> None:
-        self.data, self.out = data, data.parent / f"{data.name}.out"
+    def __init__(self, data: Path, port: int, staging: str, *args: str, out: str = "") -> None:
+        self.data, self.out = data, data.parent / f"{data.name}{out}.out"
         env = {**os.environ, "TIERPIPE_STAGING_ROOT": staging, "TIERPIPE_NODE": "up-node"}
         env = {k: v for k, v in env.items() if k not in ("TIERPIPE_NATS_URL", "TIERPIPE_CONFIG")}
         with open(self.out, "wb") as out:
@@ -48,11 +48,7 @@ class Up:
 
     def settings(self) -> Settings:
         """The environment a trainer gets from `source <data>/env`."""
-        env = {}
-        for line in (self.data / "env").read_text().splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            env[key] = shlex.split(value)[0]
-        return load_settings(path=None, env=env)
+        return load_settings(path=None, env=_env_of(self.data))
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -140,6 +136,15 @@ def test_a_killed_up_leaves_nothing_running(tmp_path: Path, settings: Settings) 
         up.kill()
 
 
+def _child(pid: int, name: str) -> int:
+    """The child of process `pid` whose command is `name`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if Path(f"/proc/{child}/comm").read_text().strip() == name:
+                return int(child)
+    raise AssertionError(f"no {name} under pid {pid}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -161,6 +166,94 @@ def test_up_without_s3_keeps_checkpoints_on_nvme(
         s = up.settings()
         assert s.evict_unflushed and s.s3_endpoint is None
         assert isinstance(save_and_wait(s, job, 1), ShardVerified)
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+def _env_of(data: Path) -> dict[str, str]:
+    """`<data>/env` as the variables it exports."""
+    env = {}
+    for line in (data / "env").read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = shlex.split(value)[0]
+    return env
+
+
+@pytest.mark.slow
+def test_up_killed_comes_back_at_once_with_the_same_endpoints_and_data(
+    tmp_path: Path, job: str, settings: Settings, cpu_hog: None
+) -> None:
+    """`tierpipe up` killed with SIGKILL and started again at once on the same data (its store
+    still stopping, ports in TIME-WAIT, SeaweedFS's socket files left in /tmp) waits for the
+    last run's processes, comes back with the same environment, and a step saved before
+    restores bit for bit from the restarted store."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root)
+    again: Up | None = None
+    weed = 0
+    try:
+        up.wait_for("tierpipe up: ready")
+        before = _env_of(tmp_path / "up")
+        s = up.settings()
+        state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(7))}
+        with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
+            ckpt.save(1, state).wait("verified", 60)
+        Events(s, job).wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
+        weed = _child(up.proc.pid, "weed")
+        os.kill(weed, signal.SIGSTOP)  # a store slow to stop: still there at the restart
+        up.kill()
+        again = Up(tmp_path / "up", port, settings.staging_root, out="again")
+        again.wait_for("tierpipe up: ready", timeout=120)
+        assert not _alive(weed), "two stores on one data directory"
+        assert f"waiting for the last run's S3 store (pid {weed}) to stop" in again.text()
+        assert _env_of(tmp_path / "up") == before
+        # A replacement node (no NVMe copy) reads the step from the restarted store.
+        other = s.replace(node="replacement", nvme_root=str(tmp_path / "replacement-nvme"))
+        with Checkpointer(job, rank=0, world_size=1, settings=other) as ckpt:
+            restored = ckpt.restore(step=1)
+        assert restored.source.tier == "s3"
+        assert torch.equal(restored.state["w"], state["w"])
+        assert again.stop() == 0
+    finally:
+        up.kill()
+        if again is not None:
+            again.kill()
+        if weed and _alive(weed):
+            os.kill(weed, signal.SIGKILL)  # (stopped, it would never act on its SIGTERM)
+
+
+@pytest.mark.slow
+def test_up_keeps_its_data_directory_private(tmp_path: Path, settings: Settings) -> None:
+    """The data directory and its `nvme/`, `s3/` and `nats/` folders are 0700, and the files
+    holding secrets (the environment, the store's credentials) 0600."""
+    up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root)
+    try:
+        up.wait_for("tierpipe up: ready")
+        root = tmp_path / "up"
+        for folder in (root, root / "nvme", root / "s3", root / "nats"):
+            assert folder.stat().st_mode & 0o777 == 0o700, folder
+        for secret in ("env", "s3-credentials.json"):
+            assert (root / secret).stat().st_mode & 0o777 == 0o600, secret
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_tightens_an_existing_data_directory(tmp_path: Path, settings: Settings) -> None:
+    """A data directory that others could read (0755, from an earlier version) is made 0700,
+    and `tierpipe up` says so."""
+    root = tmp_path / "up"
+    (root / "nvme").mkdir(parents=True)
+    root.chmod(0o755)
+    (root / "nvme").chmod(0o755)
+    up = Up(root, free_ports(1)[0], settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        assert root.stat().st_mode & 0o777 == 0o700
+        assert (root / "nvme").stat().st_mode & 0o777 == 0o700
+        assert f"made {root} private (0700; it was 0755)" in up.text()
         assert up.stop() == 0
     finally:
         up.kill()

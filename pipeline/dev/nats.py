@@ -82,6 +82,7 @@ class NatsServer(Server):
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=own_session
         )
+        self._spawned()
         ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while True:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -52,9 +53,16 @@ class Server:
 
     proc: subprocess.Popen[bytes] | None
     log_path: Path
+    #: Called with the pid of every process it starts, before it is ready (`tierpipe up`
+    #: records them: if it is killed meanwhile, its next run must wait until they are gone).
+    on_spawn: Callable[[int], None] | None = None
 
     def start(self) -> Self:
         raise NotImplementedError
+
+    def _spawned(self) -> None:
+        if self.on_spawn is not None and self.proc is not None:
+            self.on_spawn(self.proc.pid)
 
     def stop(self) -> None:
         raise NotImplementedError

@@ -165,6 +165,7 @@ class S3Server(Server):
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                 cwd=self.data_dir, preexec_fn=own_session,
             )  # fmt: skip
+        self._spawned()
         master_url = f"http://127.0.0.1:{self.ports['master']}"
         client = None
         try:
