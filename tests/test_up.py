@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
+import nats
+import nats.errors
 import pytest
 import torch
 
@@ -226,14 +229,14 @@ def test_up_killed_comes_back_at_once_with_the_same_endpoints_and_data(
 @pytest.mark.slow
 def test_up_keeps_its_data_directory_private(tmp_path: Path, settings: Settings) -> None:
     """The data directory and its `nvme/`, `s3/` and `nats/` folders are 0700, and the files
-    holding secrets (the environment, the store's credentials) 0600."""
+    holding secrets (the environment, credentials, the server's configuration) 0600."""
     up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root)
     try:
         up.wait_for("tierpipe up: ready")
         root = tmp_path / "up"
         for folder in (root, root / "nvme", root / "s3", root / "nats"):
             assert folder.stat().st_mode & 0o777 == 0o700, folder
-        for secret in ("env", "s3-credentials.json"):
+        for secret in ("env", "s3-credentials.json", "nats-credentials.json", "nats/nats.conf"):
             assert (root / secret).stat().st_mode & 0o777 == 0o600, secret
         assert up.stop() == 0
     finally:
@@ -254,6 +257,60 @@ def test_up_tightens_an_existing_data_directory(tmp_path: Path, settings: Settin
         assert root.stat().st_mode & 0o777 == 0o700
         assert (root / "nvme").stat().st_mode & 0o777 == 0o700
         assert f"made {root} private (0700; it was 0755)" in up.text()
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_nats_refuses_clients_without_its_credentials(
+    tmp_path: Path, job: str, settings: Settings
+) -> None:
+    """The embedded nats-server refuses a client without credentials (authorization error);
+    the trainer with the environment `tierpipe up` wrote saves; the password is in neither its
+    output nor the server's command line."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        s = up.settings()
+        assert s.nats_user and s.nats_password
+        assert "TIERPIPE_NATS_PASSWORD=***" in up.text() and s.nats_password not in up.text()
+
+        async def connect_without_credentials() -> None:
+            nc = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False)
+            await nc.close()
+
+        with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+            anyio.run(connect_without_credentials)
+        assert isinstance(save_and_wait(s, job, 1), ShardVerified)
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                assert s.nats_password.encode() not in cmdline
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_with_a_nats_url_generates_no_nats_credentials(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """`--nats-url`: the user's server, with the credentials in its URL: `tierpipe up` adds
+    none of its own to the environment and does not print the URL's password."""
+    url = settings.nats_url.replace("nats://", "nats://someone:pw-in-the-url@")
+    up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root, "--no-s3",
+            "--nats-url", url)  # fmt: skip
+    try:
+        up.wait_for("tierpipe up: ready")
+        env = _env_of(tmp_path / "up")
+        assert env["TIERPIPE_NATS_URL"] == url and "pw-in-the-url" not in up.text()
+        assert "TIERPIPE_NATS_USER" not in env and "TIERPIPE_NATS_PASSWORD" not in env
+        assert not (tmp_path / "up" / "nats-credentials.json").exists()
         assert up.stop() == 0
     finally:
         up.kill()

@@ -9,8 +9,8 @@ does `source .tierpipe/env` and runs `torchrun ...`. Ctrl-C (or SIGTERM) drains 
 stops the servers.
 
 Everything lives under the data directory (`./.tierpipe` by default, 0700): the servers' data, the
-node's NVMe root, the agent's log, the ports and credentials of the embedded store (kept across
-runs, so the environment stays the same). One
+node's NVMe root, the agent's log, the ports and credentials of the embedded servers (kept across
+runs, so the environment stays the same; the nats-server refuses clients without them). One
 `tierpipe up` per data directory (a lock says which process holds it); a run after a crash
 first waits until the last run's processes are gone, then starts on the same ports; ports that
 something else listens on are refused up front, with what to do about it.
@@ -39,7 +39,7 @@ from tierpipe.dev.nats import NatsServer
 from tierpipe.dev.process import port_free, start_agent, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.errors import ConfigError, TierpipeError
-from tierpipe.names import node_name
+from tierpipe.names import node_name, redact_url
 from tierpipe.settings import SECRET_FIELDS, Settings
 
 __all__ = ("DEFAULT_DATA", "DEFAULT_NATS_PORT", "run_up")
@@ -85,7 +85,7 @@ def run_up(
         private_dir(root / "nvme", say)
         env = _node_env(settings, root, no_s3=no_s3)
         servers = _Servers(stack, root, say, children)
-        env.update(servers.nats(nats_url, nats_port))
+        env.update(servers.nats(settings, nats_url, nats_port))
         if not no_s3:
             env.update(servers.s3(settings, s3_endpoint))
         _write_env(root / "env", env)
@@ -144,6 +144,8 @@ def _ready(root: Path, env: dict[str, str], settings: Settings) -> str:
     ]
     for k, v in sorted(env.items()):
         shown = "***" if k in secret_vars else shlex.quote(v)
+        if k == "TIERPIPE_NATS_URL":
+            shown = shlex.quote(redact_url(v))  # (a `--nats-url` may carry credentials)
         lines.append(f"  export {k}={shown}")
     return "\n".join(lines)
 
@@ -164,18 +166,34 @@ class _Servers:
     #: The servers it started, by name.
     running: list[tuple[str, _Supervised]] = field(default_factory=list)
 
-    def nats(self, url: str | None, port: int) -> dict[str, str]:
+    def nats(self, settings: Settings, url: str | None, port: int) -> dict[str, str]:
         if url:
-            return {"TIERPIPE_NATS_URL": url}
+            return _given(settings, {"TIERPIPE_NATS_URL": url}, _NATS_CREDENTIALS)
         if not port_free(port):
             raise ConfigError(
                 f"port {port} on 127.0.0.1 is taken (another nats-server, or another `tierpipe "
                 "up`?): pass --nats-port for another one, or --nats-url to use a running server"
             )
-        server = NatsServer(private_dir(self.root / "nats", self.say), sync_always=True)
+        # Any local process could reach an open server (and create jobs on it): only clients
+        # with these credentials may connect. The password is in the 0600 config file, not on
+        # the command line.
+        keys = kept(self.root / "nats-credentials.json", lambda: {
+            "user": "tierpipe", "password": secrets.token_urlsafe(24),
+        })  # fmt: skip
+        auth = (
+            f"authorization {{\n  user: {json.dumps(keys['user'])}\n"
+            f"  password: {json.dumps(keys['password'])}\n}}"
+        )
+        server = NatsServer(
+            private_dir(self.root / "nats", self.say), sync_always=True, config=auth
+        )
         server.ports = (port, -1)  # (the monitoring port: any free one)
         self._run("nats-server", server, timeout_s=15.0)
-        return {"TIERPIPE_NATS_URL": server.url}
+        return {
+            "TIERPIPE_NATS_URL": server.url,
+            "TIERPIPE_NATS_USER": keys["user"],
+            "TIERPIPE_NATS_PASSWORD": keys["password"],
+        }
 
     def s3(self, settings: Settings, endpoint: str | None) -> dict[str, str]:
         if endpoint:
@@ -223,6 +241,13 @@ class _Servers:
 def _alive(server: NatsServer | S3Server) -> bool:
     proc = server.proc
     return proc is not None and proc.poll() is None
+
+
+#: The settings that let a client into a NATS server the user runs (`--nats-url`).
+_NATS_CREDENTIALS = (
+    "nats_user", "nats_password", "nats_token", "nats_creds_file", "nats_nkey_seed_file",
+    "nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file",
+)  # fmt: skip
 
 
 def _given(settings: Settings, env: dict[str, str], names: tuple[str, ...]) -> dict[str, str]:
