@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import anyio
+import nats
+import nats.errors
 import pytest
 import torch
 
@@ -20,14 +24,12 @@ from tierpipe.dev.process import port_free
 from tierpipe.schemas import ShardFlushed, ShardVerified
 from tierpipe.settings import Settings, load_settings
 
-pytestmark = pytest.mark.slow
-
 
 class Up:
     """A `tierpipe up` process and its output."""
 
-    def __init__(self, data: Path, port: int, staging: str, *args: str) -> None:
-        self.data, self.out = data, data.parent / f"{data.name}.out"
+    def __init__(self, data: Path, port: int, staging: str, *args: str, out: str = "") -> None:
+        self.data, self.out = data, data.parent / f"{data.name}{out}.out"
         env = {**os.environ, "TIERPIPE_STAGING_ROOT": staging, "TIERPIPE_NODE": "up-node"}
         env = {k: v for k, v in env.items() if k not in ("TIERPIPE_NATS_URL", "TIERPIPE_CONFIG")}
         with open(self.out, "wb") as out:
@@ -49,11 +51,7 @@ class Up:
 
     def settings(self) -> Settings:
         """The environment a trainer gets from `source <data>/env`."""
-        env = {}
-        for line in (self.data / "env").read_text().splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            env[key] = shlex.split(value)[0]
-        return load_settings(path=None, env=env)
+        return load_settings(path=None, env=_env_of(self.data))
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -71,6 +69,7 @@ def save_and_wait(settings: Settings, job: str, step: int) -> object:
         return ckpt.save(step, {"w": torch.full((1000,), float(step))}).wait("verified", 60)
 
 
+@pytest.mark.slow
 def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
     tmp_path: Path, job: str, settings: Settings
 ) -> None:
@@ -122,6 +121,7 @@ def test_up_runs_the_servers_and_the_agent_and_keeps_them_running(
         up.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_up_leaves_nothing_running(tmp_path: Path, settings: Settings) -> None:
     """`tierpipe up` killed with SIGKILL (no cleanup of its own) takes its servers and agent
     with it: nothing is left holding the ports or the data."""
@@ -139,6 +139,15 @@ def test_a_killed_up_leaves_nothing_running(tmp_path: Path, settings: Settings) 
         up.kill()
 
 
+def _child(pid: int, name: str) -> int:
+    """The child of process `pid` whose command is `name`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if Path(f"/proc/{child}/comm").read_text().strip() == name:
+                return int(child)
+    raise AssertionError(f"no {name} under pid {pid}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -147,6 +156,7 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
 
 
+@pytest.mark.slow
 def test_up_without_s3_keeps_checkpoints_on_nvme(
     tmp_path: Path, job: str, settings: Settings
 ) -> None:
@@ -162,3 +172,180 @@ def test_up_without_s3_keeps_checkpoints_on_nvme(
         assert up.stop() == 0
     finally:
         up.kill()
+
+
+def _env_of(data: Path) -> dict[str, str]:
+    """`<data>/env` as the variables it exports."""
+    env = {}
+    for line in (data / "env").read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = shlex.split(value)[0]
+    return env
+
+
+@pytest.mark.slow
+def test_up_killed_comes_back_at_once_with_the_same_endpoints_and_data(
+    tmp_path: Path, job: str, settings: Settings, cpu_hog: None
+) -> None:
+    """`tierpipe up` killed with SIGKILL and started again at once on the same data (its store
+    still stopping, ports in TIME-WAIT, SeaweedFS's socket files left in /tmp) waits for the
+    last run's processes, comes back with the same environment, and a step saved before
+    restores bit for bit from the restarted store."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root)
+    again: Up | None = None
+    weed = 0
+    try:
+        up.wait_for("tierpipe up: ready")
+        before = _env_of(tmp_path / "up")
+        s = up.settings()
+        state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(7))}
+        with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
+            ckpt.save(1, state).wait("verified", 60)
+        Events(s, job).wait_for(lambda e: isinstance(e, ShardFlushed), kind="flushed")
+        weed = _child(up.proc.pid, "weed")
+        os.kill(weed, signal.SIGSTOP)  # a store slow to stop: still there at the restart
+        up.kill()
+        again = Up(tmp_path / "up", port, settings.staging_root, out="again")
+        again.wait_for("tierpipe up: ready", timeout=120)
+        assert not _alive(weed), "two stores on one data directory"
+        assert f"waiting for the last run's S3 store (pid {weed}) to stop" in again.text()
+        assert _env_of(tmp_path / "up") == before
+        # A replacement node (no NVMe copy) reads the step from the restarted store.
+        other = s.replace(node="replacement", nvme_root=str(tmp_path / "replacement-nvme"))
+        with Checkpointer(job, rank=0, world_size=1, settings=other) as ckpt:
+            restored = ckpt.restore(step=1)
+        assert restored.source.tier == "s3"
+        assert torch.equal(restored.state["w"], state["w"])
+        assert again.stop() == 0
+    finally:
+        up.kill()
+        if again is not None:
+            again.kill()
+        if weed and _alive(weed):
+            os.kill(weed, signal.SIGKILL)  # (stopped, it would never act on its SIGTERM)
+
+
+@pytest.mark.slow
+def test_up_keeps_its_data_directory_private(tmp_path: Path, settings: Settings) -> None:
+    """The data directory and its `nvme/`, `s3/` and `nats/` folders are 0700, and the files
+    holding secrets (the environment, credentials, the server's configuration) 0600."""
+    up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root)
+    try:
+        up.wait_for("tierpipe up: ready")
+        root = tmp_path / "up"
+        for folder in (root, root / "nvme", root / "s3", root / "nats"):
+            assert folder.stat().st_mode & 0o777 == 0o700, folder
+        for secret in ("env", "s3-credentials.json", "nats-credentials.json", "nats/nats.conf"):
+            assert (root / secret).stat().st_mode & 0o777 == 0o600, secret
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_tightens_an_existing_data_directory(tmp_path: Path, settings: Settings) -> None:
+    """A data directory that others could read (0755, from an earlier version) is made 0700,
+    and `tierpipe up` says so."""
+    root = tmp_path / "up"
+    (root / "nvme").mkdir(parents=True)
+    root.chmod(0o755)
+    (root / "nvme").chmod(0o755)
+    up = Up(root, free_ports(1)[0], settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        assert root.stat().st_mode & 0o777 == 0o700
+        assert (root / "nvme").stat().st_mode & 0o777 == 0o700
+        assert f"made {root} private (0700; it was 0755)" in up.text()
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_nats_refuses_clients_without_its_credentials(
+    tmp_path: Path, job: str, settings: Settings
+) -> None:
+    """The embedded nats-server refuses a client without credentials (authorization error);
+    the trainer with the environment `tierpipe up` wrote saves; the password is in neither its
+    output nor the server's command line."""
+    port = free_ports(1)[0]
+    up = Up(tmp_path / "up", port, settings.staging_root, "--no-s3")
+    try:
+        up.wait_for("tierpipe up: ready")
+        s = up.settings()
+        assert s.nats_user and s.nats_password
+        assert "TIERPIPE_NATS_PASSWORD=***" in up.text() and s.nats_password not in up.text()
+
+        async def connect_without_credentials() -> None:
+            nc = await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False)
+            await nc.close()
+
+        with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+            anyio.run(connect_without_credentials)
+        assert isinstance(save_and_wait(s, job, 1), ShardVerified)
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                assert s.nats_password.encode() not in cmdline
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_up_with_a_nats_url_generates_no_nats_credentials(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """`--nats-url`: the user's server, with the credentials in its URL: `tierpipe up` adds
+    none of its own to the environment and does not print the URL's password."""
+    url = settings.nats_url.replace("nats://", "nats://someone:pw-in-the-url@")
+    up = Up(tmp_path / "up", free_ports(1)[0], settings.staging_root, "--no-s3",
+            "--nats-url", url)  # fmt: skip
+    try:
+        up.wait_for("tierpipe up: ready")
+        env = _env_of(tmp_path / "up")
+        assert env["TIERPIPE_NATS_URL"] == url and "pw-in-the-url" not in up.text()
+        assert "TIERPIPE_NATS_USER" not in env and "TIERPIPE_NATS_PASSWORD" not in env
+        assert not (tmp_path / "up" / "nats-credentials.json").exists()
+        assert up.stop() == 0
+    finally:
+        up.kill()
+
+
+def test_a_port_in_time_wait_is_free(tmp_path: Path) -> None:
+    """A port whose last server was killed mid-connection (TIME-WAIT) can be bound again by a
+    server (SO_REUSEADDR, as nats-server and SeaweedFS bind), so it counts as free."""
+    port = free_ports(1)[0]
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: its end of the port goes to TIME-WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError, match="Address already in use"):
+        plain.bind(("127.0.0.1", port))  # (what the old check did)
+    assert port_free(port)
+
+
+def test_a_stale_seaweedfs_socket_file_does_not_take_a_port() -> None:
+    """A `/tmp/seaweedfs-*-<port>.sock` nobody listens on (a killed server's) leaves the port
+    free; one a live server listens on does not."""
+    port = free_ports(1)[0]
+    path = Path(f"/tmp/seaweedfs-s3-{port}.sock")
+    try:
+        with socket.socket(socket.AF_UNIX) as live:
+            live.bind(str(path))
+            live.listen()
+            assert not port_free(port)
+        assert path.exists()  # closed, not removed: what a killed weed leaves
+        assert port_free(port)
+    finally:
+        path.unlink(missing_ok=True)

@@ -30,7 +30,8 @@ class NatsServer(Server):
         store_dir: its own directory (two servers must never share one).
         sync_always: fsync every JetStream write (the production setting; slower).
         config: more configuration appended to the generated file (authorization, TLS, a
-            cluster block with `server_name`); paths in it must be absolute.
+            cluster block with `server_name`); paths in it must be absolute. The file is 0600,
+            so a password in it is neither on the command line nor readable by others.
     """
 
     def __init__(
@@ -53,12 +54,17 @@ class NatsServer(Server):
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats.conf"
         sync = "always" if self.sync_always else '"2m"'
-        conf.write_text(
+        text = (
             "jetstream {\n"
             f"  store_dir: {json.dumps(str(self.store_dir / 'js'))}\n"
             f"  sync_interval: {sync}\n"
             "}\n" + self.config + "\n"
         )
+        # 0600: `config` may hold credentials (an authorization block).
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # (a file from an older run may have been readable)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         for old in self.store_dir.glob("nats-server_*.ports"):
             old.unlink()
         client, monitor = self.ports or (-1, -1)
@@ -82,6 +88,7 @@ class NatsServer(Server):
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=own_session
         )
+        self._spawned()
         ports = self.store_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while True:

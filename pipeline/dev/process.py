@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -25,6 +26,7 @@ __all__ = (
     "free_ports",
     "own_session",
     "port_free",
+    "socket_live",
     "start_agent",
     "terminate",
 )
@@ -51,9 +53,16 @@ class Server:
 
     proc: subprocess.Popen[bytes] | None
     log_path: Path
+    #: Called with the pid of every process it starts, before it is ready (`tierpipe up`
+    #: records them: if it is killed meanwhile, its next run must wait until they are gone).
+    on_spawn: Callable[[int], None] | None = None
 
     def start(self) -> Self:
         raise NotImplementedError
+
+    def _spawned(self) -> None:
+        if self.on_spawn is not None and self.proc is not None:
+            self.on_spawn(self.proc.pid)
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -114,14 +123,33 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def port_free(port: int) -> bool:
-    """Whether `port` can be bound on 127.0.0.1 and no SeaweedFS socket file names it."""
-    if any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")):
-        return False  # another weed's (maybe stale) socket: leave it alone
+    """Whether a server could listen on `port` on 127.0.0.1 now, and no live SeaweedFS socket
+    file names it.
+
+    The bind uses SO_REUSEADDR, as nats-server and SeaweedFS (Go) bind: a port that a killed
+    server's connections keep in TIME-WAIT (up to ~60 s) is free for them, only a listener
+    takes it. A socket file nobody listens on is a killed weed's leftover, not a server."""
+    if any(socket_live(p) for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")):
+        return False  # another weed's: leave it alone
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             return False
+    return True
+
+
+def socket_live(path: Path) -> bool:
+    """Whether a process listens on the unix socket `path` (False: no such file, or a file a
+    dead process left). One we may not connect to counts as live: someone else's."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
     return True
 
 

@@ -23,6 +23,7 @@ from tierpipe.dev.process import (
     find_binary,
     own_session,
     port_free,
+    socket_live,
     terminate,
 )
 from tierpipe.errors import ConfigError, TierpipeError
@@ -164,6 +165,7 @@ class S3Server(Server):
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                 cwd=self.data_dir, preexec_fn=own_session,
             )  # fmt: skip
+        self._spawned()
         master_url = f"http://127.0.0.1:{self.ports['master']}"
         client = None
         try:
@@ -199,12 +201,14 @@ class S3Server(Server):
                 client.close()
 
     def _remove_sockets(self) -> None:
-        """Remove the /tmp/seaweedfs-*.sock files weed leaves behind, even after SIGTERM."""
+        """Remove the /tmp/seaweedfs-*.sock files weed leaves behind, even after SIGTERM (and
+        a killed run's on these ports), but never one a live server listens on."""
         for port in self.ports.values():
             for p in (port, port + _GRPC_OFFSET):
                 self._sockets.update(Path("/tmp").glob(f"seaweedfs-*-{p}.sock"))
         for path in self._sockets:
-            path.unlink(missing_ok=True)
+            if not socket_live(path):
+                path.unlink(missing_ok=True)
         self._sockets.clear()
 
 

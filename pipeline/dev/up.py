@@ -8,10 +8,12 @@ and the supervisor says so. It writes the environment a trainer needs to `<data>
 does `source .tierpipe/env` and runs `torchrun ...`. Ctrl-C (or SIGTERM) drains the agent, then
 stops the servers.
 
-Everything lives under the data directory (`./.tierpipe` by default): the servers' data, the
-node's NVMe root, the agent's log, the ports and credentials of the embedded store (kept across
-runs, so the environment stays the same). One `tierpipe up` per data directory (a lock says
-which process holds it); ports that are taken are refused up front, with what to do about it.
+Everything lives under the data directory (`./.tierpipe` by default, 0700): the servers' data, the
+node's NVMe root, the agent's log, the ports and credentials of the embedded servers (kept across
+runs, so the environment stays the same; the nats-server refuses clients without them). One
+`tierpipe up` per data directory (a lock says which process holds it); a run after a crash
+first waits until the last run's processes are gone, then starts on the same ports; ports that
+something else listens on are refused up front, with what to do about it.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierpipe.dev.datadir import Children, kept, private_dir
 from tierpipe.dev.nats import NatsServer
 from tierpipe.dev.process import port_free, start_agent, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.errors import ConfigError, TierpipeError
-from tierpipe.names import node_name
+from tierpipe.names import node_name, redact_url
 from tierpipe.settings import SECRET_FIELDS, Settings
 
 __all__ = ("DEFAULT_DATA", "DEFAULT_NATS_PORT", "run_up")
@@ -67,35 +71,42 @@ def run_up(
     """
     if no_s3 and s3_endpoint:
         raise ConfigError("--no-s3 and --s3-endpoint exclude each other")
-    root = Path(data).absolute()
-    root.mkdir(parents=True, exist_ok=True)
+    say = partial(_say, out)
+    root = private_dir(Path(data).absolute(), say)
     stop = _Stop()
     with ExitStack() as stack:
         stack.enter_context(_lock(root / "up.lock"))
+        children = Children(root / "children.json")
+        # Killed with SIGKILL, the last run could not stop its servers and agent: they got
+        # SIGTERM from the kernel and may still be stopping (SeaweedFS takes up to 13 s), on
+        # the ports and data this run is about to use.
+        grace_s = {"agent": settings.drain_timeout_s + 10, "S3 store": 5.0}
+        children.stop_leftovers(lambda name: grace_s.get(name, 10.0), say)
+        private_dir(root / "nvme", say)
         env = _node_env(settings, root, no_s3=no_s3)
-        servers = _Servers(stack, root, out)
-        env.update(servers.nats(nats_url, nats_port))
+        servers = _Servers(stack, root, say, children)
+        env.update(servers.nats(settings, nats_url, nats_port))
         if not no_s3:
             env.update(servers.s3(settings, s3_endpoint))
         _write_env(root / "env", env)
         stages = ["nvme-write", "verify", "evict"] if no_s3 else ["all"]
         agent = _Supervised(
             "agent",
-            lambda: _start_agent(env, stages, root / "agent.log"),
+            lambda: _start_agent(env, stages, root / "agent.log", children),
             stop_s=settings.drain_timeout_s + 10,
         )
         stack.callback(agent.stop)
         agent.start()
-        _say(out, _ready(root, env, settings))
+        say(_ready(root, env, settings))
         stop.install()
         while not stop.requested:
             for name, what in (("agent", agent), *servers.running):
                 note = what.check()
                 if note:
-                    _say(out, f"tierpipe up: {name} {note}")
+                    say(f"tierpipe up: {name} {note}")
             time.sleep(POLL_S)
-        _say(out, f"tierpipe up: stopping ({stop.signal}): draining the agent, then the servers")
-    _say(out, "tierpipe up: stopped")
+        say(f"tierpipe up: stopping ({stop.signal}): draining the agent, then the servers")
+    say("tierpipe up: stopped")
     return 0
 
 
@@ -133,6 +144,8 @@ def _ready(root: Path, env: dict[str, str], settings: Settings) -> str:
     ]
     for k, v in sorted(env.items()):
         shown = "***" if k in secret_vars else shlex.quote(v)
+        if k == "TIERPIPE_NATS_URL":
+            shown = shlex.quote(redact_url(v))  # (a `--nats-url` may carry credentials)
         lines.append(f"  export {k}={shown}")
     return "\n".join(lines)
 
@@ -148,38 +161,51 @@ def _say(out: TextIO, line: str) -> None:
 class _Servers:
     stack: ExitStack
     root: Path
-    out: TextIO
+    say: Callable[[str], None]
+    children: Children
     #: The servers it started, by name.
     running: list[tuple[str, _Supervised]] = field(default_factory=list)
 
-    def nats(self, url: str | None, port: int) -> dict[str, str]:
+    def nats(self, settings: Settings, url: str | None, port: int) -> dict[str, str]:
         if url:
-            return {"TIERPIPE_NATS_URL": url}
+            return _given(settings, {"TIERPIPE_NATS_URL": url}, _NATS_CREDENTIALS)
         if not port_free(port):
             raise ConfigError(
                 f"port {port} on 127.0.0.1 is taken (another nats-server, or another `tierpipe "
                 "up`?): pass --nats-port for another one, or --nats-url to use a running server"
             )
-        server = NatsServer(self.root / "nats", sync_always=True)
+        # Any local process could reach an open server (and create jobs on it): only clients
+        # with these credentials may connect. The password is in the 0600 config file, not on
+        # the command line.
+        keys = kept(self.root / "nats-credentials.json", lambda: {
+            "user": "tierpipe", "password": secrets.token_urlsafe(24),
+        })  # fmt: skip
+        auth = (
+            f"authorization {{\n  user: {json.dumps(keys['user'])}\n"
+            f"  password: {json.dumps(keys['password'])}\n}}"
+        )
+        server = NatsServer(
+            private_dir(self.root / "nats", self.say), sync_always=True, config=auth
+        )
         server.ports = (port, -1)  # (the monitoring port: any free one)
         self._run("nats-server", server, timeout_s=15.0)
-        return {"TIERPIPE_NATS_URL": server.url}
+        return {
+            "TIERPIPE_NATS_URL": server.url,
+            "TIERPIPE_NATS_USER": keys["user"],
+            "TIERPIPE_NATS_PASSWORD": keys["password"],
+        }
 
     def s3(self, settings: Settings, endpoint: str | None) -> dict[str, str]:
         if endpoint:
             env = {"TIERPIPE_S3_ENDPOINT": endpoint, "TIERPIPE_S3_BUCKET": settings.s3_bucket}
-            for name in ("s3_access_key_id", "s3_secret_access_key"):
-                value = getattr(settings, name)
-                if value:
-                    env[f"TIERPIPE_{name.upper()}"] = value
-            return env
-        keys = _kept(self.root / "s3-credentials.json", lambda: {
+            return _given(settings, env, ("s3_access_key_id", "s3_secret_access_key"))
+        keys = kept(self.root / "s3-credentials.json", lambda: {
             "access_key": "tierpipe-" + secrets.token_hex(4),
             "secret_key": secrets.token_urlsafe(24),
         })  # fmt: skip
         server = S3Server(
-            self.root / "s3", access_key=keys["access_key"], secret_key=keys["secret_key"],
-            bucket=BUCKET,
+            private_dir(self.root / "s3", self.say), access_key=keys["access_key"],
+            secret_key=keys["secret_key"], bucket=BUCKET,
         )  # fmt: skip
         ports_file = self.root / "s3-ports.json"
         if ports_file.exists():
@@ -187,9 +213,9 @@ class _Servers:
             taken = sorted(p for p in server.ports.values() if not port_free(p))
             if taken:
                 raise ConfigError(
-                    f"the S3 store's ports from the last run {taken} on 127.0.0.1 are taken: "
-                    f"stop what holds them, or remove {ports_file} to choose new ones (trainers "
-                    "then need the new environment)"
+                    f"the S3 store's ports from the last run {taken} on 127.0.0.1 are taken "
+                    f"(something listens on them): stop it, or remove {ports_file} to choose "
+                    "new ones (trainers then need the new environment)"
                 )
         self._run("S3 store", server, timeout_s=60.0)
         ports_file.write_text(json.dumps(server.ports))
@@ -201,7 +227,8 @@ class _Servers:
         }
 
     def _run(self, name: str, server: NatsServer | S3Server, *, timeout_s: float) -> None:
-        _say(self.out, f"tierpipe up: starting {name} ({server.__class__.__name__})")
+        self.say(f"tierpipe up: starting {name} ({server.__class__.__name__})")
+        server.on_spawn = lambda pid: self.children.record(name, pid)
         supervised = _Supervised(
             name, lambda: server.start(timeout_s=timeout_s), alive=lambda: _alive(server),
             stop_fn=server.stop,
@@ -216,16 +243,21 @@ def _alive(server: NatsServer | S3Server) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def _kept(path: Path, make: Callable[[], dict[str, str]]) -> dict[str, str]:
-    """The value stored at `path` (0600), made and stored on first use."""
-    if path.exists():
-        found: dict[str, str] = json.loads(path.read_text())
-        return found
-    value = make()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    return value
+#: The settings that let a client into a NATS server the user runs (`--nats-url`).
+_NATS_CREDENTIALS = (
+    "nats_user", "nats_password", "nats_token", "nats_creds_file", "nats_nkey_seed_file",
+    "nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file",
+)  # fmt: skip
+
+
+def _given(settings: Settings, env: dict[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    """`env` and the settings `names` that are set, for a server the user runs: the trainers
+    need its credentials as much as the agent does."""
+    for name in names:
+        value = getattr(settings, name)
+        if value:
+            env[f"TIERPIPE_{name.upper()}"] = value
+    return env
 
 
 # --- supervision
@@ -297,9 +329,12 @@ class _Supervised:
             terminate(self.proc, self.stop_s)
 
 
-def _start_agent(env: dict[str, str], stages: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _start_agent(
+    env: dict[str, str], stages: list[str], log: Path, children: Children
+) -> subprocess.Popen[bytes]:
     """The agent, logging to `log`; its pid in `agent.pid` next to it."""
     proc = start_agent({**os.environ, **env}, stages, log)
+    children.record("agent", proc.pid)
     log.with_name("agent.pid").write_text(f"{proc.pid}\n")
     return proc
 
