@@ -53,9 +53,12 @@ class Confirmed:
 
 def claims(head: JobHead, step: int) -> tuple[Tier, ...]:
     """The tiers `head` says `step` is complete on (none: it only lists the step)."""
-    return tuple(
-        t for t, steps in (("nvme", head.nvme_steps), ("s3", head.s3_steps)) if step in steps
-    )
+    tiers: list[Tier] = []
+    if step in head.nvme_steps:
+        tiers.append("nvme")
+    if step in head.s3_steps:
+        tiers.append("s3")
+    return tuple(tiers)
 
 
 async def check_step(

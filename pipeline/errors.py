@@ -299,6 +299,6 @@ class StoreMismatchError(ConfigError):
         self.here = here
         super().__init__(
             f"job {job!r} keeps its objects in {bound}, but this agent's object store is {here} "
-            "(s3_endpoint, s3_bucket, s3_prefix): it writes and deletes none of the job's "
-            "objects and does not coordinate the job"
+            "(settings s3_endpoint, s3_bucket, s3_prefix): it writes and deletes none of the "
+            "job's objects"
         )

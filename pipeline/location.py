@@ -81,6 +81,14 @@ def same_location(a: StoreLocation | str, b: StoreLocation | str) -> bool:
     )
 
 
+def _normal(location: StoreLocation) -> StoreLocation:
+    return StoreLocation(
+        endpoint=normal_endpoint(location.endpoint),
+        bucket=location.bucket,
+        prefix=location.prefix.strip("/"),
+    )
+
+
 async def stored_location(store: JobStore, job: str) -> StoreLocation | str | None:
     """The location `job` is bound to; None if it is bound to none yet; a description of the
     value if it does not decode (a location no store can match).
@@ -108,7 +116,7 @@ async def bind_location(
         StoreMismatchError: the job is bound to another store (logged by the caller).
         BusUnavailableError, BusError: the KV could not be read or written.
     """
-    here = here or location_of(store.settings)
+    here = location_of(store.settings) if here is None else _normal(here)
     for _ in range(3):  # (created and deleted again in between: look again)
         bound = await stored_location(store, job)
         if bound is None:
