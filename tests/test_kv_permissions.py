@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.test_deploy import NATS_CONF, uncommented_block
+from tests.test_deploy import per_role_block
 from tierpipe.bus import Bus
 from tierpipe.dev import NatsServer
 from tierpipe.kvstate import JobStore
@@ -40,10 +40,7 @@ def test_each_role_writes_only_the_job_state_keys_it_needs(
     binding, its budget or another job's keys; an agent writes any job's state and binding,
     never a budget."""
     node = settings.node or ""
-    conf = uncommented_block(NATS_CONF.read_text(), "authorization {")
-    block = conf[conf.index("authorization {") :]
-    block = block[: block.index("\n}\n") + 3].replace("llama", job).replace("node-a", node)
-    block = block.replace("tierpipe-state", settings.kv_bucket)
+    block = per_role_block(job, node, settings.kv_bucket)
     monkeypatch.setenv("TIERPIPE_TRAINER_PASSWORD", "trainer-pw-51e")
     monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-pw-9b2")
     with NatsServer(tmp_path / "perm-nats", config=block) as server:
