@@ -22,6 +22,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
+from tierpipe.confirm import confirmed_plan
 from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
 from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.log import configure_logging
@@ -56,10 +57,10 @@ from tierpipe.status import (
     EVENT_KINDS,
     JobRow,
     JobView,
+    KvPlan,
     event_json_line,
     event_line,
     jobs_table,
-    kv_plan,
     lag_note,
     rank_details,
     rank_json,
@@ -109,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         "every rank's node still holds the NVMe copy the job state records (a restart also "
         "checks each file on its disk). --json prints one object: job, step, world_size, "
         "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
-        "candidates (newest first), rejected (step -> why), assumes (nvme_kept or nvme_lost), "
-        "folded_seq and stream_seq (the job state lags the stream when the first is lower).",
+        "candidates (newest first), rejected (step -> why), unconfirmed (step -> why the "
+        "job state does not back what its head says of it: no record, or no rank digests; "
+        "never planned), assumes (nvme_kept or nvme_lost), folded_seq and stream_seq (the job "
+        "state lags the stream when the first is lower). Exits non-zero when no candidate is "
+        "confirmed and restorable.",
     )
     plan.add_argument("--job", required=True)
     plan.add_argument("--step", type=int, help="plan this step rather than the newest")
@@ -661,20 +665,22 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
 
 
 def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
-    async def read() -> tuple[JobHead, int, dict[int, StepRecord]]:
+    async def read() -> tuple[JobHead, int, KvPlan]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore(bus.js, settings).open()
             head, stream_seq = await _folded_head(bus, store, job)
-            return head, stream_seq, await store.records(job, head.candidates(step))
+            records = await store.records(job, head.candidates(step))
+            if step is not None and step not in records:
+                kept = ", ".join(map(str, head.steps)) or "none"
+                raise NoCheckpointError(
+                    f"step {step} of job {job!r} has no record in its job state (the steps it "
+                    f"keeps: {kept})"
+                )
+            # (steps the rest of the job state does not back are passed over, shown as such)
+            plan = await confirmed_plan(store, job, head, records, step=step, nvme_lost=nvme_lost)
+            return head, stream_seq, plan
 
-    head, stream_seq, records = anyio.run(read)
-    if step is not None and step not in records:
-        kept = ", ".join(map(str, head.steps)) or "none"
-        raise NoCheckpointError(
-            f"step {step} of job {job!r} has no record in its job state (the steps it keeps: "
-            f"{kept})"
-        )
-    plan = kv_plan(job, head.candidates(step), records, nvme_lost=nvme_lost)
+    head, stream_seq, plan = anyio.run(read)
     if as_json:
         print(json.dumps({**plan.to_json(), "folded_seq": head.seq, "stream_seq": stream_seq}))
     else:

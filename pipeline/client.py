@@ -19,6 +19,7 @@ import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from tierpipe.confirm import confirmed_list
 from tierpipe.errors import ConfigError, StaleStepError, TierpipeError
 from tierpipe.handle import SaveHandle, Saves, SaveStats
 from tierpipe.kvstate import JobStore
@@ -354,7 +355,7 @@ class Checkpointer:
                 own=own_events(self.job, self.node, self.rank),
                 ranks=[self.rank],
             )
-            return [] if head is None else sorted(set(head.nvme_steps) | set(head.s3_steps))
+            return await confirmed_list(self._jobstore, self.job, head, rank=self.rank)
 
         return self._bus.run(read, timeout=self.settings.request_timeout_s + 30)
 

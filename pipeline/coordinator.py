@@ -1,8 +1,10 @@
 """The retention coordinator: one per job, elected with a lease in KV.
 
-Every agent runs one (inside its evict worker); for each job it learns of (the trainer stores
-the job's retention policy, `<job>.keep`, when it starts), it takes the job's lease if it is free
-and then, until it loses it:
+Every agent runs one (inside its evict worker); for each job its node takes part in (a folder of
+the job under its staging or NVMe root, as the stages find their jobs: `names.local_jobs`; an
+agent never bids for a job it has nothing of, however long its lease has expired) once the job
+is registered (its retention policy, `<job>.keep`, is stored by the trainer when it starts, or
+by the evict stage), it takes the job's lease if it is free and then, until it loses it:
 - folds the job's events into `JobState`, read from the stream with an ordered consumer from
   the stored `resume_seq` (a bounded suffix, not the history);
 - every `coordinator_flush_s`, stores what changed (compare-and-set, fenced by the lease);
@@ -15,6 +17,10 @@ and then, until it loses it:
   those that reported one of the newest checkpoints) and stores each node's part
   (`<job>.shares`) whenever the budget or the number of active nodes changes.
 
+Every object write or delete is of the job's own object store: the job is bound to one in KV
+(`tierpipe.location`) by the first agent that writes one of its objects, and an agent whose store
+is another one neither leads the job nor touches an object of it (`StoreMismatchError`, logged).
+
 Nodes watch the floors and remove their own NVMe copies (`tierpipe.stages.evict`). No node
 keeps a catalog of the whole job; the work per event is O(1) in the number of steps kept.
 A coordinator that is paused past its lease's expiry finds its next write refused
@@ -23,10 +29,8 @@ A coordinator that is paused past its lease's expiry finds its next write refuse
 
 from __future__ import annotations
 
-import bisect
 import random
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -34,23 +38,19 @@ import anyio
 import structlog
 
 from tierpipe.batcher import Batcher
-from tierpipe.errors import LeaseLostError, TierpipeError, UnavailableError
+from tierpipe.errors import LeaseLostError, StoreMismatchError, TierpipeError, UnavailableError
 from tierpipe.history import Follow
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.names import plan_subject, shard_subject, state_subjects
-from tierpipe.schemas import (
-    Event,
-    NodeBatch,
-    RecoveryPlanned,
-    RestoreReport,
-    ShardEvicted,
-    decode_event,
-)
+from tierpipe.location import bind_location, location_of, same_location, stored_location
+from tierpipe.names import local_jobs, plan_subject, shard_subject, state_subjects
+from tierpipe.pins import RestorePins
+from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted, decode_event
 from tierpipe.schemas.commit import CommitManifest
 from tierpipe.schemas.facts import BatchFact, Fact, PlanFact, RestoreFact, decode_fact
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Budget, Lease, Shares, StepRecord
 from tierpipe.settings import Settings
+from tierpipe.shares import ACTIVE_STEPS, ActiveNodes, divide
 
 if TYPE_CHECKING:
     from tierpipe.bus import Bus
@@ -62,14 +62,10 @@ log = structlog.get_logger(__name__)
 #: The agents of the nodes that host a rank below this bid for a job's lease at once.
 CANDIDATE_RANKS = 32
 
-#: A node is active (has a part of the job's budgets) while it has reported one of the job's
-#: newest `ACTIVE_STEPS` checkpoints: a node that missed two in a row is gone.
-ACTIVE_STEPS = 2
 #: How often a coordinator reads its job's retention policy and budgets again.
 POLICY_READ_S = 5.0
-
-#: Rank 0's reports that hold retention still until its plan.
-_HOLDING = ("hold", "ready")
+#: How often an agent looks for jobs new to its node (as its stages do: `runner.JOB_SCAN_S`).
+JOB_SCAN_S = 0.5
 
 #: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
 RemoveObjects = Callable[[str, int, int], Awaitable[None]]
@@ -79,7 +75,7 @@ CommitStep = Callable[[CommitManifest], Awaitable[bool]]
 
 
 class Coordinator:
-    """This agent's bid to coordinate every job: `run()` until cancelled."""
+    """This agent's bid to coordinate every job of its node: `run()` until cancelled."""
 
     def __init__(
         self,
@@ -104,22 +100,48 @@ class Coordinator:
         self.leading: set[str] = set()
         #: job -> the lowest rank this node hosts a shard of.
         self._ranks: dict[str, int] = {}
+        #: The jobs with a folder on this node, as last looked for (`run`).
+        self._local: set[str] = set()
+        #: The object store this agent's removals and COMMITs go to.
+        self.location = location_of(settings)
+        #: job -> the refusal last logged for it (each is logged once).
+        self._refused: dict[str, str] = {}
 
     async def run(self) -> None:
-        """Follow every job the KV knows, and every one that appears later."""
-        async with anyio.create_task_group() as tg:
-            seen: set[str] = set()
+        """Follow every job the KV knows (its policy is stored: a trainer or agent registered
+        it), and every one that appears later, once this node takes part in it (`local_jobs`,
+        looked for again every `JOB_SCAN_S`, as the stages do): never a job the node has nothing
+        of."""
+        s = self.settings
+        registered: set[str] = set()
+
+        async def watch() -> None:
             async for job in self.store.jobs():
-                if job not in seen:
-                    seen.add(job)
+                registered.add(job)
+
+        followed: set[str] = set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            while True:
+                self._local = local_jobs(s.staging_root, s.nvme_root)
+                for job in sorted(registered & (self._local | set(self._ranks)) - followed):
+                    followed.add(job)
                     tg.start_soon(self.follow, job)
+                await anyio.sleep(JOB_SCAN_S)
 
     def hosts(self, job: str, rank: int) -> None:
         """This node holds a shard of `rank` of `job` (its evict stage saw it verified)."""
         self._ranks[job] = min(rank, self._ranks.get(job, rank))
 
+    def _local_job(self, job: str) -> bool:
+        """This node takes part in `job`: a folder of it here (as last looked for), or a shard
+        of it verified here."""
+        return job in self._local or job in self._ranks
+
     async def follow(self, job: str) -> None:
-        """Take the job's lease whenever it is free, and lead the job while it is held.
+        """Take the job's lease whenever it is free, and lead the job while it is held; only
+        while this node takes part in the job, and never with an object store other than the
+        job's (`StoreMismatchError`, logged once; looked at again every few lease TTLs).
 
         Candidates are the agents of the nodes that host one of the job's lowest ranks
         (`CANDIDATE_RANKS`): they bid as soon as the lease is free. Every other agent looks
@@ -128,17 +150,39 @@ class Coordinator:
         ttl = self.settings.lease_ttl_s
         while True:
             candidate = self._ranks.get(job, CANDIDATE_RANKS) < CANDIDATE_RANKS
+            refused = False
             try:
-                lease = await self.store.acquire(
-                    job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl
-                )
-                if lease is not None:
-                    await self._lead(job, lease)
+                # No evidence of the job here (its folder went): no bid, however old the lease.
+                if self._local_job(job):
+                    await self._check_store(job)
+                    lease = await self.store.acquire(
+                        job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl
+                    )
+                    if lease is not None:
+                        await self._lead(job, lease)
+            except StoreMismatchError as e:
+                refused = True
+                if self._refused.get(job) != str(e):
+                    self._refused[job] = str(e)
+                    log.error("coordinator_refused", job=job, error=str(e))
             except (LeaseLostError, UnavailableError) as e:
                 log.warning("coordinator_stepped_down", job=job, error=str(e))
             finally:
                 self.leading.discard(job)
-            await anyio.sleep(ttl / 3 if candidate else ttl * random.uniform(2, 4))  # noqa: S311
+            rarely = refused or not candidate  # (a refused job: looked at again in case it moved)
+            await anyio.sleep(ttl * random.uniform(2, 4) if rarely else ttl / 3)  # noqa: S311
+
+    async def _check_store(self, job: str) -> None:
+        """Check that the job's objects are not bound to another object store than this
+        agent's (before a bid: a coordinator that could not write them never leads).
+
+        Raises:
+            StoreMismatchError: they are.
+        """
+        bound = await stored_location(self.store, job)
+        if bound is not None and not same_location(bound, self.location):
+            raise StoreMismatchError(job, str(bound), str(self.location))
+        self._refused.pop(job, None)
 
     async def catch_up(self, job: str, seq: int) -> bool:
         """Fold the job's events up to stream sequence `seq` into its KV state, if the job has
@@ -237,6 +281,10 @@ class Coordinator:
             # A step removed before its COMMIT was written gets none (written after the removal
             # it would name removed objects).
             self._commits.pop((state.job, step), None)
+        if any(k[0] == state.job for k in (*self._commits, *self._removals)):
+            # Of the job's own store only: bound by the first object write (StoreMismatchError:
+            # this coordinator steps down before it stores or touches anything).
+            await bind_location(self.store, state.job, self.location)
         await self.store.write(state, changes)
         await self._write_commits(state.job)
         for (job, step), rec in sorted(self._removals.items()):
@@ -348,101 +396,3 @@ def _decode(data: bytes) -> Event | Fact:
     decode's cost); restore reports and plans in full, for its pins."""
     fact = decode_fact(data)
     return decode_event(data) if isinstance(fact, RestoreFact | PlanFact) else fact
-
-
-def divide(budget: Budget, nodes: int, term: int = 0) -> Shares:
-    """Each of `nodes` nodes' part of `budget`: rounded down, so the parts never add up to
-    more than the budget, but never 0 where the budget is set (0 would mean "no cap")."""
-    n = max(nodes, 1)
-    return Shares(
-        flush_bytes_per_s_per_node=max(1, budget.flush_bytes_per_s // n)
-        if budget.flush_bytes_per_s
-        else 0,
-        restore_gets_per_node=max(1, budget.restore_gets // n) if budget.restore_gets else 0,
-        nodes=nodes,
-        term=term,
-    )
-
-
-class ActiveNodes:
-    """The nodes of one job that reported (`written` or `verified`) one of its newest
-    `ACTIVE_STEPS` checkpoints, counted as the coordinator folds the nodes' batches: O(1) per
-    batch and per count, whatever the number of nodes. Checkpoints are ordered by (epoch,
-    step), so a rewound run's saves are the newest ones."""
-
-    def __init__(self, steps: int = ACTIVE_STEPS) -> None:
-        self._steps = steps
-        #: node -> the newest (epoch, step) it reported.
-        self._newest: dict[str, tuple[int, int]] = {}
-        #: (epoch, step) -> how many nodes have it as their newest.
-        self._count: Counter[tuple[int, int]] = Counter()
-        #: The newest `steps` checkpoints reported, ascending.
-        self._recent: list[tuple[int, int]] = []
-
-    def note(self, batch: NodeBatch | BatchFact) -> None:
-        """Take a node's batch into account (any kind other than written/verified: ignored)."""
-        if batch.batch not in ("written", "verified") or not batch.events:
-            return
-        key = max((e.epoch, e.step) for e in batch.events)
-        old = self._newest.get(batch.node)
-        if old is not None and old >= key:
-            return
-        self._newest[batch.node] = key
-        if old is not None and self._count.get(old):
-            self._count[old] -= 1
-        self._count[key] += 1
-        if key in self._recent or (len(self._recent) >= self._steps and key < self._recent[0]):
-            return
-        bisect.insort(self._recent, key)
-        if len(self._recent) > self._steps:
-            del self._recent[0]
-            # Nodes whose newest report is older are no longer counted (nor kept count of).
-            for gone in [k for k in self._count if k < self._recent[0]]:
-                del self._count[gone]
-
-    def __len__(self) -> int:
-        return sum(self._count[k] for k in self._recent)
-
-
-class RestorePins:
-    """Per job, what its in-progress restore needs kept: from rank 0's `hold` (or `ready`) until its
-    first plan, everything (retention holds still while rank 0 plans from a snapshot of the
-    job); then the step the newest plan reads, until the restore ends (rank 0's final plan, or
-    its error). Either times out `timeout_s` after it began."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._plans: dict[str, RecoveryPlanned] = {}
-        #: job -> when rank 0 of its newest restart said `ready`.
-        self._ready: dict[str, float] = {}
-
-    def note(self, event: Event) -> None:
-        """Take a plan or rank 0's `ready` into account (anything else, or an older plan,
-        changes nothing)."""
-        if isinstance(event, RestoreReport) and event.rank == 0 and event.phase in _HOLDING:
-            self._ready[event.job] = max(event.ts, self._ready.get(event.job, 0.0))
-        if not isinstance(event, RecoveryPlanned):
-            return
-        known = self._plans.get(event.job)
-        if known is None or event.ts >= known.ts:
-            self._plans[event.job] = event
-
-    def held(self, job: str, *, now: float | None = None) -> bool:
-        """Rank 0 of a restart is planning: no copy of `job` may go now."""
-        ready = self._ready.get(job)
-        plan = self._plans.get(job)
-        now = time.time() if now is None else now
-        return (
-            ready is not None
-            and (plan is None or plan.ts < ready)
-            and now <= ready + self._timeout_s
-        )
-
-    def steps(self, job: str, *, now: float | None = None) -> set[int]:
-        """Steps of `job` no copy of which may go now (see `held` too)."""
-        plan = self._plans.get(job)
-        if plan is None or plan.final or plan.error:
-            return set()
-        if (time.time() if now is None else now) > plan.ts + self._timeout_s:
-            return set()  # the restore timed out
-        return {plan.step}

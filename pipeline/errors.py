@@ -33,6 +33,7 @@ __all__ = (
     "StorageConflictError",
     "StorageUnavailableError",
     "StorageUnsupportedError",
+    "StoreMismatchError",
     "TierpipeError",
     "UnavailableError",
     "UnsupportedStateError",
@@ -282,3 +283,22 @@ class LeaseLostError(BusError):
         self.job = job
         self.key = key
         super().__init__(f"lost the coordinator lease of job {job!r} ({key} changed under it)")
+
+
+# --- the job's object store
+
+
+class StoreMismatchError(ConfigError):
+    """This agent's object store is not the one the job's objects are bound to (the job's
+    `<job>.location` in KV): it writes and deletes none of them. Both locations are named
+    (bucket, prefix, endpoint; never a credential)."""
+
+    def __init__(self, job: str, bound: str, here: str) -> None:
+        self.job = job
+        self.bound = bound
+        self.here = here
+        super().__init__(
+            f"job {job!r} keeps its objects in {bound}, but this agent's object store is {here} "
+            "(settings s3_endpoint, s3_bucket, s3_prefix): it writes and deletes none of the "
+            "job's objects"
+        )

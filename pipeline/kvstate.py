@@ -41,7 +41,15 @@ from tierpipe.schemas.jobstate import (
 )
 from tierpipe.settings import Settings
 
-__all__ = ("JobStore", "budget_key", "default_keep", "head_key", "shares_key", "step_key")
+__all__ = (
+    "JobStore",
+    "budget_key",
+    "default_keep",
+    "head_key",
+    "location_key",
+    "shares_key",
+    "step_key",
+)
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +95,10 @@ def budget_key(job: str) -> str:
 
 def shares_key(job: str) -> str:
     return f"{job}.shares"
+
+
+def location_key(job: str) -> str:
+    return f"{job}.location"
 
 
 def step_key(job: str, step: int) -> str:
@@ -181,6 +193,16 @@ class JobStore:
                 await self.open()
                 return await self._value(key)
         return None if not entry.value else (entry.value, entry.revision or 0)
+
+    async def create(self, key: str, value: bytes) -> bool:
+        """Store `value` under `key` unless the key holds a value already (atomic: of agents
+        racing, one stores); whether this one did."""
+        with _translated(f"kv {key}"):
+            try:
+                await self.kv.create(key, value)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
+        return True
 
     async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
         found = await self._value(key)

@@ -1,5 +1,6 @@
 """What `tierpipe status` and `tierpipe plan` print, rendered from a job's state in KV (and the
-demo's shard table, rendered from a catalog folded from the event stream).
+demo's shard table, rendered from a catalog folded from the event stream). The plan itself is
+`tierpipe.kvplan`'s (re-exported here).
 
 Pure functions of the values the caller read (`JobView`, `RankDetail`): the CLI reads the KV, so
 this module does no I/O and prints nothing. A job of any size prints one line per kept step by
@@ -12,13 +13,13 @@ import datetime
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tierpipe.catalog import Shard
-from tierpipe.errors import NoCheckpointError
 from tierpipe.history import Raw
-from tierpipe.jobstate import has_rank, ranks_of
+from tierpipe.jobstate import has_rank
+from tierpipe.kvplan import ASSUME_NVME_KEPT, ASSUME_NVME_LOST, KvPlan, kv_plan
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -50,16 +51,6 @@ __all__ = (
     "step_json",
     "step_table",
 )
-
-#: Ranks named in a rejection reason (the rest are counted).
-_NAMED_RANKS = 8
-
-ASSUME_NVME_KEPT = (
-    "assumes every rank's node still holds its NVMe copy; a restart also checks each rank's "
-    "file on its own disk (size, header, digest) and sends a rank without a good one to "
-    "object storage"
-)
-ASSUME_NVME_LOST = "assumes every NVMe copy is lost (--nvme-lost): every rank reads object storage"
 
 Complete = Literal["both", "nvme", "s3", "no"]
 
@@ -362,115 +353,6 @@ def rank_json(job: str, rec: StepRecord, d: RankDetail) -> dict[str, Any]:
         "nvme_path": d.nvme_path,
         "object_key": d.object_key,
     }
-
-
-# --- what a restore would pick
-
-
-@dataclass(frozen=True, slots=True)
-class KvPlan:
-    """The step a restore would pick from the job state alone, and where its ranks read."""
-
-    job: str
-    step: int
-    world_size: int
-    #: Ranks that read object storage (the others their own node's NVMe copy), ascending.
-    s3_ranks: list[int]
-    #: The candidate steps considered, newest first.
-    candidates: list[int]
-    #: newer candidate step -> why it could not be used.
-    rejected: dict[int, str] = field(default_factory=dict)
-    nvme_lost: bool = False
-
-    @property
-    def from_nvme(self) -> int:
-        return self.world_size - len(self.s3_ranks)
-
-    def describe(self) -> str:
-        """For operators: the step, the count per tier, the rejected steps, the assumption."""
-        lines = [
-            f"restore step {self.step} of job {self.job!r} ({self.world_size} ranks): "
-            f"{self.from_nvme} from NVMe, {len(self.s3_ranks)} from object storage"
-        ]
-        if 0 < len(self.s3_ranks) < self.world_size:
-            lines.append(f"  from object storage: {_named(self.s3_ranks)}")
-        for step, why in sorted(self.rejected.items(), reverse=True):
-            lines.append(f"  step {step} rejected: {why}")
-        lines.append(f"  candidates: {', '.join(map(str, self.candidates))}")
-        lines.append(f"  note: {ASSUME_NVME_LOST if self.nvme_lost else ASSUME_NVME_KEPT}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        """`tierpipe plan --json`."""
-        return {
-            "job": self.job,
-            "step": self.step,
-            "world_size": self.world_size,
-            "from_nvme": self.from_nvme,
-            "from_s3": len(self.s3_ranks),
-            "s3_ranks": self.s3_ranks,
-            "candidates": self.candidates,
-            "rejected": {str(s): why for s, why in self.rejected.items()},
-            "assumes": "nvme_lost" if self.nvme_lost else "nvme_kept",
-        }
-
-
-def kv_plan(
-    job: str,
-    candidates: Sequence[int],
-    records: Mapping[int, StepRecord],
-    *,
-    nvme_lost: bool = False,
-) -> KvPlan:
-    """The newest of `candidates` (newest first, as a restart considers them) on which every
-    rank has a copy on some tier, as the records say: each rank reads NVMe where the record has
-    its copy there (unless `nvme_lost`), else object storage. The world size is the newest
-    candidate's (a restart of another size would be refused); steps of another size are
-    rejected.
-
-    Raises:
-        NoCheckpointError: no candidate has a copy of every rank (says why, per step).
-    """
-    newest = next((records[s] for s in candidates if s in records), None)
-    if newest is None:
-        raise NoCheckpointError(
-            f"job {job!r} has no step record in its job state"
-            + (f" (candidates: {', '.join(map(str, candidates))})" if candidates else "")
-        )
-    world = newest.world_size
-    everyone = (1 << world) - 1
-    rejected: dict[int, str] = {}
-    for s in candidates:
-        rec = records.get(s)
-        if rec is None:
-            rejected[s] = "no record of the step in the job state (retention removed it?)"
-            continue
-        if rec.world_size != world:
-            rejected[s] = f"saved with world size {rec.world_size}"
-            continue
-        nvme = 0 if nvme_lost else int.from_bytes(rec.nvme, "little") & everyone
-        s3 = 0 if rec.s3_removed else int.from_bytes(rec.s3, "little") & everyone
-        lacking = everyone & ~(nvme | s3)
-        if not lacking:
-            return KvPlan(job, s, world, _ranks(everyone & ~nvme), list(candidates), rejected,
-                          nvme_lost)  # fmt: skip
-        missing = _ranks(lacking)
-        rejected[s] = f"{len(missing)} of {world} ranks have no copy ({_named(missing)})" + (
-            " (objects removed by retention)" if rec.s3_removed else ""
-        )
-    detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
-    raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
-
-
-def _ranks(bits: int) -> list[int]:
-    """The ranks set in a bitmap read as one little-endian integer, ascending."""
-    return ranks_of(bits.to_bytes((bits.bit_length() + 7) // 8, "little"))
-
-
-def _named(ranks: Sequence[int]) -> str:
-    named = ", ".join(f"rank {r}" for r in ranks[:_NAMED_RANKS])
-    more = f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else ""
-    return named + more
 
 
 # --- the demo's summary (from a catalog)

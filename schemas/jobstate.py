@@ -16,7 +16,9 @@ Keys (job names are tokens, so a key's parts never contain a dot):
 - `<job>.keep`: `Keep`, the job's retention policy (set by the trainer);
 - `<job>.lease`: `Lease`, who coordinates the job;
 - `<job>.budget`: `Budget`, the job-wide admission budgets (`tierpipe flush rate --job`);
-- `<job>.shares`: `Shares`, each active node's part of them (written by the coordinator).
+- `<job>.shares`: `Shares`, each active node's part of them (written by the coordinator);
+- `<job>.location`: `StoreLocation`, where the job's objects live (created once, by the first
+  agent to write one; every later object write or delete of the job checks it).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = (
     "RankDigests",
     "Shares",
     "StepRecord",
+    "StoreLocation",
     "StoredRecord",
     "decode_record",
     "encode_record",
@@ -276,3 +279,19 @@ class Shares(msgspec.Struct, frozen=True, kw_only=True):
     nodes: NonNegInt = 0
     #: The lease term of the coordinator that wrote it.
     term: NonNegInt = 0
+
+
+class StoreLocation(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a job's objects live: bound to the job in KV by the first agent that writes one of
+    them (`tierpipe.location.bind_location`), and what every agent's own object store must be
+    before it writes or deletes another. Never a credential."""
+
+    #: The S3 endpoint URL as compared (`tierpipe.location.normal_endpoint`); "" for AWS's.
+    endpoint: str = ""
+    bucket: str
+    #: The key prefix, without leading or trailing slashes.
+    prefix: str = ""
+
+    def __str__(self) -> str:
+        where = "/".join(p for p in (self.bucket, self.prefix) if p)
+        return f"s3://{where} at {self.endpoint or 'the AWS default endpoint'}"

@@ -101,6 +101,12 @@ class _Quiet:
     async def write(self, state: JobState, changes: object) -> None:
         pass
 
+    async def value(self, key: str) -> bytes | None:
+        return None  # (no object store bound yet: the coordinator binds its own)
+
+    async def create(self, key: str, value: bytes) -> bool:
+        return True
+
     async def publish(self, event: Event, *, id_suffix: str = "") -> None:
         pass
 

@@ -226,6 +226,15 @@ def uncommented_block(conf_text: str, opening: str) -> str:
     return "\n".join([*lines[:start], *block, *lines[end + 1 :]]) + "\n"
 
 
+def per_role_block(job: str, node: str, kv_bucket: str) -> str:
+    """deploy/nats-server.conf's per-role `authorization` block, uncommented, for `job`'s
+    trainers and `node`'s agent (in place of `llama` and `node-a`) and the bucket `kv_bucket`."""
+    conf = uncommented_block(NATS_CONF.read_text(), "authorization {")
+    block = conf[conf.index("authorization {") :]
+    block = block[: block.index("\n}\n") + 3].replace("llama", job).replace("node-a", node)
+    return block.replace("tierpipe-state", kv_bucket)
+
+
 def test_nats_permissions_example_is_valid_when_uncommented(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

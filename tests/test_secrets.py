@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from tests.conftest import Agent, Events, make_staged
-from tests.test_deploy import NATS_CONF, uncommented_block
+from tests.test_deploy import per_role_block
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.dev import NatsServer
@@ -303,10 +303,7 @@ def test_the_per_role_permissions_example_carries_a_save_and_stops_forgery(
     """Under deploy/nats-server.conf's per-role permissions, a trainer and an agent carry a
     save through every stage, and the trainer cannot publish a `verified` event."""
     node = settings.node or ""
-    conf = uncommented_block(NATS_CONF.read_text(), "authorization {")
-    block = conf[conf.index("authorization {") :]
-    block = block[: block.index("\n}\n") + 3].replace("llama", job).replace("node-a", node)
-    block = block.replace("tierpipe-state", settings.kv_bucket)
+    block = per_role_block(job, node, settings.kv_bucket)
     monkeypatch.setenv("TIERPIPE_TRAINER_PASSWORD", "trainer-pw-0a7")
     monkeypatch.setenv("TIERPIPE_AGENT_PASSWORD", "agent-pw-c3d")
     with NatsServer(tmp_path / "perm-nats", config=block) as server:
