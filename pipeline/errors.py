@@ -17,6 +17,7 @@ __all__ = (
     "IntegrityError",
     "InvalidNameError",
     "LeaseLostError",
+    "MissingCredentialError",
     "NoCheckpointError",
     "NoSpaceError",
     "PermanentError",
@@ -198,6 +199,20 @@ class StaleStepError(ConfigError):
 
 class StorageAuthError(PermanentError):
     """The object store refused the request: credentials, permissions or a missing bucket."""
+
+
+class MissingCredentialError(StorageAuthError):
+    """No credential for the object store was found anywhere (a configuration gap, not an
+    outage: the store was never asked)."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"missing credential for the object store ({detail}): set s3_access_key_id and "
+            "s3_secret_access_key (TIERPIPE_S3_ACCESS_KEY_ID / TIERPIPE_S3_SECRET_ACCESS_KEY, "
+            "which `tierpipe up` writes to .tierpipe/env), AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, a profile or an instance role"
+        )
 
 
 class StorageUnsupportedError(StorageAuthError):
