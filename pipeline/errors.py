@@ -142,15 +142,19 @@ class NoSpaceError(RetryableError):
 class SlotTimeoutError(TierpipeError, TimeoutError):
     """No staging slot became free in time (policy `wait`)."""
 
-    def __init__(self, job: str, rank: int, timeout_s: float, busy: list[int]) -> None:
+    def __init__(
+        self, job: str, rank: int, timeout_s: float, busy: list[int], *, why: str = ""
+    ) -> None:
         self.job = job
         self.rank = rank
         self.timeout_s = timeout_s
         self.busy = busy
+        #: Why the slots stay busy, as far as the trainer could see ("": not known).
+        self.why = why
         super().__init__(
             f"no free staging slot for job {job!r} rank {rank} within {timeout_s:g} s "
-            f"(slots hold unreleased steps {busy}); is this node's agent running "
-            "(`tierpipe worker all`)?"
+            f"(slots hold unreleased steps {busy}): "
+            + (why or "is this node's agent running (`tierpipe worker all`)?")
         )
 
 

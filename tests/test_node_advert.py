@@ -1,5 +1,6 @@
 """The node advertisement: an agent tells the trainers of its node where its NVMe root, staging
-root and object store are; a missing S3 credential is called that, not an unreachable store."""
+root and object store are, so a trainer that forgot `source .tierpipe/env` still restores from
+them; a missing S3 credential is called that, not an unreachable store."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+import structlog
+import torch
 
 from tests.conftest import Agent
 from tierpipe.bus import Bus
+from tierpipe.client import Checkpointer
 from tierpipe.errors import StorageAuthError
-from tierpipe.settings import Settings
+from tierpipe.settings import Settings, load_settings
 from tierpipe.storage.s3 import S3Store
 
 pytestmark = pytest.mark.slow
@@ -54,6 +58,59 @@ def test_an_agent_advertises_its_roots_and_store_without_credentials(
     assert time.time() - float(record["heartbeat_ts"]) < 30  # type: ignore[arg-type]
     assert settings.s3_secret_access_key not in str(record)
     assert settings.s3_access_key_id not in record.values()
+
+
+def test_a_trainer_without_the_nodes_settings_restores_from_the_agents_nvme(
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trainer whose settings name no NVMe root, bucket or endpoint (the env not sourced,
+    another working directory) saves and restores from where the node's agent keeps them."""
+    agent("nvme-write", "verify", "evict").wait_ready()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    bare = load_settings(
+        env={},
+        nats_url=settings.nats_url,
+        node=settings.node,
+        kv_bucket=settings.kv_bucket,
+        staging_root=settings.staging_root,
+    )
+    assert bare.nvme_root != settings.nvme_root
+    with Checkpointer(job, rank=0, world_size=1, settings=bare) as ckpt:
+        ckpt.save(1, {"w": torch.arange(10.0)}).result(timeout=30)
+    with Checkpointer(job, rank=0, world_size=1, settings=bare) as ckpt:
+        with structlog.testing.capture_logs() as logs:
+            restored = ckpt.restore()
+        assert ckpt.settings.nvme_root == settings.nvme_root
+        assert (ckpt.settings.s3_endpoint, ckpt.settings.s3_bucket) == (
+            settings.s3_endpoint,
+            settings.s3_bucket,
+        )
+    assert restored.step == 1 and restored.source.tier == "nvme"
+    assert torch.equal(restored.state["w"], torch.arange(10.0))
+    adopted = [e for e in logs if e["event"] == "node_settings_adopted"]
+    assert adopted and "nvme_root" in adopted[0]["fields"]
+    assert not Path("tierpipe-data").exists()  # nothing under the working directory
+
+
+def test_explicit_settings_that_differ_from_the_agents_are_kept_and_warned_about(
+    settings: Settings, job: str, agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A trainer that sets its NVMe root explicitly keeps it, and is told the agent's differs."""
+    agent("nvme-write", "verify").wait_ready()
+    mine = settings.replace(nvme_root=str(tmp_path / "my-nvme"))
+    with Checkpointer(job, rank=0, world_size=1, settings=mine) as ckpt:
+        with structlog.testing.capture_logs() as logs:
+            ckpt.save(1, {"w": torch.ones(4)}).wait_staged(timeout=30)
+        assert ckpt.settings.nvme_root == mine.nvme_root
+    differ = [e for e in logs if e["event"] == "node_settings_differ"]
+    assert differ and differ[0]["log_level"] == "warning"
+    assert differ[0]["fields"]["nvme_root"] == [mine.nvme_root, settings.nvme_root]
 
 
 def test_a_missing_s3_credential_is_called_missing_not_unreachable(
