@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from tests.conftest import Agent
+from tests.test_resilience import wait_until
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.dev import NatsServer
@@ -46,13 +47,6 @@ def resume(server: NatsServer) -> None:
 def busy_markers(settings: Settings, job: str) -> list[str]:
     folder = Path(settings.staging_root) / job / "rank-00000"
     return sorted(p.name for p in folder.glob("*.step-*"))
-
-
-def wait_until(predicate: Callable[[], bool], *, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def staged_steps(settings: Settings, job: str) -> list[int]:
