@@ -289,7 +289,7 @@ class _Restores:
             seconds = time.perf_counter() - t0
             # Untimed: restore() writes a shard read from object storage back through a staging
             # slot in the background; wait for it and free the slot (no agent runs here).
-            self.ckpt._bus.run(self.ckpt._loader.written_back, timeout=RESTORE_TIMEOUT_S)
+            self.ckpt._bus.run(self.ckpt._loader().written_back, timeout=RESTORE_TIMEOUT_S)
             release(self.setup.staging_root, JOB, 0, STEP)
         if restored.step != STEP or restored.source.tier != tier:
             raise RuntimeError(

@@ -19,23 +19,29 @@ import structlog
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tierpipe.confirm import confirmed_list
-from tierpipe.errors import ConfigError, StaleStepError, TierpipeError
+from tierpipe.advert import HINT, NodeState, adopt, read_node
+from tierpipe.errors import ConfigError, NoCheckpointError, TierpipeError, UnavailableError
 from tierpipe.handle import SaveHandle, Saves, SaveStats
+from tierpipe.jobs import (
+    as_step,
+    complete_steps,
+    known_job,
+    local_group,
+    open_job,
+    unknown_job,
+)
 from tierpipe.kvstate import JobStore
 from tierpipe.log import configure_logging
 from tierpipe.names import flush_control_subject, node_name, shard_subject, validate_token
+from tierpipe.outbox import Outbox
 from tierpipe.portal import BusPortal
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
-from tierpipe.recovery.survey import current_head, own_events
-from tierpipe.schemas import Event, FlushControl, ShardStaged
+from tierpipe.saving import Saver
+from tierpipe.schemas import Event, FlushControl
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
-from tierpipe.stages.snapshot import Snapshot, newest_staged_step, reclaim_slots
-from tierpipe.staging import SlotPool
-from tierpipe.state import plan_state
 
 __all__ = ("Checkpointer",)
 
@@ -71,8 +77,15 @@ class Checkpointer:
 
     Raises:
         InvalidNameError: job or node is not a safe name.
-        BusUnavailableError: NATS cannot be reached.
-        ConfigError: another process already stages this rank of this job on this node.
+        BusUnavailableError: NATS cannot be reached (within `connect_timeout_s`): nothing is
+            lost yet, and without NATS a restart could not tell whether to restore.
+        ConfigError: the rank does not fit the world size.
+
+    Opening creates nothing: the job's stream, its retention policy and its staging folder
+    come with its first `save()` (`tierpipe.jobs`). The first save or restore also reads the
+    node's record (`tierpipe.advert`): it warns at once when no agent serves the node, and
+    takes the agent's staging and NVMe roots and object store for whichever of those the
+    settings did not set.
     """
 
     def __init__(
@@ -98,64 +111,95 @@ class Checkpointer:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} out of range for world_size {self.world_size}")
-        self.local_rank, self.local_world_size = _local_group(
+        self.local_rank, self.local_world_size = local_group(
             self.rank, self.world_size, local_rank, local_world_size
         )
         #: This process's timeline (see the class docstring).
         self.epoch = time.time_ns()
         self._overwrite = overwrite
         self._keep = keep
-        #: Set by `restore()` or the first `overwrite` save that goes back in the job's history:
-        #: this rank's older epochs' saves after it are superseded.
-        self._rewind_to: int | None = None
-        #: The newest step this rank saved in this job before this process (None: none).
-        self._newest_saved: int | None = None
         self._closed = False
         self._saves = Saves(job=self.job, rank=self.rank, epoch=self.epoch, newest=self._newest)
         self.stats: SaveStats = self._saves.stats
-        self._last_step: int | None = None
-        self._pool = SlotPool(
-            self.settings.staging_root, self.job, self.rank, self.settings.staging_slots
-        )
-        self._snapshot = Snapshot(self._pool, node=self.node)
-        try:
-            self._bus = BusPortal(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
-        except BaseException:
-            self._pool.close()
-            raise
+        # Made when first needed, once the node's record is read (`_learn_node`).
+        self._node: NodeState | None = None
+        self._saver: Saver | None = None
+        self._restore_loader: Loader | None = None
+        self._opened = False  # the job is made (by its first save)
+        self._agent_checked = float("-inf")
+        self._bus = BusPortal(self.settings, f"tierpipe-{self.job}-{self.node}-{self.rank}")
         try:
             self._bus.run(self._start, timeout=self.settings.request_timeout_s + 5)
         except BaseException:
             self._bus.close()
-            self._pool.close()
             raise
-        self._loader = Loader(
-            self.settings,
-            self._bus.bus,
-            self._pool,
-            job=self.job,
-            rank=self.rank,
-            world_size=self.world_size,
-            node=self.node,
-        )
+        self._outbox = Outbox(self._bus, publish_timeout_s=self.settings.publish_timeout_s)
 
     async def _start(self) -> None:
         bus = self._bus.bus
-        # Rank 0 makes sure the stream and the job-state bucket exist; the other ranks start
-        # without a JetStream API request (tens of thousands would overflow the server's queue).
-        if self.rank == 0:
-            await bus.ensure_stream(self.job, update=False)
-        else:
-            bus.ensure_stream_on_first_miss()
         await bus.subscribe(shard_subject(self.job, "*", self.node, self.rank), self._saves.on_msg)
-        await reclaim_slots(bus, self._pool, job=self.job, node=self.node, rank=self.rank)
-        self._jobstore = JobStore(bus.js, self.settings)
-        if self.rank == 0:  # the job's coordinators learn of it, with its retention policy
-            await self._jobstore.open()
-            await self._jobstore.register(self.job, self._keep)
+        self._jobstore = JobStore(bus.js, self.settings).bind()
+
+    def _learn_node(self) -> NodeState:
+        """This node's record (read until one is found); the first one found lends this
+        process the agent's roots and store, unless its settings set them (`adopt`)."""
+        if self._node is None or self._node.record is None:
+            try:
+                node = self._bus.run(read_node, self._bus.bus, self.settings, self.node, timeout=5)
+            except TierpipeError as e:  # (a slow answer: nothing is known, nothing claimed)
+                node = NodeState(self.node, None, unknown=str(e))
+            if node.record is not None and self._saver is None:
+                self.settings, _ = adopt(self.settings, node.record)
+            self._node = node
+        return self._node
+
+    def _local(self) -> Saver:
+        """This rank's saves and slots (its folder under the staging root), made once."""
+        if self._saver is None:
+            self._learn_node()
+            self._saver = Saver(
+                self.settings, self._bus, self._saves, self._outbox, job=self.job,
+                rank=self.rank, world_size=self.world_size, node=self.node, epoch=self.epoch,
+                overwrite=self._overwrite,
+            )  # fmt: skip
+        return self._saver
+
+    def _open(self) -> Saver:
+        """Make the job, on its first save (stream, policy, staging slots), and learn where
+        this rank's saves left off."""
+        saver = self._local()
+        if not self._opened:
+
+            async def make() -> None:
+                await open_job(
+                    self._bus.bus, self._jobstore, job=self.job, rank=self.rank, keep=self._keep
+                )
+                await saver.open()
+
+            self._bus.run(make, timeout=self.settings.request_timeout_s + 5)
+            self._opened = True
+            self._warn_if_unserved(self._learn_node())
         else:
-            self._jobstore.bind()
-        self._newest_saved = await newest_staged_step(bus, job=self.job, rank=self.rank)
+            self._check_agent()
+        return saver
+
+    def _warn_if_unserved(self, node: NodeState) -> None:
+        why = node.absent()
+        if why:
+            log.warning("node_agent_missing", job=self.job, rank=self.rank, node=self.node,
+                        why=why, hint=HINT)  # fmt: skip
+
+    def _check_agent(self) -> None:
+        """Have the bus thread read the node's record (at most every `wait_warning_s`) and warn
+        if no agent serves the node; the save does not wait for it."""
+        now = time.monotonic()
+        if now - self._agent_checked >= self.settings.wait_warning_s:
+            self._agent_checked = now
+
+            async def check() -> None:
+                self._warn_if_unserved(await read_node(self._bus.bus, self.settings, self.node))
+
+            self._bus.portal.start_task_soon(check)
 
     # --- saving
 
@@ -165,16 +209,20 @@ class Checkpointer:
         Optional: otherwise a slot is allocated by the first save that uses it, which then
         blocks for the allocation too (about a second per GiB).
         """
-        plan = plan_state(
-            state, job=self.job, step=0, rank=self.rank, world_size=self.world_size, node=self.node
-        )
-        self._snapshot.reserve(plan)
+        self._local().reserve(state)
 
     def save(self, step: int, state: Any, *, blocking: bool = True) -> SaveHandle:
         """Snapshot `state` at `step`; block only for the copy into shared memory.
 
+        A save that cannot be taken never stops training (`save_errors = "report"`, the
+        default, as DCP's `async_save`): its handle and the log (`save_failed`) say why, its
+        slot is free again, and the next save tries anew. While NATS is down, its `staged`
+        event is tried again in the background for `save_retry_s`; a blocking save waits for
+        the first try (`publish_timeout_s`), or none if earlier saves still wait for NATS.
+
         Args:
-            step: the training step; must increase from save to save.
+            step: the training step (an int, a numpy or 0-dim torch integer; not a bool); it
+                must increase from save to save.
             state: nested dicts/lists/tuples of tensors and plain values, or objects with
                 `state_dict()` (modules, optimizers, schedulers).
             blocking: False returns at once while the copy proceeds in the background; call
@@ -184,86 +232,29 @@ class Checkpointer:
             A handle; `handle.skipped` is True if policy `skip` found no free slot.
 
         Raises:
-            SlotTimeoutError: policy `wait` and no slot freed up in time.
+            ValueError: `step` is no integer, or does not follow the last saved step.
+            SlotTimeoutError: policy `wait` and no slot freed up in time (it says why).
             UnsupportedStateError: the state holds a value that cannot be stored without pickle.
-            BusUnavailableError: `staged` could not be published (the save is void).
+            BusUnavailableError: only with `save_errors = "raise"`: `staged` could not be
+                published (the save is void).
             StaleStepError: the job already has this step or a newer one, and this process
                 neither restored first nor passed `overwrite=True`.
+            ConfigError: another process already stages this rank of this job on this node.
         """
         if self._closed:
             raise ConfigError("save() on a closed Checkpointer")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int (got {step!r})")
-        self._snapshot.wait()
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"step {step} does not follow the last saved step {self._last_step}")
-        rewind_to = self._rewind_to
-        newest = self._newest_saved
-        if rewind_to is None and newest is not None and step <= newest:
-            if not self._overwrite:
-                raise StaleStepError(self.job, self.rank, step, newest)
-            rewind_to = step - 1  # supersede every step from this one on (set once staged)
-        t0 = time.perf_counter()
-        plan = plan_state(
-            state,
-            job=self.job,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            node=self.node,
-            epoch=self.epoch,
-        )
-        s = self.settings
-        slot = self._snapshot.acquire(wait=s.slot_policy == "wait", timeout_s=s.slot_wait_timeout_s)
-        if slot is None:
-            return self._saves.skipped(step, sorted(self._pool.busy().values()))
-        # `_last_step` moves only once the save is staged: a save that fails before (staging
-        # full, a publish that failed) may be retried with the same step.
-        copy = self._snapshot.prepare(slot, plan)
-        handle = self._saves.start(step)
-        if blocking:
-            try:
-                event = self._snapshot.copy(copy, started=t0, rewind_to=rewind_to)
-            except BaseException as e:
-                self._saves.failed(handle, e)
+        step = as_step(step)
+        if self._saver is not None:
+            self._saver.snapshot.wait()
+        try:
+            saver = self._open()
+        except UnavailableError as e:  # (NATS down at the first save: the next one tries again)
+            if self.settings.save_errors == "raise":
                 raise
-            self._publish(handle, event, raise_errors=True)
+            handle = self._saves.start(step)
+            self._saves.failed(handle, e)
             return handle
-        try:
-            self._snapshot.copy_soon(
-                copy, started=t0, rewind_to=rewind_to, then=partial(self._copied, handle)
-            )
-        except BaseException as e:
-            self._saves.failed(handle, e)
-            raise
-        return handle
-
-    def _copied(self, handle: SaveHandle, result: ShardStaged | BaseException) -> None:
-        """The end of an overlapped copy (on the copier thread)."""
-        if isinstance(result, BaseException):
-            self._saves.failed(handle, result)
-        else:
-            self._publish(handle, result, raise_errors=False)
-
-    def _publish(self, handle: SaveHandle, event: ShardStaged, *, raise_errors: bool) -> None:
-        try:
-            published = self._bus.run(
-                self._bus.bus.publish, event, timeout=self.settings.publish_timeout_s
-            )
-            if published.duplicate:
-                raise ConfigError(
-                    f"step {handle.step} of rank {self.rank} was already staged moments ago "
-                    "(duplicate event); this save is void"
-                )
-        except (TierpipeError, TimeoutError) as e:
-            self._snapshot.unmark(event)
-            self._saves.failed(handle, e)
-            if raise_errors:
-                raise
-            return
-        self._last_step = handle.step
-        self._rewind_to = event.rewind_to
-        self._saves.staged(handle, event)
+        return saver.save(step, state, blocking=blocking)
 
     def guard(self, target: torch.optim.Optimizer | torch.nn.Module) -> RemovableHandle:
         """Make `target` wait for an overlapped copy before it may mutate the state.
@@ -276,10 +267,14 @@ class Checkpointer:
             A handle whose `remove()` undoes the guard.
         """
         if isinstance(target, torch.optim.Optimizer):
-            return target.register_step_pre_hook(lambda *_: self._snapshot.barrier())
+            return target.register_step_pre_hook(lambda *_: self._barrier())
         if isinstance(target, torch.nn.Module):
-            return target.register_forward_pre_hook(lambda *_: self._snapshot.barrier())
+            return target.register_forward_pre_hook(lambda *_: self._barrier())
         raise TypeError(f"guard() takes an optimizer or a module (got {type(target).__qualname__})")
+
+    def _barrier(self) -> None:
+        if self._saver is not None:
+            self._saver.snapshot.barrier()
 
     # --- restoring
 
@@ -304,26 +299,33 @@ class Checkpointer:
                 (`TORCHELASTIC_RUN_ID`-`TORCHELASTIC_RESTART_COUNT`), else stream order.
 
         Raises:
-            NoCheckpointError: nothing restorable (the message says why, step by step).
+            NoCheckpointError: nothing restorable (the message says why, step by step); at
+                once for a job without any state (naming jobs of similar names).
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
-        self._snapshot.wait()
+        step = None if step is None else as_step(step)
+        if self._saver is not None:
+            self._saver.snapshot.wait()
+        self._warn_if_unserved(self._learn_node())
+        bus, store = self._bus.bus, self._jobstore
+        if not self._bus.run(known_job, bus, store, self.job, timeout=30):
+            unknown = partial(unknown_job, store, self.settings, self.job, rank=self.rank)
+            raise NoCheckpointError(self._bus.run(unknown, timeout=30))
         collective = None
         if self.settings.restore_use_torch_distributed:
             collective = Collective.from_torch(self.rank, self.world_size)
         restorer = Restorer(
-            self._bus.bus, self.settings, self._jobstore, self._loader, restart=restart,
+            self._bus.bus, self.settings, self._jobstore, self._loader(), restart=restart,
             into=into, collective=collective, local_rank=self.local_rank,
             local_world_size=self.local_world_size,
         )  # fmt: skip
         restored = self._bus.run(
             partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
         )
-        self._last_step = restored.step
         # Saves from here on branch the job's history at the restored step: this rank's older
         # epochs' saves of later steps are superseded (a normal restart has none that count).
-        self._rewind_to = restored.step
+        self._local().restored(restored.step)
         log.info(
             "checkpoint_restored",
             job=self.job,
@@ -335,29 +337,32 @@ class Checkpointer:
         )
         return restored
 
+    def _loader(self) -> Loader:
+        if self._restore_loader is None:
+            pool = self._local().pool  # (a shard read from object storage is staged again)
+            self._restore_loader = Loader(
+                self.settings, self._bus.bus, pool, job=self.job, rank=self.rank,
+                world_size=self.world_size, node=self.node,
+            )  # fmt: skip
+        return self._restore_loader
+
     def latest_step(self) -> int | None:
-        """The newest step complete on some tier (every rank verified), from the job state."""
+        """The newest step complete on some tier (every rank verified), from the job state;
+        None for a job without state (a warning names jobs of similar names, if any)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
         """Steps complete on NVMe or in object storage and still kept, ascending (the job
         state in KV: one read, whatever the history)."""
-
-        async def read() -> list[int]:
-            head = await current_head(
-                self._bus.bus,
-                self._jobstore,
-                self.settings,
-                job=self.job,
-                holder=f"{self.node}-rank-{self.rank}",
-                deadline=time.monotonic() + self.settings.lease_ttl_s + 5,
-                own=own_events(self.job, self.node, self.rank),
-                ranks=[self.rank],
-            )
-            return await confirmed_list(self._jobstore, self.job, head, rank=self.rank)
-
-        return self._bus.run(read, timeout=self.settings.request_timeout_s + 30)
+        self._learn_node()
+        return self._bus.run(
+            partial(
+                complete_steps, self._bus.bus, self._jobstore, self.settings, job=self.job,
+                node=self.node, rank=self.rank,
+            ),
+            timeout=self.settings.request_timeout_s + 30,
+        )  # fmt: skip
 
     # --- object-storage uploads (the flush stage), e.g. around network-heavy phases
 
@@ -389,7 +394,8 @@ class Checkpointer:
 
     def wait_until_finished(self, timeout: float | None = None) -> None:
         """Block until every save so far is verified on NVMe (or failed)."""
-        self._snapshot.wait()
+        if self._saver is not None:
+            self._saver.snapshot.wait()
         pending = self._saves.pending()
         deadline = None if timeout is None else time.monotonic() + timeout
         for handle in pending:
@@ -400,58 +406,33 @@ class Checkpointer:
                 pass
 
     def close(self) -> None:
-        """Finish an overlapped copy, stop the bus client and unmap the slots (idempotent).
+        """Finish an overlapped copy and publish the `staged` events still on their way (for
+        up to their `save_retry_s` while NATS is down: a process that exits right after a
+        save loses nothing), then stop the bus client and unmap the slots (idempotent).
 
         Staged shards are not waited for: the node agent writes them out regardless.
         """
         if self._closed:
             return
         self._closed = True
+        saver, loader = self._saver, self._restore_loader
         try:
-            self._snapshot.wait()
-            self._bus.run(self._loader.written_back, timeout=None)  # a restore's NVMe write-back
-            self._bus.run(self._loader.aclose, timeout=30)
+            if saver is not None:
+                saver.snapshot.wait()
+            if not self._outbox.flush():
+                log.warning("staged_publish_abandoned", job=self.job, rank=self.rank)
+            if loader is not None:
+                self._bus.run(loader.written_back, timeout=None)  # a restore's NVMe write-back
+                self._bus.run(loader.aclose, timeout=30)
         finally:
-            self._snapshot.close()  # (an overlapped copy publishes before the bus closes)
+            if saver is not None:
+                saver.snapshot.close()  # (an overlapped copy hands off before the bus closes)
             self._bus.close()
-            self._pool.close()
+            if saver is not None:
+                saver.pool.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _local_group(
-    rank: int, world_size: int, local_rank: int | None, local_world_size: int | None
-) -> tuple[int, int]:
-    """(local rank, local world size): as given, else from torchrun's environment where both
-    are set and fit the world, else a node of its own (0, 1).
-
-    Raises:
-        ConfigError: the given values do not fit the world.
-    """
-    if local_rank is None and local_world_size is None:
-        env_rank, env_size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
-        if env_rank is None or env_size is None:
-            return 0, 1
-        local_rank, local_world_size = int(env_rank), int(env_size)
-        if not _fits(rank, world_size, local_rank, local_world_size):
-            log.warning("local_group_ignored", rank=rank, world_size=world_size,
-                        local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
-            return 0, 1
-        return local_rank, local_world_size
-    local_rank = 0 if local_rank is None else local_rank
-    local_world_size = 1 if local_world_size is None else local_world_size
-    if not _fits(rank, world_size, local_rank, local_world_size):
-        raise ConfigError(
-            f"local rank {local_rank} of {local_world_size} does not fit rank {rank} of "
-            f"world size {world_size}"
-        )
-    return local_rank, local_world_size
-
-
-def _fits(rank: int, world_size: int, local_rank: int, local_world_size: int) -> bool:
-    first = rank - local_rank
-    return 0 <= local_rank < local_world_size and 0 <= first <= world_size - local_world_size

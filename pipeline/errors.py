@@ -17,6 +17,7 @@ __all__ = (
     "IntegrityError",
     "InvalidNameError",
     "LeaseLostError",
+    "MissingCredentialError",
     "NoCheckpointError",
     "NoSpaceError",
     "PermanentError",
@@ -142,15 +143,19 @@ class NoSpaceError(RetryableError):
 class SlotTimeoutError(TierpipeError, TimeoutError):
     """No staging slot became free in time (policy `wait`)."""
 
-    def __init__(self, job: str, rank: int, timeout_s: float, busy: list[int]) -> None:
+    def __init__(
+        self, job: str, rank: int, timeout_s: float, busy: list[int], *, why: str = ""
+    ) -> None:
         self.job = job
         self.rank = rank
         self.timeout_s = timeout_s
         self.busy = busy
+        #: Why the slots stay busy, as far as the trainer could see ("": not known).
+        self.why = why
         super().__init__(
             f"no free staging slot for job {job!r} rank {rank} within {timeout_s:g} s "
-            f"(slots hold unreleased steps {busy}); is this node's agent running "
-            "(`tierpipe worker all`)?"
+            f"(slots hold unreleased steps {busy}): "
+            + (why or "is this node's agent running (`tierpipe worker all`)?")
         )
 
 
@@ -199,6 +204,20 @@ class StaleStepError(ConfigError):
 
 class StorageAuthError(PermanentError):
     """The object store refused the request: credentials, permissions or a missing bucket."""
+
+
+class MissingCredentialError(StorageAuthError):
+    """No credential for the object store was found anywhere (a configuration gap, not an
+    outage: the store was never asked)."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"missing credential for the object store ({detail}): set s3_access_key_id and "
+            "s3_secret_access_key (TIERPIPE_S3_ACCESS_KEY_ID / TIERPIPE_S3_SECRET_ACCESS_KEY, "
+            "which `tierpipe up` writes to .tierpipe/env), AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, a profile or an instance role"
+        )
 
 
 class StorageUnsupportedError(StorageAuthError):

@@ -174,6 +174,9 @@ class Saves:
         self._newest = newest
         self._lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}
+        #: step -> the agent's newest retryable failure report of that save (NVMe full, an
+        #: outage), until the save ends: what a wait for its slot names.
+        self._troubles: dict[int, StageFailed] = {}
 
     def start(self, step: int) -> SaveHandle:
         """The handle of a save whose copy begins."""
@@ -220,6 +223,7 @@ class Saves:
             step=handle.step,
             rank=self.rank,
             error=str(error) or type(error).__name__,
+            error_type=type(error).__name__,
         )
         handle._fail(error)
         with self._lock:
@@ -242,8 +246,12 @@ class Saves:
         step = event.step
         with self._lock:
             handle = self._handles.get(step)
-            if handle is not None and _terminal(event):
-                self._handles.pop(step, None)
+            if _terminal(event):
+                self._troubles.pop(step, None)
+                if handle is not None:
+                    self._handles.pop(step, None)
+            elif isinstance(event, StageFailed) and len(self._troubles) < 64:
+                self._troubles[step] = event  # (retryable: the agent keeps trying)
         if handle is not None:
             handle._on_event(event)
 
@@ -260,6 +268,11 @@ class Saves:
                 and event.epoch == self.epoch
             ):
                 handle._on_event(event)
+
+    def troubles(self) -> dict[int, StageFailed]:
+        """step -> the agent's newest retryable failure report of a save not over yet."""
+        with self._lock:
+            return dict(self._troubles)
 
     def pending(self) -> list[SaveHandle]:
         """The handles of the saves neither verified nor failed yet."""

@@ -49,6 +49,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
 from tierpipe import metrics
+from tierpipe.advert import advertise
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
@@ -474,6 +475,13 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))
+            # The node's trainers learn from it that an agent serves them, and where it keeps
+            # their copies (`tierpipe.advert`).
+            tg.start_soon(
+                functools.partial(advertise, node=node, stages=[s.STAGE for s in stages]),
+                settings,
+                bus,
+            )
             async for signum in signals:
                 log.info("agent_stopping", signal=signal.Signals(signum).name)
                 drain.begin()

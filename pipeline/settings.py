@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,9 +20,10 @@ import msgspec
 
 from tierpipe.errors import ConfigError
 
-__all__ = ("SECRET_FIELDS", "Settings", "load_settings")
+__all__ = ("SECRET_FIELDS", "Settings", "explicit_fields", "load_settings")
 
 SlotPolicy = Literal["wait", "skip"]
+SaveErrors = Literal["report", "raise"]
 
 _ENV_PREFIX = "TIERPIPE_"
 #: Fields whose values are secrets: redacted in every repr and log line.
@@ -38,7 +40,7 @@ _PATH_FIELDS = (
 )
 
 
-class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, weakref=True):
     """Everything configurable, with defaults that work on one machine with no setup."""
 
     # --- NATS / JetStream
@@ -93,6 +95,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agent_lock_timeout_s: float = 60.0
     #: Fault injection for tests: the agent SIGKILLs itself at this named point ("" : never).
     fault_point: str = ""
+    #: How often an agent stores its node's record (`tierpipe.advert`: its roots and store, for
+    #: the trainers of its node). A record three of these old counts as no agent.
+    node_heartbeat_s: float = 10.0
 
     # --- node identity and tiers
     #: This node's name; None: the host name's first label.
@@ -174,6 +179,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     slot_policy: SlotPolicy = "wait"
     slot_wait_timeout_s: float = 300.0
     publish_timeout_s: float = 10.0
+    #: A save whose `staged` event NATS did not take: "report" (as DCP's async_save: the error
+    #: goes to the save's handle and the log, its slot is freed, training goes on) or "raise"
+    #: (a blocking save() raises it after one try of publish_timeout_s).
+    save_errors: SaveErrors = "report"
+    #: How long "report" retries a save's `staged` event (NATS down or stalled) in the
+    #: background before the save counts as failed; the bytes wait in shared memory meanwhile.
+    #: At most duplicate_window_s - publish_timeout_s (every retry must be the same event).
+    save_retry_s: float = 60.0
+    #: A wait for a staging slot or for the other ranks of a restore warns after this long
+    #: (what it waits for, and why), and again every this long while it lasts.
+    wait_warning_s: float = 5.0
 
     # --- logging
     log_level: str = "info"
@@ -185,7 +201,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if value is not None:
                 msgspec.structs.force_setattr(self, name, os.path.abspath(value))
         _check(self.stream and all(c not in self.stream for c in ".*> "), "stream", self.stream)
-        for name in ("ack_wait_s", "retry_base_s", "retry_max_s", "publish_timeout_s"):
+        for name in (
+            "ack_wait_s", "retry_base_s", "retry_max_s", "publish_timeout_s", "wait_warning_s",
+            "node_heartbeat_s",
+        ):  # fmt: skip
             _check(getattr(self, name) > 0, name, getattr(self, name))
         for name in ("max_deliver", "max_ack_pending", "staging_slots", "io_queue_depth"):
             _check(getattr(self, name) >= 1, name, getattr(self, name))
@@ -224,6 +243,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             self.s3_max_concurrent_requests,
         )
         _check(self.s3_throttle_retries >= 0, "s3_throttle_retries", self.s3_throttle_retries)
+        _check(self.save_retry_s >= 0, "save_retry_s", self.save_retry_s)
         _check(self.restore_timeout_s > 0, "restore_timeout_s", self.restore_timeout_s)
         _check(self.restore_plan_poll_s > 0, "restore_plan_poll_s", self.restore_plan_poll_s)
         _check(
@@ -309,23 +329,52 @@ def load_settings(
     """
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
+    explicit = set(explicit_fields(base)) if base is not None else set()
     path = path if path is not None else env.get("TIERPIPE_CONFIG")
     if path:
         try:
-            values.update(tomllib.loads(Path(path).read_text()))
+            from_file = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read settings file {path}: {e}") from e
+        values.update(from_file)
+        explicit.update(from_file)
     fields = set(Settings.__struct_fields__)
     for key, raw in env.items():
         if key.startswith(_ENV_PREFIX) and key != "TIERPIPE_CONFIG":
             name = key[len(_ENV_PREFIX) :].lower()
             if name in fields:
                 values[name] = _from_env(name, raw)
+                explicit.add(name)
     values.update({k: v for k, v in overrides.items()})
+    explicit.update(overrides)
     try:
-        return msgspec.convert(values, Settings, strict=False)
+        settings = msgspec.convert(values, Settings, strict=False)
     except (msgspec.ValidationError, ValueError) as e:
         raise ConfigError(f"invalid settings: {e}") from e
+    _explicit[id(settings)] = frozenset(explicit & fields)
+    weakref.finalize(settings, _explicit.pop, id(settings), None)
+    return settings
+
+
+#: id(settings) -> the fields its file, environment or arguments set (`load_settings`).
+_explicit: dict[int, frozenset[str]] = {}
+
+
+def explicit_fields(settings: Settings) -> frozenset[str]:
+    """The fields `settings` were given rather than took as defaults: set by the TOML file,
+    a `TIERPIPE_*` variable or an argument of `load_settings` (or `replace`). Settings built
+    directly (`Settings(...)`) count every field that differs from its default."""
+    found = _explicit.get(id(settings))
+    if found is not None:
+        return found
+    return frozenset(
+        name
+        for name, default in zip(
+            Settings.__struct_fields__, Settings.__struct_defaults__, strict=True
+        )
+        if getattr(settings, name)
+        != (os.path.abspath(default) if name in _PATH_FIELDS and default else default)
+    )
 
 
 def _from_env(name: str, raw: str) -> Any:

@@ -29,7 +29,7 @@ import mmap
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -191,8 +191,15 @@ class SlotPool:
         """slot index -> unreleased step."""
         return {slot: step for slot, step in markers(self.dir)}
 
-    def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
-        """A free slot; with `wait`, poll until one frees up or `timeout_s` passes.
+    def acquire(
+        self,
+        *,
+        wait: bool,
+        timeout_s: float,
+        waiting: Callable[[list[int]], None] | None = None,
+    ) -> Slot | None:
+        """A free slot; with `wait`, poll until one frees up or `timeout_s` passes, calling
+        `waiting` with the busy slots' steps at each poll (it decides when to say so).
 
         Raises:
             SlotTimeoutError: `wait` and no slot freed up in time.
@@ -208,6 +215,8 @@ class SlotPool:
                 return None
             if time.monotonic() >= deadline:
                 raise SlotTimeoutError(self.job, self.rank, timeout_s, sorted(busy.values()))
+            if waiting is not None:
+                waiting(sorted(busy.values()))
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 

@@ -123,13 +123,20 @@ class Snapshot:
             if slot.index not in busy:
                 self._image(slot, plan.nbytes, device=_first(plan.cuda_devices))
 
-    def acquire(self, *, wait: bool, timeout_s: float) -> Slot | None:
-        """A free slot (None: none free and `wait` is False).
+    def acquire(
+        self,
+        *,
+        wait: bool,
+        timeout_s: float,
+        waiting: Callable[[list[int]], None] | None = None,
+    ) -> Slot | None:
+        """A free slot (None: none free and `wait` is False); `waiting` is called with the busy
+        slots' steps while it waits (see `SlotPool.acquire`).
 
         Raises:
             SlotTimeoutError: `wait` and no slot freed up within `timeout_s`.
         """
-        return self.pool.acquire(wait=wait, timeout_s=timeout_s)
+        return self.pool.acquire(wait=wait, timeout_s=timeout_s, waiting=waiting)
 
     def prepare(self, slot: Slot, plan: StatePlan) -> StagedCopy:
         """Map `slot` with room for `plan`, bump its generation, then write the image's head;

@@ -109,18 +109,25 @@ def test_a_killed_coordinator_is_replaced_and_nothing_is_lost(
 
 
 def test_a_trainers_keep_reaches_the_kv(settings: Settings, job: str) -> None:
-    """`Checkpointer(keep=...)` stores the job's policy; without it, the defaults."""
+    """`Checkpointer(keep=...)` stores the job's policy with its first save; without it, the
+    defaults."""
+    import torch
+
     from tierpipe import Checkpointer
 
+    def first_save(c: Checkpointer) -> None:
+        with c:
+            c.save(1, {"w": torch.ones(4)}).wait_staged(timeout=30)
+
     keep = Keep(nvme_keep_latest_k=5, s3_keep_latest_k=7, s3_keep_period=100)
-    Checkpointer(job, rank=0, world_size=1, settings=settings, keep=keep).close()
+    first_save(Checkpointer(job, rank=0, world_size=1, settings=settings, keep=keep))
 
     async def stored(j: str) -> Keep | None:
         async with Bus(settings) as bus:
             return await (await JobStore(bus.js, settings).open()).keep(j)
 
     assert anyio.run(stored, job) == keep
-    Checkpointer(f"{job}-2", rank=0, world_size=1, settings=settings).close()
+    first_save(Checkpointer(f"{job}-2", rank=0, world_size=1, settings=settings))
     assert anyio.run(stored, f"{job}-2") == Keep(
         nvme_keep_latest_k=settings.nvme_keep_latest_k, s3_keep_latest_k=settings.s3_keep_latest_k
     )

@@ -182,7 +182,7 @@ def test_flipped_byte_is_caught_and_not_verified(
     and the shard is never marked verified (no staging copy left to rewrite from)."""
     written, _ = _write_only(ckpt, agent, settings)
     _flip_data_byte(written.path)
-    for marker in ckpt._pool.dir.glob("slot-*.step-*"):
+    for marker in (Path(settings.staging_root) / job / "rank-00000").glob("slot-*.step-*"):
         marker.unlink()  # the staging copy is gone
     agent("verify")
     failed = events.wait_for(
@@ -223,6 +223,7 @@ def test_malformed_message_is_terminated_and_worker_keeps_serving(
 
     async def publish_garbage() -> int:
         async with Bus(settings) as bus:
+            await bus.ensure_stream(job)  # (a Checkpointer makes it with its first save)
             ack = await bus.js.publish(
                 subject, b"{not json", stream=stream_name(settings.stream, job)
             )

@@ -57,6 +57,13 @@ def save_steps(settings: Settings, job: str, world: int, steps: list[int], event
     return saved
 
 
+def start_job(settings: Settings, job: str, world: int) -> None:
+    """Make `job` (of `world` ranks) with a save of rank 0 that no agent takes: the job has
+    state, and nothing restorable."""
+    with Checkpointer(job, rank=0, world_size=world, settings=settings) as c:
+        c.save(1, {"w": torch.ones(4)}).wait_staged(timeout=30)
+
+
 def restore_all(settings: Settings, job: str, world: int, **kw: object) -> list:
     """Every rank restores concurrently (as after a restart); returns their results."""
 
@@ -244,6 +251,7 @@ def test_every_rank_gives_up_at_once_when_rank_0_finds_nothing(
 ) -> None:
     """With nothing to restore, rank 0 tells the others instead of letting them time out."""
     s = settings.replace(restore_timeout_s=60.0)
+    start_job(s, job, 2)  # (a job without any state is refused by every rank at once)
     t0 = time.monotonic()
 
     def one(rank: int) -> str:
@@ -267,6 +275,7 @@ def test_a_rank_left_alone_times_out_saying_what_it_waited_for(
     """A rank whose peers never show up gives up at the restore deadline: rank 0 waiting for
     their reports, another rank for rank 0's plan."""
     s = settings.replace(restore_timeout_s=2.0)
+    start_job(s, job, 2)
     t0 = time.monotonic()
     with (
         Checkpointer(job, rank=rank, world_size=2, settings=s) as c,
@@ -302,7 +311,8 @@ def test_ranks_agree_through_torch_distributed_when_initialised(
 def test_every_rank_of_a_torch_distributed_job_gets_rank_0s_error(
     settings: Settings, job: str, tmp_path: Path
 ) -> None:
-    """Nothing saved: rank 0's NoCheckpointError reaches the other rank by broadcast."""
+    """Nothing restorable: rank 0's NoCheckpointError reaches the other rank by broadcast."""
+    start_job(settings, job, 2)
     results = run_gloo_ranks(settings, job, 2, tmp_path)
     assert [r["error"] for r in results] == ["NoCheckpointError"] * 2
     assert results[1]["message"].startswith("rank 0: ")

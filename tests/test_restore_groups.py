@@ -260,9 +260,10 @@ def test_ranks_other_than_0_start_and_read_the_job_state_without_jetstream_api_r
     """Every rank's start once asked JetStream for the stream's and the bucket's info: at
     80,000 ranks, 160,000 API requests in a burst, where the server queues 10,000 by default
     (`request_queue_limit`) and drops the rest (the ranks time out). Rank 0 makes sure the
-    stream and the bucket exist; the others bind them as they are, and their KV reads are
-    direct gets (not API requests)."""
-    Checkpointer(job, rank=0, world_size=4, settings=settings).close()
+    stream and the bucket exist (with its first save: opening a job creates nothing); the
+    others bind them as they are, and their KV reads are direct gets (not API requests)."""
+    with Checkpointer(job, rank=0, world_size=4, settings=settings) as first:
+        first.save(1, {"w": torch.ones(4)}).wait_staged(timeout=30)
     before = _api_requests(nats_server)
     for rank in (1, 2, 3):
         with Checkpointer(job, rank=rank, world_size=4, settings=settings) as ckpt:

@@ -372,7 +372,7 @@ def test_permanently_failed_save_releases_its_slot(
             lambda e: isinstance(e, ShardEvicted) and e.tier == "ram" and e.step == 1,
             kind="evicted",
         )
-        assert ckpt._pool.busy() == {}
+        assert ckpt._local().pool.busy() == {}
     failing.stop()
     agent()
     with Checkpointer(job, rank=0, world_size=1, settings=s) as ckpt:
@@ -389,9 +389,10 @@ def test_new_trainer_reclaims_the_marker_of_a_verified_step(
     agent("nvme-write", "verify")  # no evict stage: nobody releases the slot
     with Checkpointer(job, rank=0, world_size=1, settings=settings) as ckpt:
         ckpt.save(1, {"a": torch.ones(8)}).result(timeout=30)
-        assert list(ckpt._pool.busy().values()) == [1]
+        assert list(ckpt._local().pool.busy().values()) == [1]
     with capture_logs() as logs, Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
-        assert c._pool.busy() == {}
+        c.save(2, {"a": torch.ones(8)}).wait_staged(timeout=30)  # (its first save reclaims)
+        assert list(c._local().pool.busy().values()) == [2]
     (entry,) = [e for e in logs if e["event"] == "staging_markers_reclaimed"]
     assert entry["steps"] == [1] and entry["reasons"] == ["verified"]
 
@@ -446,7 +447,7 @@ def test_writer_killed_at_a_commit_point_is_completed_by_the_next(
         verified = handle.result(timeout=60)
         assert isinstance(verified, ShardVerified)
         events.wait_for(lambda e: isinstance(e, ShardEvicted) and e.tier == "ram", kind="evicted")
-        assert ckpt._pool.busy() == {}
+        assert ckpt._local().pool.busy() == {}
     final = final_path(s, job, 1)
     assert sorted(p.name for p in final.parent.iterdir()) == [final.name]
     _, saved = load_shard(final)

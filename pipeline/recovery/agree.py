@@ -35,7 +35,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,6 +76,7 @@ from tierpipe.schemas import (
 )
 from tierpipe.settings import Settings
 from tierpipe.storage.s3 import S3Store
+from tierpipe.waits import Reminder, missing_ranks
 
 __all__ = ("Restored", "Restorer")
 
@@ -350,11 +351,16 @@ class Restorer:
         jitter = random.random()  # noqa: S311 (spreading reads, not secrets)
         first = self._plan_poll_s * (1.0 if self.group else 1.0 + jitter)
         poll_at, every = time.monotonic() + first, self._plan_poll_s
+        reminder = Reminder(self.settings.wait_warning_s)
         while True:
-            live = await plans.next(min(poll_at, self._deadline) - time.monotonic())
+            live = await plans.next(
+                min(poll_at, self._deadline, reminder.next_at) - time.monotonic()
+            )
             got: tuple[RecoveryPlanned, int | None] | None = None
             if live is not None:
                 got = (live, None)
+            elif reminder.due():
+                self._still_waiting(reminder, "rank 0's plan" if held is None else "rank 0's word")
             elif time.monotonic() >= self._deadline:
                 raise RestoreTimeoutError(
                     self.job, self.restart, self.settings.restore_timeout_s, "no plan from rank 0"
@@ -502,28 +508,49 @@ class Restorer:
 
         for s in list(newest.values()):
             note(s)
+        reminder = Reminder(self.settings.wait_warning_s)
         while len(ranks) < self.world_size:
-            note(await self._next(watch, f"{len(ranks)} of {self.world_size} ranks reported"))
+            waiting = f"{len(ranks)} of {self.world_size} ranks reported"
+            note(await self._next(watch, waiting, reminder, lambda: list(ranks)))
         by_subject: dict[str, RestoreReport] = {}
         for subject, s in found.items():
             assert isinstance(s.event, RestoreReport)
             by_subject[subject] = s.event
         return by_subject
 
-    async def _next(self, watch: Watch, waiting_for: str) -> Stored:
-        """The watch's next message (one already there even past the deadline).
+    async def _next(
+        self, watch: Watch, waiting_for: str, reminder: Reminder, reported: Callable[[], list[int]]
+    ) -> Stored:
+        """The watch's next message (one already there even past the deadline); warns every
+        `reminder` naming the ranks not `reported` yet.
 
         Raises:
             RestoreTimeoutError: none came before the restore's deadline.
         """
         while True:
-            stored = await watch.next(self._deadline - time.monotonic())
+            stored = await watch.next(min(self._deadline, reminder.next_at) - time.monotonic())
             if stored is not None:
                 return stored
             if time.monotonic() > self._deadline:
                 raise RestoreTimeoutError(
                     self.job, self.restart, self.settings.restore_timeout_s, waiting_for
                 )
+            if reminder.due():
+                self._still_waiting(
+                    reminder, waiting_for, missing_ranks(reported(), self.world_size)
+                )
+
+    def _still_waiting(
+        self, reminder: Reminder, waiting_for: str, missing: Iterable[int] = ()
+    ) -> None:
+        """Warn that this restore still waits (see `tierpipe.waits`)."""
+        log.warning(
+            "restore_wait_continued", job=self.job, rank=self.rank, restart=self.restart,
+            waiting_for=waiting_for, missing_ranks=list(missing), waited_s=reminder.waited_s,
+            timeout_s=self.settings.restore_timeout_s,
+            hint="every rank of the job must call restore(): one that never does (not started, "
+            "crashed, another job name or world size) holds the others until the timeout",
+        )  # fmt: skip
 
     def _planned(
         self, round_: int, plan: Choice | None, *, final: bool, error: str = ""

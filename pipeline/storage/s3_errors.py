@@ -1,7 +1,8 @@
 """Where botocore's exceptions stop: the object store's failures in the project's error tree.
 
 Every S3 call runs inside `translate_errors(key)`: a refusal of credentials or a missing bucket
-is `StorageAuthError` (permanent), a failed write-once condition `StorageConflictError`, a
+is `StorageAuthError` (permanent), no credential at all its leaf `MissingCredentialError` (the
+store was never asked: not an outage), a failed write-once condition `StorageConflictError`, a
 request the store does not implement `StorageUnsupportedError`, an outage or timeout
 `StorageUnavailableError` (retryable), each with botocore's exception kept as the cause; a
 throttling reply (503 `SlowDown` and kin) is its subclass `Throttled`, which `s3_retry` backs off
@@ -17,9 +18,15 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import anyio
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 
 from tierpipe.errors import (
+    MissingCredentialError,
     ShardMissingError,
     StorageAuthError,
     StorageConflictError,
@@ -96,6 +103,8 @@ async def translate_errors(key: str) -> AsyncIterator[None]:
         raise StorageAuthError(
             f"object store refused a request on {key} ({code}): {message}"
         ) from e
+    except (NoCredentialsError, PartialCredentialsError) as e:
+        raise MissingCredentialError(str(e)) from e  # (the store was never asked)
     except (BotoCoreError, OSError, TimeoutError, aiohttp.ClientError) as e:
         raise StorageUnavailableError(f"object store unreachable ({type(e).__name__}): {e}") from e
 
