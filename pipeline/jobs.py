@@ -5,8 +5,9 @@ A `Checkpointer` connects and listens when it opens, and creates nothing: the jo
 retention policy in KV (which makes the coordinators take it up) and its staging folder (which
 makes the node's agent serve it) come with the first save (`open_job`, and the staging slots).
 `latest_step()` and `restore()` of a job that has no state (`has_state`: no policy or head
-in KV, no event in its stream) create nothing either; they name the jobs whose names are close (`similar_jobs`), since
-a typo in a job name would otherwise start training from scratch without a word. Also here:
+in KV, no event in its stream) create nothing either; they name the jobs whose names are close
+(`similar_jobs`), since a typo in a job name would otherwise start training from scratch
+without a word. Also here:
 what counts as a step (`as_step`), and a rank's place among its node's (`local_group`).
 """
 
