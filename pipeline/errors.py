@@ -14,6 +14,7 @@ __all__ = (
     "BusError",
     "BusUnavailableError",
     "ConfigError",
+    "DuplicateEventError",
     "IntegrityError",
     "InvalidNameError",
     "LeaseLostError",
@@ -282,3 +283,17 @@ class LeaseLostError(BusError):
         self.job = job
         self.key = key
         super().__init__(f"lost the coordinator lease of job {job!r} ({key} changed under it)")
+
+
+class DuplicateEventError(PermanentError):
+    """The server dropped an event as a duplicate of an earlier one with the same message id
+    (within its duplicate window), where nothing else will report it: a stage downstream would
+    never see that copy, so the save (or repair) fails for good and its staging slot goes back."""
+
+    def __init__(self, kind: str, msg_id: str) -> None:
+        self.kind = kind
+        self.msg_id = msg_id
+        super().__init__(
+            f"the server dropped this {kind} event ({msg_id}) as a duplicate of an earlier one "
+            "within its duplicate window: nothing downstream would see it"
+        )
