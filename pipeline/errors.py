@@ -17,6 +17,8 @@ __all__ = (
     "DuplicateEventError",
     "IntegrityError",
     "InvalidNameError",
+    "JobBusyError",
+    "JobStateMissingError",
     "LeaseLostError",
     "NoCheckpointError",
     "NoSpaceError",
@@ -296,4 +298,29 @@ class DuplicateEventError(PermanentError):
         super().__init__(
             f"the server dropped this {kind} event ({msg_id}) as a duplicate of an earlier one "
             "within its duplicate window: nothing downstream would see it"
+        )
+
+
+class JobStateMissingError(ConfigError):
+    """The job has no state in KV (lost, or never written): what judges what a job keeps is
+    missing, so nothing is removed on its say."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        super().__init__(
+            f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
+            f"without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
+        )
+
+
+class JobBusyError(ConfigError):
+    """A job is still in use (its coordinator's lease is live, or it had events lately): it is
+    not deleted unless forced."""
+
+    def __init__(self, job: str, reasons: list[str]) -> None:
+        self.job = job
+        self.reasons = reasons
+        super().__init__(
+            f"job {job!r} looks in use ({'; '.join(reasons)}): not deleted (--force deletes "
+            "it anyway)"
         )
