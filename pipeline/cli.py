@@ -343,19 +343,21 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "ls":
             return _ls(settings, as_json=args.json)
-        case "gc" | "rm":
+        case "gc":
             from tierpipe.retention.gc import gc
+
+            job = validate_token("job", args.job)
+            found = anyio.run(lambda: gc(settings, job, apply=args.apply, min_age_s=args.min_age_s))
+            print("\n".join(found.json_lines() if args.json else found.lines()))
+            return 0
+        case "rm":
             from tierpipe.retention.rm import rm
 
             job = validate_token("job", args.job)
-            report = anyio.run(
-                lambda: (
-                    gc(settings, job, apply=args.apply, min_age_s=args.min_age_s)
-                    if args.command == "gc"
-                    else rm(settings, job, apply=args.apply, force=args.force, idle_s=args.idle_s)
-                )
+            gone = anyio.run(
+                lambda: rm(settings, job, apply=args.apply, force=args.force, idle_s=args.idle_s)
             )
-            print("\n".join(report.json_lines() if args.json else report.lines()))
+            print("\n".join(gone.json_lines() if args.json else gone.lines()))
             return 0
         case "prefetch":
             from tierpipe.recovery.prefetch import prefetch

@@ -108,9 +108,9 @@ class Stage(Protocol):
 
 
 #: Outputs another stage must act on (verify on `written`; evict, which frees the save's
-#: staging slot, and flush on `verified`): one the server drops as a duplicate on a message's
-#: first delivery was never seen by anyone, so the message fails for good instead (a
-#: `DuplicateEventError`, whose `failed` event frees the slot).
+#: staging slot, and flush on `verified`): one the server drops as a duplicate on the first
+#: delivery of a message of its own (not a batch) was never seen by anyone, so the message
+#: fails for good instead (a `DuplicateEventError`, whose `failed` event frees the slot).
 _HANDED_ON = (ShardWritten, ShardVerified)
 #: During an outage, a retryable `failed` event is published at most this often per message.
 OUTAGE_REPORT_EVERY_S = 60.0
@@ -311,7 +311,10 @@ class _Worker:
         tries = attempt
         published: list[str] = []
         sent: set[str] = set()  # (the ids of this delivery's publishes, over its tries)
-        error = await self._run(msg, event, tries, published, sent, first=attempt == 1)
+        # Seen for the first time: the first delivery of a message of its own (an event of a
+        # node's batch may come again in another batch, its outputs published already).
+        first = attempt == 1 and settle
+        error = await self._run(msg, event, tries, published, sent, first=first)
         outage = 0
         reported = -OUTAGE_REPORT_EVERY_S
         while isinstance(error, UnavailableError):
@@ -332,7 +335,7 @@ class _Worker:
             if self.drain.stopping:
                 continue  # handed back above
             tries += 1
-            error = await self._run(msg, event, tries, published, sent, first=attempt == 1)
+            error = await self._run(msg, event, tries, published, sent, first=first)
         if error is None:
             return "done", {"attempt": tries, "published": published}
         if not isinstance(error, PermanentError | RetryableError):

@@ -7,15 +7,10 @@
   never wait behind retention work.
 - The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.kvstate`) and
   applies them to every copy on its disk, with or without events about it
-  (`tierpipe.retention.kept.nvme_fate`): below the NVMe floor, a copy goes once it is in object
-  storage, on evidence about this very copy (this node's `flushed` of the same header digest,
-  or the step's record with the rank in `s3` and the rank's digest the copy's); one not there
-  yet stays while object storage keeps its step, and goes as "not kept" once the job keeps the
-  step on no tier (its upload is then never started or is withdrawn, see the flush stage). All
-  go at once when the job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the
-  floors keep (the newest complete ones, those a restore reads) stay whatever the floors say.
-  Below `nvme_min_free_bytes` free, the oldest copies in object storage go first, kept steps
-  excepted.
+  (`tierpipe.retention.kept`): below the NVMe floor a copy goes once that very copy is in
+  object storage, or as "not kept" once the job keeps its step on no tier; all at once when
+  the job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the floors keep stay.
+  Below `nvme_min_free_bytes` free, the oldest copies in object storage go first.
 - Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
   by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
   objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
@@ -268,10 +263,7 @@ class Evict:
                 if free >= need:
                     break
                 floors = self.floors.get(copy.job, Floors())
-                pinned = self.pins.steps(copy.job)
-                if copy.step in floors.keep or copy.step == newest[copy.job] or copy.step in pinned:
-                    continue
-                if self.pins.held(copy.job):
+                if copy.step in floors.keep or copy.step == newest[copy.job] or self._pinned(copy):
                     continue
                 if await self._in_s3(copy) and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
@@ -313,27 +305,26 @@ class Evict:
         and the evidence about it; "wait" while the job state cannot be read."""
         if keep.evict_unflushed:
             return "unflushed"
-        try:
-            rec, in_s3 = await self._evidence(copy)
-        except TierpipeError as e:
-            log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
+        found = await self._evidence(copy)
+        if found is None:
             return "wait"
-        return nvme_fate(copy.step, floors, keep, in_s3=in_s3, record=rec)
+        return nvme_fate(copy.step, floors, keep, in_s3=found[1], record=found[0])
 
     async def _in_s3(self, copy: LocalCopy) -> bool:
-        """Whether this very copy is in object storage (a job state that cannot be read is no
-        evidence)."""
+        """Whether this very copy is in object storage (an unreadable job state is none)."""
+        found = await self._evidence(copy)
+        return found is not None and found[1]
+
+    async def _evidence(self, copy: LocalCopy) -> tuple[StepRecord | None, bool] | None:
+        """`copy_evidence` for `copy`; None while the job state cannot be read."""
+        here = self.flushed_here.get((copy.job, copy.step, copy.rank))
         try:
-            return (await self._evidence(copy))[1]
+            return await copy_evidence(
+                self.store, copy.job, copy.step, copy.rank, copy.header_digest, flushed_here=here
+            )
         except TierpipeError as e:
             log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
-            return False
-
-    async def _evidence(self, copy: LocalCopy) -> tuple[StepRecord | None, bool]:
-        here = self.flushed_here.get((copy.job, copy.step, copy.rank))
-        return await copy_evidence(
-            self.store, copy.job, copy.step, copy.rank, copy.header_digest, flushed_here=here
-        )
+            return None
 
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await self.nvme.delete(copy.path, header_digest=copy.header_digest)

@@ -241,14 +241,14 @@ async def _objects_found(
         if head["LastModified"].timestamp() > cutoff:
             skipped.append(f"{location}: younger than the minimum age")
             continue
-        shard = None
+        identity = None
         if kind == "shard" and (k := objects.shard_of(key)) is not None:
             meta = head.get("Metadata", {})
             epoch = meta.get("tp-epoch", "0")
             digest = meta.get("tp-header-digest", "")
-            shard = (job, k.step, k.rank, k.world_size, int(epoch) if epoch.isdigit() else 0,
-                     digest)  # fmt: skip
-        found.append(Found("s3", kind, location, step, size, why, shard))
+            identity = (job, k.step, k.rank, k.world_size, int(epoch) if epoch.isdigit() else 0,
+                        digest)  # fmt: skip
+        found.append(Found("s3", kind, location, step, size, why, identity))
     return found
 
 

@@ -17,6 +17,7 @@ leaves a job whose state still names what is left, and running it again finishes
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -136,7 +137,7 @@ async def rm(
             for key in sorted(report.kv_keys, key=lambda k: not k.endswith(".keep")):
                 await store.kv.purge(key)  # (the policy first: coordinators follow it)
     for folder in (nvme_dir, staging_dir):
-        await anyio.to_thread.run_sync(lambda f=folder: shutil.rmtree(f, ignore_errors=True))
+        await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, folder, ignore_errors=True))
     log.info("job_removed", job=job, objects=len(report.objects), kv_keys=len(report.kv_keys),
              nvme_files=report.nvme[0], forced=bool(report.busy))  # fmt: skip
     return report
