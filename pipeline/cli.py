@@ -217,6 +217,32 @@ def main(argv: list[str] | None = None) -> int:
     prefetch.add_argument("--node", help="whose ranks (default: this node's)")
     prefetch.add_argument("--step", type=int, help="default: the newest complete in object storage")
 
+    gc = sub.add_parser(
+        "gc",
+        help="list (--apply: remove) a job's objects and this node's files no kept step owns",
+        description="Judges the job's objects (shards, COMMITs) and this node's NVMe files by "
+        "their step against the job state in KV: those of steps it keeps on no tier (below the "
+        "floors, or with no record) are listed with why; --apply removes them. Never a step the "
+        "floors keep, a step newer than any the job state knows, or anything younger than "
+        "--min-age-s. Refuses a job with no state in KV (`tierpipe reindex` rebuilds it).",
+    )
+    gc.add_argument("--job", required=True)
+    gc.add_argument("--apply", action="store_true", help="remove them (default: a dry run)")
+    gc.add_argument("--min-age-s", type=float, default=600.0, help="leave younger ones (600)")
+    gc.add_argument("--json", action="store_true", help="one JSON object per object or file")
+    rm = sub.add_parser(
+        "rm",
+        help="delete a job: stream, job-state keys, objects, this node's files (dry run first)",
+        description="Counts what of the job would go; --apply deletes it. Refuses a job in use "
+        "(a live coordinator lease, or an event younger than --idle-s) unless --force. Each "
+        "node's NVMe and staging files are its own: run it on every node that held copies.",
+    )
+    rm.add_argument("--job", required=True)
+    rm.add_argument("--apply", action="store_true", help="delete it (default: a dry run)")
+    rm.add_argument("--force", action="store_true", help="delete it even while in use")
+    rm.add_argument("--idle-s", type=float, default=600.0, help="in use if an event is younger")
+    rm.add_argument("--json", action="store_true", help="one JSON object")
+
     ls = sub.add_parser(
         "ls",
         help="every job: newest complete step per tier, fold lag, coordinator, last error",
@@ -321,6 +347,22 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "ls":
             return _ls(settings, as_json=args.json)
+        case "gc":
+            from tierpipe.retention.gc import gc
+
+            job = validate_token("job", args.job)
+            found = anyio.run(lambda: gc(settings, job, apply=args.apply, min_age_s=args.min_age_s))
+            print("\n".join(found.json_lines() if args.json else found.lines()))
+            return 0
+        case "rm":
+            from tierpipe.retention.rm import rm
+
+            job = validate_token("job", args.job)
+            gone = anyio.run(
+                lambda: rm(settings, job, apply=args.apply, force=args.force, idle_s=args.idle_s)
+            )
+            print("\n".join(gone.json_lines() if args.json else gone.lines()))
+            return 0
         case "prefetch":
             from tierpipe.recovery.prefetch import prefetch
 

@@ -14,8 +14,11 @@ __all__ = (
     "BusError",
     "BusUnavailableError",
     "ConfigError",
+    "DuplicateEventError",
     "IntegrityError",
     "InvalidNameError",
+    "JobBusyError",
+    "JobStateMissingError",
     "LeaseLostError",
     "MissingCredentialError",
     "NoCheckpointError",
@@ -320,4 +323,46 @@ class StoreMismatchError(ConfigError):
             f"job {job!r} keeps its objects in {bound}, but this agent's object store is {here} "
             "(settings s3_endpoint, s3_bucket, s3_prefix): it writes and deletes none of the "
             "job's objects"
+        )
+
+
+# --- retention and removal
+
+
+class DuplicateEventError(PermanentError):
+    """The server dropped an event as a duplicate of an earlier one with the same message id
+    (within its duplicate window), where nothing else will report it: a stage downstream would
+    never see that copy, so the save (or repair) fails for good and its staging slot goes back."""
+
+    def __init__(self, kind: str, msg_id: str) -> None:
+        self.kind = kind
+        self.msg_id = msg_id
+        super().__init__(
+            f"the server dropped this {kind} event ({msg_id}) as a duplicate of an earlier one "
+            "within its duplicate window: nothing downstream would see it"
+        )
+
+
+class JobStateMissingError(ConfigError):
+    """The job has no state in KV (lost, or never written): what judges what a job keeps is
+    missing, so nothing is removed on its say."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        super().__init__(
+            f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
+            f"without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
+        )
+
+
+class JobBusyError(ConfigError):
+    """A job is still in use (its coordinator's lease is live, or it had events lately): it is
+    not deleted unless forced."""
+
+    def __init__(self, job: str, reasons: list[str]) -> None:
+        self.job = job
+        self.reasons = reasons
+        super().__init__(
+            f"job {job!r} looks in use ({'; '.join(reasons)}): not deleted (--force deletes "
+            "it anyway)"
         )

@@ -202,8 +202,10 @@ def msg_id(event: Event) -> str:
             f"{event.attempt}"
         )
         # Two messages about one shard (a `verified` and a `failed`) failing in one stage are
-        # two reports; a redelivery of the same message at the same attempt is one.
-        return base if event.stream_seq is None else f"{base}/{event.stream_seq}"
+        # two reports; a redelivery of the same message at the same attempt is one. A report
+        # of no message (a restore finding a copy bad, verify's rewrite) is its own each time.
+        tail = round(event.ts * 1e6) if event.stream_seq is None else event.stream_seq
+        return f"{base}/{tail}"
     assert isinstance(event, ev.ShardEvent)
     base = f"{event.job}/{event.step}/{event.rank}/{_kind(event)}/{event.node}/{event.epoch}"
     if isinstance(event, ev.ShardEvicted):
@@ -212,6 +214,10 @@ def msg_id(event: Event) -> str:
         # Another save of the same step is new content, not a duplicate; so is a copy rewritten
         # after a restore found it bad.
         base = f"{base}/{event.header_digest[:12]}"
+        if not isinstance(event, ev.ShardFlushed) and event.staged_ts:
+            # A copy written again from a new staging (a second repair within the window) is
+            # new too; the same staging delivered again is not.
+            base = f"{base}/{round(event.staged_ts * 1e6)}"
     elif isinstance(event, ev.ShardStaged):
         base = f"{base}/{round(event.ts * 1e6)}"  # each save() is its own event
     origin = getattr(event, "origin", "save")

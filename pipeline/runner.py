@@ -53,7 +53,13 @@ from tierpipe.advert import advertise
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
-from tierpipe.errors import PermanentError, RetryableError, TierpipeError, UnavailableError
+from tierpipe.errors import (
+    DuplicateEventError,
+    PermanentError,
+    RetryableError,
+    TierpipeError,
+    UnavailableError,
+)
 from tierpipe.faults import maybe_die
 from tierpipe.kvstate import JobStore
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
@@ -63,6 +69,7 @@ from tierpipe.names import (
     event_subject,
     filter_subject,
     local_jobs,
+    msg_id,
     node_name,
     validate_token,
 )
@@ -71,6 +78,8 @@ from tierpipe.schemas import (
     NodeBatch,
     ShardEvent,
     ShardStaged,
+    ShardVerified,
+    ShardWritten,
     StageFailed,
     decode_event,
 )
@@ -99,6 +108,11 @@ class Stage(Protocol):
     def handle(self, ctx: Any, event: Any, attempt: int, /) -> Awaitable[Output]: ...
 
 
+#: Outputs another stage must act on (verify on `written`; evict, which frees the save's
+#: staging slot, and flush on `verified`): one the server drops as a duplicate on the first
+#: delivery of a message of its own (not a batch) was never seen by anyone, so the message
+#: fails for good instead (a `DuplicateEventError`, whose `failed` event frees the slot).
+_HANDED_ON = (ShardWritten, ShardVerified)
 #: During an outage, a retryable `failed` event is published at most this often per message.
 OUTAGE_REPORT_EVERY_S = 60.0
 #: How one message ended, with the fields of its canonical log line.
@@ -297,7 +311,11 @@ class _Worker:
         (success leaves the ack to the caller)."""
         tries = attempt
         published: list[str] = []
-        error = await self._run(msg, event, tries, published)
+        sent: set[str] = set()  # (the ids of this delivery's publishes, over its tries)
+        # Seen for the first time: the first delivery of a message of its own (an event of a
+        # node's batch may come again in another batch, its outputs published already).
+        first = attempt == 1 and settle
+        error = await self._run(msg, event, tries, published, sent, first=first)
         outage = 0
         reported = -OUTAGE_REPORT_EVERY_S
         while isinstance(error, UnavailableError):
@@ -318,7 +336,7 @@ class _Worker:
             if self.drain.stopping:
                 continue  # handed back above
             tries += 1
-            error = await self._run(msg, event, tries, published)
+            error = await self._run(msg, event, tries, published, sent, first=first)
         if error is None:
             return "done", {"attempt": tries, "published": published}
         if not isinstance(error, PermanentError | RetryableError):
@@ -330,16 +348,22 @@ class _Worker:
                                 settle=settle)  # fmt: skip
 
     async def _run(
-        self, msg: Msg, event: Event, tries: int, published: list[str]
-    ) -> BaseException | None:
-        """One try: the handler, then the events it returned (their kinds go to `published`),
-        under heartbeats."""
+        self, msg: Msg, event: Event, tries: int, published: list[str], sent: set[str], *,
+        first: bool,
+    ) -> BaseException | None:  # fmt: skip
+        """One try: the handler, then the events it returned (their kinds go to `published`,
+        their ids to `sent`), under heartbeats. `first`: the message's first delivery (an output
+        dropped as a duplicate then was not published by an earlier delivery of it)."""
         published.clear()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat, msg)
             try:
                 for output in _outputs(await self.handler(event, tries)):
-                    await self.bus.publish(output)
+                    fresh = (mid := msg_id(output)) not in sent
+                    sent.add(mid)
+                    done = await self.bus.publish(output)
+                    if done.duplicate and first and fresh and isinstance(output, _HANDED_ON):
+                        raise DuplicateEventError(str(type(output).__struct_config__.tag), mid)
                     self.batcher.add(output)
                     published.append(str(type(output).__struct_config__.tag))
             except Exception as e:

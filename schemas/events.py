@@ -138,6 +138,11 @@ class _NvmeCopy(ShardEvent, frozen=True, kw_only=True):
     seconds: float
     #: "restore": rewritten from a copy read back during a restore (see `ShardStaged.origin`).
     origin: Literal["save", "restore"] = "save"
+    #: The `ts` of the `staged` event this copy was written from (0: no staging wrote it, as
+    #: for `reindex` and `prefetch`). A copy written again from a new staging (a repair: a
+    #: restore's write-back, verify's rewrite of it) is a new fact, even with the same bytes;
+    #: the same staging delivered again is not (`tierpipe.names.msg_id`).
+    staged_ts: float = 0.0
 
 
 class ShardWritten(_NvmeCopy, frozen=True, kw_only=True, tag="written"):

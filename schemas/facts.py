@@ -80,6 +80,7 @@ class _NvmeFact(_ShardFact, frozen=True, kw_only=True):
     header_digest: Digest
     seconds: float
     origin: Literal["save", "restore"] = "save"
+    staged_ts: float = 0.0
 
 
 class WrittenFact(_NvmeFact, frozen=True, kw_only=True, tag="written"):

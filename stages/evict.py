@@ -6,11 +6,11 @@
   failure). These are the only events the stage consumes, and only this node's: slot releases
   never wait behind retention work.
 - The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.kvstate`) and
-  removes its own copies below the NVMe floor once they are in object storage (the object's
-  header digest is the file's; `floor_verdict`), or at once when the job keeps no unflushed
-  copies (`Keep.evict_unflushed`). A copy never flushed stays otherwise. The steps the floors
-  keep (the newest complete ones, those a restore reads) stay whatever the floors say. Below
-  `nvme_min_free_bytes` free, the oldest flushed copies go first, kept steps excepted.
+  applies them to every copy on its disk, with or without events about it
+  (`tierpipe.retention.kept`): below the NVMe floor a copy goes once that very copy is in
+  object storage, or as "not kept" once the job keeps its step on no tier; all at once when
+  the job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the floors keep stay.
+  Below `nvme_min_free_bytes` free, the oldest copies in object storage go first.
 - Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
   by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
   objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
@@ -37,19 +37,20 @@ from tierpipe.bus import Bus
 from tierpipe.coordinator import Coordinator, RestorePins
 from tierpipe.errors import ShardFormatError, TierpipeError
 from tierpipe.faults import maybe_fail
-from tierpipe.jobstate import has_rank
 from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import job_dirs, node_name, plan_subject, shard_relpath, shard_subject
+from tierpipe.retention.kept import REASONS, Fate, copy_evidence, nvme_fate
 from tierpipe.schemas import (
     Event,
     ShardEvicted,
+    ShardFlushed,
     ShardVerified,
     StageFailed,
     decode_event,
     shard_event,
 )
 from tierpipe.schemas.commit import CommitManifest
-from tierpipe.schemas.jobstate import Floors, Keep
+from tierpipe.schemas.jobstate import Floors, Keep, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
@@ -83,6 +84,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
         # node holds copies of: a plan pins nothing else here.)
         for subject in (plan_subject("*"), shard_subject("*", "restore", "*", 0)):
             await bus.subscribe(subject, evict.on_plan)
+        await evict.follow_flushed()
         for job in evict._local_jobs():
             for subject in (plan_subject(job), shard_subject(job, "restore", "*", 0)):
                 for _, event in await bus.latest(subject):
@@ -124,6 +126,9 @@ class Evict:
         self._registered: set[str] = set()
         #: Jobs with copies below a floor whose save was not in object storage yet.
         self._waiting: set[str] = set()
+        #: (job, step, rank) -> the header digest this node reported flushed since it started
+        #: (evidence that a copy is in object storage before the job state says so).
+        self.flushed_here: dict[tuple[str, int, int], str] = {}
         self.pins = RestorePins(settings.restore_timeout_s)
         self.coordinator = Coordinator(
             settings, bus, store, self.node, self.remove_objects, commit=self.commit_step
@@ -156,6 +161,16 @@ class Evict:
     async def on_plan(self, msg: Any) -> None:
         with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
             self.pins.note(decode_event(msg.data))
+
+    async def follow_flushed(self) -> None:
+        """Note this node's `flushed` events from now on (`flushed_here`)."""
+        await self.bus.subscribe(shard_subject("*", "flushed", self.node, "*"), self._on_flushed)
+
+    async def _on_flushed(self, msg: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            e = decode_event(msg.data)
+            if isinstance(e, ShardFlushed) and e.node == self.node:
+                self.flushed_here[(e.job, e.step, e.rank)] = e.header_digest
 
     # --- the RAM tier
 
@@ -210,21 +225,21 @@ class Evict:
         self._waiting.discard(job)
         async with self._lock:
             for copy in await anyio.to_thread.run_sync(self.local_copies, job):
-                verdict = floor_verdict(copy.step, floors, keep)
-                if verdict == "keep" or copy.step in self.pins.steps(job) or self.pins.held(job):
+                if floor_verdict(copy.step, floors, keep) == "keep" or self._pinned(copy):
                     continue
-                if verdict == "if-flushed":
-                    if not await self._flushed(copy, floors):
-                        self._waiting.add(job)  # not in object storage yet: looked at again
-                        continue
+                fate = await self._fate(copy, floors, keep)
+                if fate in ("keep", "wait"):
+                    self._waiting.add(job)  # not in object storage yet: looked at again
+                    continue
+                if fate == "flushed":
                     # Floors as new as the record: the flush that completed the step in object
                     # storage may have made it the newest there, which keeps it.
                     floors = self.floors[job] = await self.store.floors(job)
                     if floor_verdict(copy.step, floors, keep) == "keep":
                         continue
-                if copy.step in self.pins.steps(job) or self.pins.held(job):
+                if self._pinned(copy):
                     continue  # (a restore began meanwhile)
-                if await self._remove(copy, f"retention ({verdict})"):
+                if await self._remove(copy, REASONS[fate]):
                     removed.append(copy)
             await self.batcher.flush()
         return removed
@@ -248,12 +263,9 @@ class Evict:
                 if free >= need:
                     break
                 floors = self.floors.get(copy.job, Floors())
-                pinned = self.pins.steps(copy.job)
-                if copy.step in floors.keep or copy.step == newest[copy.job] or copy.step in pinned:
+                if copy.step in floors.keep or copy.step == newest[copy.job] or self._pinned(copy):
                     continue
-                if self.pins.held(copy.job):
-                    continue
-                if await self._flushed(copy, floors) and await self._remove(copy, "disk pressure"):
+                if await self._in_s3(copy) and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
                     free += copy.nbytes
             await self.batcher.flush()
@@ -284,24 +296,40 @@ class Evict:
             )  # fmt: skip
         return out
 
-    async def _flushed(self, copy: LocalCopy, floors: Floors) -> bool:
-        """The job's state counts the copy's shard as in object storage: the step's record has
-        the copy's rank in `s3` (a save a rewind superseded never counts there), or the step
-        left the job state below both floors (which it does only once every NVMe copy of it
-        reached object storage). The record is written before the floors that follow from it,
-        so floors read after it are at least as new."""
+    def _pinned(self, copy: LocalCopy) -> bool:
+        """A restore reads the copy's step, or is planning (retention holds still)."""
+        return copy.step in self.pins.steps(copy.job) or self.pins.held(copy.job)
+
+    async def _fate(self, copy: LocalCopy, floors: Floors, keep: Keep) -> Fate:
+        """What becomes of a copy below the NVMe floor (`nvme_fate`), from its step's record
+        and the evidence about it; "wait" while the job state cannot be read."""
+        if keep.evict_unflushed:
+            return "unflushed"
+        found = await self._evidence(copy)
+        if found is None:
+            return "wait"
+        return nvme_fate(copy.step, floors, keep, in_s3=found[1], record=found[0])
+
+    async def _in_s3(self, copy: LocalCopy) -> bool:
+        """Whether this very copy is in object storage (an unreadable job state is none)."""
+        found = await self._evidence(copy)
+        return found is not None and found[1]
+
+    async def _evidence(self, copy: LocalCopy) -> tuple[StepRecord | None, bool] | None:
+        """`copy_evidence` for `copy`; None while the job state cannot be read."""
+        here = self.flushed_here.get((copy.job, copy.step, copy.rank))
         try:
-            rec = await self.store.record(copy.job, copy.step)
+            return await copy_evidence(
+                self.store, copy.job, copy.step, copy.rank, copy.header_digest, flushed_here=here
+            )
         except TierpipeError as e:
             log.warning("nvme_eviction_deferred", path=str(copy.path), error=str(e))
-            return False
-        if rec is None:
-            return copy.step < floors.nvme and copy.step < floors.s3
-        return has_rank(rec.s3, copy.rank)
+            return None
 
     async def _remove(self, copy: LocalCopy, reason: str) -> bool:
         removed = await self.nvme.delete(copy.path, header_digest=copy.header_digest)
         if removed:
+            self.flushed_here.pop((copy.job, copy.step, copy.rank), None)
             evicted = shard_event(
                 ShardEvicted, copy, node=self.node, tier="nvme", location=str(copy.path),
                 reason=reason,

@@ -7,6 +7,13 @@ only `flushed` lets retention remove it); refused credentials are permanent. On 
 uploads this node left behind (a killed worker's) are aborted, and every verified shard of this
 node that was never flushed (an older agent gave up on it) is uploaded again.
 
+Only steps object storage keeps are uploaded (`tierpipe.retention.kept.kept_in_s3`, read from
+the job state in KV): a copy verified after the floors passed its step (a late save) is not
+uploaded at all; an upload of a step the floors pass meanwhile is cancelled (its multipart
+upload aborted); and an object completed just as they passed is removed again, unreported, since
+the coordinator may have removed the step's objects already. A job state that cannot be read
+defers the upload (an outage), never starts it.
+
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
 so a restarted worker keeps the rate the job asked for. A command of an unknown schema version is
@@ -21,6 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -32,6 +40,7 @@ from tierpipe.kvstate import JobStore
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.metrics import METRICS
 from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
+from tierpipe.retention.kept import kept_in_s3
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -41,7 +50,7 @@ from tierpipe.schemas import (
 )
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3 import S3Store, Uploaded
 from tierpipe.storage.store import SealedFile
 from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
 
@@ -51,6 +60,9 @@ STAGE = "flush"
 KINDS = ("verified",)
 log = structlog.get_logger(__name__)
 _control_decoder = msgspec.json.Decoder(FlushControl)
+#: How often an upload in progress looks at its job's floors again (a direct KV get; a watch
+#: would be one more KV consumer per agent, for work that lasts seconds to minutes).
+KEPT_RECHECK_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,8 @@ class Flush:
     node: str
     nvme: NvmeStore
     s3: S3Store
+    #: The job states in KV (what object storage keeps: `kept_in_s3`).
+    state: JobStore
     #: One upload per key at a time: the start-up re-drive and a redelivered message may meet,
     #: and an upload aborts earlier uploads at its key.
     uploads: _KeyLocks = field(default_factory=lambda: _KeyLocks())
@@ -80,7 +94,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
             S3Store(settings, throttle=throttle) as s3,
             anyio.create_task_group() as tg,
         ):
-            ctx = Flush(settings, bus, node, nvme, s3)
+            ctx = Flush(settings, bus, node, nvme, s3, JobStore(bus.js, settings).bind())
             tg.start_soon(_abort_orphans, ctx)
             tg.start_soon(_follow_shares, settings, bus, ctx.jobs)
             await _follow_controls(bus, throttle, node)
@@ -88,23 +102,85 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
             yield ctx
 
 
-async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed:
-    """Upload one verified shard (or find it uploaded already) and say where it is."""
+async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed | None:
+    """Upload one verified shard (or find it uploaded already) and say where it is; nothing
+    for a step object storage does not keep (any more).
+
+    Raises:
+        BusUnavailableError: the job state cannot be read (the upload waits for it).
+    """
     shard = (event.job, event.step, event.rank, event.world_size)
     path = Path(ctx.nvme.locate(*shard))
     if Path(event.path) != path:
         raise ShardFormatError(event.path, f"not this node's shard path {path}")
+    if not await _kept(ctx, event, "upload_skipped"):
+        return None
     if not await anyio.Path(path).exists():
         raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
     location = ctx.s3.locate(*shard)
     source = SealedFile(path, event.header_digest, event.epoch, event.step)
-    async with ctx.uploads.hold(location):
-        with also_paced_by(ctx.jobs.of(event.job)):  # (the job's share, if it has a budget)
-            done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
+    try:
+        async with ctx.uploads.hold(location):
+            with also_paced_by(ctx.jobs.of(event.job)):  # (the job's share, if it has a budget)
+                done = await _upload_while_kept(ctx, event, source, location)
+    except (OSError, TierpipeError) as e:
+        # Retention removed the copy mid-upload, the step no longer kept: nothing to report.
+        if isinstance(e, UnavailableError) or await _kept(ctx, event, "upload_abandoned"):
+            raise
+        return None
+    if done is None:
+        return None
+    if not await _kept(ctx, event, "upload_withdrawn"):
+        # Completed as the floors passed the step: the coordinator may have removed its
+        # objects already, and would never remove this one.
+        await ctx.s3.delete(location, header_digest=event.header_digest)
+        return None
     bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
     return event.follow(
         ShardFlushed, node=ctx.node, header_digest=event.header_digest, **done.fields()
     )
+
+
+async def _kept(ctx: Flush, event: ShardVerified, otherwise: str) -> bool:
+    """Whether object storage keeps the event's step; if not, logs `otherwise` (the event)."""
+    if await kept_in_s3(ctx.state, event.job, event.step):
+        return True
+    log.info(otherwise, job=event.job, step=event.step, rank=event.rank,
+             reason="object storage no longer keeps the step")  # fmt: skip
+    return False
+
+
+async def _upload_while_kept(
+    ctx: Flush, event: ShardVerified, source: SealedFile, location: str
+) -> Uploaded | None:
+    """`S3Store.write`, cancelled (its multipart upload aborted) once object storage no longer
+    keeps the step, as the job's floors say every `KEPT_RECHECK_S`; None then. A job state that
+    cannot be read meanwhile lets the upload go on (it is looked at again once it is done)."""
+    done: Uploaded | None = None
+    cancelled = False
+
+    async def watch(scope: Any) -> None:
+        nonlocal cancelled
+        while True:
+            await anyio.sleep(KEPT_RECHECK_S)
+            try:
+                kept = await _kept(ctx, event, "upload_cancelled")
+            except TierpipeError:
+                continue
+            if not kept:
+                cancelled = True
+                scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            done = await ctx.s3.write(source, location, rewind_to=event.rewind_to)
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # (the upload's own error, as if unwatched)
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return None if cancelled else done
 
 
 def apply_control(throttle: Throttle, control: FlushControl) -> None:
@@ -196,9 +272,11 @@ async def _redrive(ctx: Flush) -> None:
         while True:
             try:
                 with unit_of_work(job=event.job, step=event.step, rank=event.rank):
-                    # Not a message: the runner is not there to publish `flushed`.
-                    await ctx.bus.publish(await handle(ctx, event, 0))
-                    log.info("flush_redriven")
+                    # Not a message: the runner is not there to publish `flushed`. (A step below
+                    # the floors is skipped: `handle` says None.)
+                    if (flushed := await handle(ctx, event, 0)) is not None:
+                        await ctx.bus.publish(flushed)
+                        log.info("flush_redriven")
                 break
             except UnavailableError as e:  # an outage: wait it out, like the runner does
                 log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)

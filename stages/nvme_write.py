@@ -68,6 +68,7 @@ async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritt
         tensors=result.tensors,
         seconds=round(result.seconds, 6),
         origin=event.origin,
+        staged_ts=event.ts,
     )
 
 

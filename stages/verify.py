@@ -87,6 +87,7 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
         seconds=round(result.seconds, 6),
         rewritten=bool(out),
         origin=event.origin,
+        staged_ts=event.staged_ts,
     )
     return [*out, verified]
 

@@ -77,7 +77,10 @@ def test_subjects_and_ids_follow_the_design() -> None:
         rank=3,
         world_size=8,
     )
-    assert msg_id(f) == "j1/12/3/failed/n1/verify/2" and event_subject(f) == "tp.j1.failed.n1.3"
+    # A failure of no message (a restore's report, verify's rewrite) is its own each time.
+    assert msg_id(f) == "j1/12/3/failed/n1/verify/2/0" and event_subject(f) == "tp.j1.failed.n1.3"
+    assert msg_id(msgspec.structs.replace(f, ts=1.5)) == "j1/12/3/failed/n1/verify/2/1500000"
+    assert msg_id(msgspec.structs.replace(f, stream_seq=9)) == "j1/12/3/failed/n1/verify/2/9"
 
 
 def test_shard_paths_are_zero_padded_keys() -> None:

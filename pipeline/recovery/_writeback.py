@@ -16,7 +16,8 @@ import anyio
 import structlog
 
 from tierpipe.bus import Bus
-from tierpipe.errors import ConfigError, TierpipeError
+from tierpipe.errors import DuplicateEventError, TierpipeError
+from tierpipe.names import msg_id
 from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.stages.snapshot import stage_image, staged_event
@@ -52,7 +53,7 @@ async def write_back(
         )  # with the restored save's own epoch, from its header
         published = await bus.publish(event, timeout=settings.publish_timeout_s)
         if published.duplicate:  # no agent will ever see this copy: give the slot back
-            raise ConfigError(f"write-back of step {step} was deduplicated by the server")
+            raise DuplicateEventError("staged", msg_id(event))
         slot = None  # the agent releases it
     except (TierpipeError, TimeoutError, OSError) as e:
         log.warning("restore_writeback_failed", step=step, error=str(e))
