@@ -27,6 +27,7 @@ from tierpipe.settings import Settings
 
 __all__ = (
     "bind_location",
+    "check_location",
     "location_of",
     "normal_endpoint",
     "same_location",
@@ -128,3 +129,18 @@ async def bind_location(
             raise StoreMismatchError(job, str(bound), str(here))
         return here
     raise StoreMismatchError(job, "a location that keeps changing", str(here))
+
+
+async def check_location(store: JobStore, job: str) -> None:
+    """Check, binding nothing, that `job`'s objects are not bound to a store other than
+    `store`'s settings' (operators' tools, `tierpipe gc` and `rm`: they list and remove, never
+    bind; a job bound to none is checked by its agents' first upload).
+
+    Raises:
+        StoreMismatchError: the job is bound to another store.
+        BusUnavailableError, BusError: the KV could not be read.
+    """
+    here = location_of(store.settings)
+    bound = await stored_location(store, job)
+    if bound is not None and not same_location(bound, here):
+        raise StoreMismatchError(job, str(bound), str(here))

@@ -37,6 +37,7 @@ import structlog
 from tierpipe.bus import Bus
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.kvstate import JobStore
+from tierpipe.location import bind_location
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.metrics import METRICS
 from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
@@ -79,6 +80,8 @@ class Flush:
     uploads: _KeyLocks = field(default_factory=lambda: _KeyLocks())
     #: This node's share of each job's flush budget.
     jobs: JobThrottles = field(default_factory=JobThrottles)
+    #: Jobs whose objects were found bound to this agent's store (`bind_location`).
+    bound: set[str] = field(default_factory=set)
 
 
 @asynccontextmanager
@@ -108,6 +111,7 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
 
     Raises:
         BusUnavailableError: the job state cannot be read (the upload waits for it).
+        StoreMismatchError: the job's objects are bound to another object store.
     """
     shard = (event.job, event.step, event.rank, event.world_size)
     path = Path(ctx.nvme.locate(*shard))
@@ -115,6 +119,9 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         raise ShardFormatError(event.path, f"not this node's shard path {path}")
     if not await _kept(ctx, event, "upload_skipped"):
         return None
+    if event.job not in ctx.bound:  # (a job bound to another team's bucket: refused for good)
+        await bind_location(ctx.state, event.job)
+        ctx.bound.add(event.job)
     if not await anyio.Path(path).exists():
         raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
     location = ctx.s3.locate(*shard)

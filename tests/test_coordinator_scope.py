@@ -175,3 +175,49 @@ def test_a_jobs_object_store_is_bound_once_and_kept_from_an_agent_with_another(
     assert kv(s, f"{job}.location") == bound
     lease = msgspec.json.decode(kv(s, f"{job}.lease") or b"", type=Lease)
     assert lease.holder == nodes["a"].node, lease
+
+
+@pytest.mark.slow
+def test_flush_uploads_nothing_for_a_job_bound_to_another_object_store(
+    settings: Settings, job: str, uid: str, agent: Callable[..., Agent], s3_server: S3Server
+) -> None:
+    """An agent whose object store (bucket B2) is not the job's (B1) uploads none of the job's
+    shards into B2: each fails for good, naming both stores, and its NVMe copy stays."""
+    import torch
+
+    from tests.conftest import Events
+    from tierpipe import Checkpointer
+    from tierpipe.schemas import ShardVerified, StageFailed
+
+    b1 = f"team-a-{uid}"
+    kv_put(settings, f"{job}.location", location(settings, b1))
+    agent(settings=settings).wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)}).result(timeout=60)
+    events = Events(settings, job)
+    failed = events.wait_for(
+        lambda e: isinstance(e, StageFailed) and e.stage == "flush", kind="failed", timeout=60
+    )
+    assert isinstance(failed, StageFailed) and not failed.retryable, failed
+    assert failed.error == "StoreMismatchError"
+    assert b1 in failed.message and settings.s3_bucket in failed.message
+    assert objects(s3_server, settings.s3_bucket) == []
+    assert [e for e in events.all("flushed")] == []
+    assert any(isinstance(e, ShardVerified) for e in events.all("verified"))
+
+
+def test_gc_refuses_a_job_bound_to_another_object_store(
+    settings: Settings, job: str, uid: str, s3_server: S3Server
+) -> None:
+    """gc and rm list and remove no object in a store that is not the job's, and say so."""
+    from tests.conftest import run_cli
+    from tierpipe import Checkpointer
+
+    publish(settings, [e for r in (0, 1) for e in saved(job, 1, r, settings.node or "")])
+    with Checkpointer(job, rank=0, world_size=2, settings=settings) as ckpt:
+        assert ckpt.latest_step() == 1  # (the job state folded: gc judges by it)
+    kv_put(settings, f"{job}.location", location(settings, f"team-a-{uid}"))
+    for args in (["gc"], ["rm", "--force"]):
+        done = run_cli(settings, *args, "--job", job, "--apply")
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert f"team-a-{uid}" in done.stderr and settings.s3_bucket in done.stderr, done.stderr

@@ -38,6 +38,7 @@ from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.errors import JobStateMissingError, ShardFormatError, TierpipeError
 from tierpipe.kvstate import JobStore
+from tierpipe.location import check_location
 from tierpipe.names import node_name, validate_token
 from tierpipe.retention.kept import s3_keeps
 from tierpipe.schemas import ShardEvicted, Tier
@@ -152,11 +153,13 @@ def unkept(step: int, tier: Tier, head: JobHead, floors: Floors, rec: StepRecord
 
 async def job_objects(settings: Settings, store: JobStore, job: str) -> S3Store:
     """The object store that holds `job`'s objects, not yet entered: the settings' (endpoint,
-    bucket, prefix), as the agents that uploaded them use.
+    bucket, prefix), once checked against the store the job is bound to in KV
+    (`check_location`), so gc and rm never list or remove another store's objects.
 
-    A seam: once the job state records where its objects are (the job's object-store location
-    in KV), this checks the settings against it and refuses a mismatch, so gc and rm never list
-    or remove another store's objects. `store` and `job` are for that check."""
+    Raises:
+        StoreMismatchError: the job's objects are bound to another store.
+    """
+    await check_location(store, job)
     return S3Store(settings)
 
 
