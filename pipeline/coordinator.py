@@ -42,7 +42,7 @@ from tierpipe.errors import LeaseLostError, StoreMismatchError, TierpipeError, U
 from tierpipe.history import Follow
 from tierpipe.jobstate import Changes, JobState, ranks_of
 from tierpipe.kvstate import JobStore, default_keep
-from tierpipe.location import bind_location, location_of, same_location, stored_location
+from tierpipe.location import bind_location, check_location, location_of
 from tierpipe.names import local_jobs, plan_subject, shard_subject, state_subjects
 from tierpipe.pins import RestorePins
 from tierpipe.schemas import Event, RecoveryPlanned, RestoreReport, ShardEvicted, decode_event
@@ -179,9 +179,7 @@ class Coordinator:
         Raises:
             StoreMismatchError: they are.
         """
-        bound = await stored_location(self.store, job)
-        if bound is not None and not same_location(bound, self.location):
-            raise StoreMismatchError(job, str(bound), str(self.location))
+        await check_location(self.store, job)
         self._refused.pop(job, None)
 
     async def catch_up(self, job: str, seq: int) -> bool:
