@@ -306,6 +306,8 @@ class Checkpointer:
             NoCheckpointError: nothing restorable (the message says why, step by step).
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
+            ResourceExhaustedError: a rank ran out of memory, mappings, file descriptors or
+                threads while loading (no copy is marked bad: free some and restore again).
         """
         self._snapshot.wait()
         collective = None

@@ -18,6 +18,7 @@ import itertools
 import mmap
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import EVIDENCE_ERRORS
 from tierpipe.errors import (
     IntegrityError,
+    ResourceExhaustedError,
     ShardMissingError,
     SourceUnreachableError,
     StorageAuthError,
@@ -38,7 +40,7 @@ from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
-from tierpipe.schemas import ShardHeader, StageFailed, Tier
+from tierpipe.schemas import RestoreReport, ShardHeader, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.staging import NodeSlots, SlotPool
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from tierpipe.storage.s3 import S3Store
 
 __all__ = (
+    "RESOURCE_FAILURE",
     "Expected",
     "Loaded",
     "Loader",
@@ -58,6 +61,7 @@ __all__ = (
     "load_image",
     "load_into",
     "load_shard",
+    "resource_failure",
     "s3_reads_per_node",
 )
 
@@ -65,6 +69,8 @@ log = structlog.get_logger(__name__)
 
 #: Tries of one source during an outage (the store down or hung) before this restore skips it.
 _OUTAGE_TRIES = 3
+#: How a rank's `failed` report begins when it ran out of a resource (what ran out follows).
+RESOURCE_FAILURE = "ResourceExhaustedError: "
 
 
 class Loader:
@@ -135,12 +141,20 @@ class Loader:
         Only evidence (a digest or identity mismatch, a garbled file) is reported as a bad copy
         (`failed`, not retryable); a copy that is unreachable (an outage, retried a few times
         first), refused (credentials) or missing is skipped for this restore only (`failed`,
-        retryable), so the next restore tries it again.
+        retryable), so the next restore tries it again. This process running out of a resource
+        (memory, mappings, file descriptors, threads) is no verdict on any copy either: it is
+        reported the same way, and ends this rank's attempt at once (`RESOURCE_FAILURE`: every
+        other source and step would need the same), so rank 0 stops the restore.
         """
         problems = []
         for source in sources:
             try:
                 return source, await self._load_retrying(source, into, step, deadline)
+            except ResourceExhaustedError as e:
+                log.warning("restore_source_failed", **_where(source, step), error=str(e),
+                            corrupt=False)  # fmt: skip
+                await self.report(source.tier, step, e, attempt=attempt)
+                return RESOURCE_FAILURE + e.resource
             except TierpipeError as e:
                 evidence = type(e).__name__ in EVIDENCE_ERRORS
                 message = str(e)
@@ -272,6 +286,16 @@ async def s3_reads_per_node(settings: Settings, bus: Bus, job: str) -> int:
     if shares.restore_gets_per_node:
         cap = min(cap, shares.restore_gets_per_node)
     return cap
+
+
+def resource_failure(reports: Iterable[RestoreReport]) -> ResourceExhaustedError | None:
+    """The resource a rank of these `failed` reports ran out of (the lowest such rank), if
+    any: then the restore stops, as every step and source would need the same."""
+    for r in sorted(reports, key=lambda r: r.rank):
+        if r.error.startswith(RESOURCE_FAILURE):
+            where = f"rank {r.rank} of job {r.job!r} (node {r.node})"
+            return ResourceExhaustedError(where, r.error.removeprefix(RESOURCE_FAILURE))
+    return None
 
 
 @dataclass(frozen=True, slots=True)
