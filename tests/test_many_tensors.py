@@ -3,6 +3,7 @@ count, and a resource error is never evidence of a bad copy (issue #20, item 1).
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import gc
 import os
@@ -23,6 +24,8 @@ from tierpipe.errors import TierpipeError
 from tierpipe.recovery.load import load_into
 from tierpipe.schemas import ShardFlushed, StageFailed
 from tierpipe.settings import Settings
+from tierpipe.shard import Head
+from tierpipe.storage import layout
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.shardfile import write_shard
 
@@ -136,6 +139,22 @@ def test_a_reader_thread_that_cannot_start_is_a_resource_error(
     assert type(failed.value).__name__ == "ResourceExhaustedError", repr(failed.value)
     assert "threads" in str(failed.value)
     assert started and not any(t.is_alive() for t in started)
+
+
+def test_a_restore_that_fails_leaves_the_garbage_collector_on(tmp_path: Path) -> None:
+    """Python's garbage collector, held off while a state is rebuilt, is on again after a
+    restore that failed midway."""
+    path = tmp_path / "s.shard"
+    write_shard(path, many_tensors(1000), job="j", step=1)
+    with open(path, "r+b") as f:  # a flipped byte in the last blob
+        f.seek(-4096, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-4096, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    assert gc.isenabled()
+    with pytest.raises(errors.IntegrityError):
+        load_into(str(path))
+    assert gc.isenabled()
 
 
 # --- through an agent, from NVMe and from object storage
@@ -269,3 +288,47 @@ def test_out_of_memory_downloading_fails_the_restore_and_marks_nothing(
         restored = c.restore()
     assert restored.source.tier == "s3"
     assert_bitwise(restored.state, state)
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_stops_the_restore_on_every_rank(
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    events: Events,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 running out of memory while reading its good NVMe copy stops the restore on both
+    ranks with a resource error naming rank 1: no other source, no older step, nothing marked."""
+    agent()
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        Checkpointer(job, rank=0, world_size=2, settings=settings) as zero,
+        Checkpointer(job, rank=1, world_size=2, settings=settings) as one,
+    ):
+        for c in (zero, one):
+            c.save(1, many_tensors(10, seed=c.rank))
+            c.save(2, many_tensors(10, seed=c.rank))
+            c.wait_until_finished(timeout=60)
+        for rank in (0, 1):
+            events.wait_for(
+                lambda e, r=rank: isinstance(e, ShardFlushed) and (e.step, e.rank) == (2, r),
+                kind="flushed",
+            )
+        real_plan = layout.arena_plan
+
+        def short_on_rank_1(head: Head, *args: Any) -> Any:
+            if head.header.rank == 1:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            return real_plan(head, *args)
+
+        monkeypatch.setattr("tierpipe.storage.reader.arena_plan", short_on_rank_1)
+        leading = pool.submit(zero.restore)
+        with pytest.raises(errors.ResourceExhaustedError, match="rank 1 of job"):
+            one.restore()
+        with pytest.raises(errors.ResourceExhaustedError, match="rank 1 of job"):
+            leading.result(timeout=60)
+    plans = [e for e in events.all("plan") if e.step]
+    assert {p.step for p in plans} == {2}, plans
+    assert not failures(events, "s3")
+    assert all(f.retryable for f in failures(events, "nvme"))

@@ -56,8 +56,9 @@ from tierpipe.history import Stored, Watch
 from tierpipe.jobstate import has_rank, ranks_of
 from tierpipe.kvstate import JobStore
 from tierpipe.names import plan_subject, shard_subject
+from tierpipe.recovery._short import resource_failure
 from tierpipe.recovery.collective import Collective
-from tierpipe.recovery.load import Loaded, Loader, resource_failure
+from tierpipe.recovery.load import Loaded, Loader
 from tierpipe.recovery.plan import Choice, Source, choose
 from tierpipe.recovery.survey import (
     Reads,

@@ -18,7 +18,6 @@ import itertools
 import mmap
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +37,14 @@ from tierpipe.errors import (
 )
 from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
+from tierpipe.recovery._short import short_report
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
-from tierpipe.schemas import RestoreReport, ShardHeader, StageFailed, Tier
+from tierpipe.schemas import ShardHeader, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.staging import NodeSlots, SlotPool
+from tierpipe.state import gc_paused
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import deliver_image, read_shard
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     from tierpipe.storage.s3 import S3Store
 
 __all__ = (
-    "RESOURCE_FAILURE",
     "Expected",
     "Loaded",
     "Loader",
@@ -61,7 +61,6 @@ __all__ = (
     "load_image",
     "load_into",
     "load_shard",
-    "resource_failure",
     "s3_reads_per_node",
 )
 
@@ -69,8 +68,6 @@ log = structlog.get_logger(__name__)
 
 #: Tries of one source during an outage (the store down or hung) before this restore skips it.
 _OUTAGE_TRIES = 3
-#: How a rank's `failed` report begins when it ran out of a resource (what ran out follows).
-RESOURCE_FAILURE = "ResourceExhaustedError: "
 
 
 class Loader:
@@ -126,7 +123,8 @@ class Loader:
         else:
             store = await self._object_store()
         sink = _sink(into, expected)
-        got = await store.read_into(source.location, sink, nbytes=source.nbytes)
+        with gc_paused():
+            got = await store.read_into(source.location, sink, nbytes=source.nbytes)
         if got.image is not None:  # read whole from object storage: kept for `settle`
             self._hold((step, got.image, got.head))
         return _loaded(got.head, sink, got.seconds)
@@ -143,8 +141,8 @@ class Loader:
         first), refused (credentials) or missing is skipped for this restore only (`failed`,
         retryable), so the next restore tries it again. This process running out of a resource
         (memory, mappings, file descriptors, threads) is no verdict on any copy either: it is
-        reported the same way, and ends this rank's attempt at once (`RESOURCE_FAILURE`: every
-        other source and step would need the same), so rank 0 stops the restore.
+        reported the same way, and ends this rank's attempt at once (every other source and step
+        would need the same), and rank 0 stops the restore (`_short`).
         """
         problems = []
         for source in sources:
@@ -154,7 +152,7 @@ class Loader:
                 log.warning("restore_source_failed", **_where(source, step), error=str(e),
                             corrupt=False)  # fmt: skip
                 await self.report(source.tier, step, e, attempt=attempt)
-                return RESOURCE_FAILURE + e.resource
+                return short_report(e)
             except TierpipeError as e:
                 evidence = type(e).__name__ in EVIDENCE_ERRORS
                 message = str(e)
@@ -288,16 +286,6 @@ async def s3_reads_per_node(settings: Settings, bus: Bus, job: str) -> int:
     return cap
 
 
-def resource_failure(reports: Iterable[RestoreReport]) -> ResourceExhaustedError | None:
-    """The resource a rank of these `failed` reports ran out of (the lowest such rank), if
-    any: then the restore stops, as every step and source would need the same."""
-    for r in sorted(reports, key=lambda r: r.rank):
-        if r.error.startswith(RESOURCE_FAILURE):
-            where = f"rank {r.rank} of job {r.job!r} (node {r.node})"
-            return ResourceExhaustedError(where, r.error.removeprefix(RESOURCE_FAILURE))
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """A shard read back: its header, the rebuilt state, and how it went."""
@@ -375,9 +363,10 @@ def load_into(
     """
     t0 = time.perf_counter()
     sink = _sink(into, expected)
-    head = read_shard(
-        path, sink, direct_io=direct_io, queue_depth=queue_depth, chunk_bytes=chunk_bytes
-    )
+    with gc_paused():
+        head = read_shard(
+            path, sink, direct_io=direct_io, queue_depth=queue_depth, chunk_bytes=chunk_bytes
+        )
     return _loaded(head, sink, time.perf_counter() - t0)
 
 
@@ -398,7 +387,8 @@ def load_image(
     """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
     t0 = time.perf_counter()
     sink = _sink(into, expected)
-    deliver_image(image, head, path, sink)
+    with gc_paused():
+        deliver_image(image, head, path, sink)
     return _loaded(head, sink, time.perf_counter() - t0)
 
 
