@@ -71,6 +71,11 @@ def assert_bitwise(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["step"] == want["step"]
 
 
+def no_memory(nbytes: int) -> Any:
+    """An allocation that fails as the kernel refuses one (a fault for `aligned_buffer`)."""
+    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+
 def mappings() -> int:
     """This process's memory mappings (what `vm.max_map_count` limits)."""
     with open("/proc/self/maps") as f:
@@ -105,10 +110,6 @@ def test_verify_out_of_memory_is_a_resource_error_not_a_verdict(
     path = tmp_path / "s.shard"
     digest = write_shard(path, many_tensors(10), job="j", step=1)
     nbytes = path.stat().st_size
-
-    def no_memory(nbytes: int) -> Any:
-        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
-
     monkeypatch.setattr("tierpipe.storage.reader.aligned_buffer", no_memory)
     with NvmeStore(tmp_path) as store, pytest.raises(TierpipeError) as failed:
         store.verify_file(path, header_digest=digest, nbytes=nbytes)
@@ -232,61 +233,42 @@ def test_200k_small_tensors_round_trip_bitwise_from_nvme_and_from_s3(
     )
 
 
-def _no_memory(nbytes: int) -> Any:
-    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
-
-
 @pytest.mark.slow
-def test_out_of_memory_reading_nvme_fails_the_restore_and_marks_nothing(
-    settings: Settings,
-    job: str,
-    agent: Callable[..., Agent],
-    events: Events,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """ENOMEM while reading a good NVMe copy fails the restore with a resource error that
-    names what ran out, reports the copy as skipped (not bad), and the next restore reads it."""
-    agent()
-    state = many_tensors(100)
-    save_flushed(settings, job, events, state)
-    with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
-        with monkeypatch.context() as m:
-            m.setattr("tierpipe.storage.layout.aligned_buffer", _no_memory)
-            with pytest.raises(TierpipeError) as failed:
-                c.restore()
-        bad = failures(events, "nvme")
-        assert bad and all(f.retryable for f in bad), bad
-        assert isinstance(failed.value, errors.ResourceExhaustedError), repr(failed.value)
-        assert "memory" in str(failed.value) and "nothing was marked" in str(failed.value)
-        restored = c.restore()
-    assert restored.source.tier == "nvme"
-    assert_bitwise(restored.state, state)
-
-
-@pytest.mark.slow
-def test_out_of_memory_downloading_fails_the_restore_and_marks_nothing(
+@pytest.mark.parametrize(
+    ("tier", "allocation"),
+    [
+        ("nvme", "tierpipe.storage.layout.aligned_buffer"),
+        ("s3", "tierpipe.storage.s3_parts.aligned_buffer"),
+    ],
+)
+def test_out_of_memory_reading_a_good_copy_fails_the_restore_and_marks_nothing(
     settings: Settings,
     elsewhere: Settings,
     job: str,
     agent: Callable[..., Agent],
     events: Events,
     monkeypatch: pytest.MonkeyPatch,
+    tier: str,
+    allocation: str,
 ) -> None:
-    """ENOMEM while downloading a good object fails the restore with a resource error, reports
-    the copy as skipped (not bad), and the next restore reads it."""
+    """ENOMEM while reading a good copy (NVMe; object storage on another node) fails the
+    restore with a resource error that names what ran out, reports the copy as skipped (not
+    bad), and the next restore reads it."""
     agent()
     state = many_tensors(100)
     save_flushed(settings, job, events, state)
-    with Checkpointer(job, rank=0, world_size=1, settings=elsewhere) as c:
+    reader = elsewhere if tier == "s3" else settings
+    with Checkpointer(job, rank=0, world_size=1, settings=reader) as c:
         with monkeypatch.context() as m:
-            m.setattr("tierpipe.storage.s3_parts.aligned_buffer", _no_memory)
+            m.setattr(allocation, no_memory)
             with pytest.raises(TierpipeError) as failed:
                 c.restore()
-        bad = failures(events, "s3")
+        bad = failures(events, tier)
         assert bad and all(f.retryable for f in bad), bad
         assert isinstance(failed.value, errors.ResourceExhaustedError), repr(failed.value)
+        assert "memory" in str(failed.value) and "nothing was marked" in str(failed.value)
         restored = c.restore()
-    assert restored.source.tier == "s3"
+    assert restored.source.tier == tier
     assert_bitwise(restored.state, state)
 
 
