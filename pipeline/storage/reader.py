@@ -227,7 +227,7 @@ def verified_blobs(
                     if n == blobs[i].nbytes:
                         digest = xxhash.xxh3_128_digest(view[at : at + n])
                     else:
-                        hasher, done = split.pop(i, None) or (xxhash.xxh3_128(), 0)
+                        hasher, done = split.pop(i) if i in split else (xxhash.xxh3_128(), 0)
                         hasher.update(view[at : at + n])
                         if done + n < blobs[i].nbytes:
                             split[i] = (hasher, done + n)
