@@ -303,6 +303,8 @@ class Checkpointer:
                 once for a job without any state (naming jobs of similar names).
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
+            ResourceExhaustedError: a rank ran out of memory, mappings, file descriptors or
+                threads while loading (no copy is marked bad: free some and restore again).
         """
         step = None if step is None else as_step(step)
         if self._saver is not None:

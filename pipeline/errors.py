@@ -24,6 +24,7 @@ __all__ = (
     "NoCheckpointError",
     "NoSpaceError",
     "PermanentError",
+    "ResourceExhaustedError",
     "RestoreTimeoutError",
     "RetryableError",
     "ShardFailedError",
@@ -63,6 +64,20 @@ class UnavailableError(RetryableError):
     Stages retry these with capped backoff for as long as the outage lasts, never giving up:
     "unreachable" is not "corrupt" and not "failed".
     """
+
+
+class ResourceExhaustedError(UnavailableError):
+    """This process ran out of a resource (memory, memory mappings, file descriptors, threads)
+    while moving a copy's bytes: the attempt fails and is retried like an outage, and the copy
+    is never judged by it (only a digest or identity mismatch is evidence of a bad copy)."""
+
+    def __init__(self, where: str, resource: str) -> None:
+        self.where = where
+        self.resource = resource
+        super().__init__(
+            f"{where}: ran out of {resource}; not a sign of a bad copy, nothing was marked: "
+            "free some (or raise the limit) and try again"
+        )
 
 
 class ConfigError(PermanentError, ValueError):

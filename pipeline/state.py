@@ -11,9 +11,12 @@ stored compact and comes back contiguous. No pickle: a shard holds data only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +30,44 @@ __all__ = (
     "StatePlan",
     "blob_view",
     "flatten_targets",
+    "gc_paused",
     "plan_state",
     "rebuild_state",
     "tensor_buffer",
 )
 
 _ZERO = bytes(16)
+
+
+class _GcPause:
+    """`gc_paused`'s count of the blocks under way (threads may overlap)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if not self._blocks:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._blocks += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._blocks -= 1
+                if not self._blocks and self._was_enabled:
+                    gc.enable()
+
+
+#: Holds off Python's cyclic garbage collector while the block runs (nested and concurrent
+#: blocks: until the last ends). Flattening or rebuilding a state creates objects per tensor,
+#: and each collection walks them all: with 200,000 tensors, collections were half of a
+#: save's plan and of a restore (measured). Nothing these blocks make is a cycle to collect.
+gc_paused = _GcPause()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +101,10 @@ class StatePlan:
     def destinations(self, image: torch.Tensor) -> list[torch.Tensor]:
         """Views of `image` (a CPU uint8 tensor of at least `nbytes`) that the copies fill."""
         dsts = []
-        for c in self.copies:
-            dst = image[c.offset : c.offset + c.nbytes]
-            dsts.append(dst if c.raw else dst.view(c.src.dtype).view(c.src.shape))
+        with gc_paused():
+            for c in self.copies:
+                dst = image[c.offset : c.offset + c.nbytes]
+                dsts.append(dst if c.raw else dst.view(c.src.dtype).view(c.src.shape))
         return dsts
 
     def copy_into(
@@ -116,6 +152,15 @@ def plan_state(
     Raises:
         UnsupportedStateError: a value cannot be stored without pickle (names its key path).
     """
+    with gc_paused():
+        return _plan_state(
+            state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch
+        )
+
+
+def _plan_state(
+    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int
+) -> StatePlan:
     tree_bytes, tensors, paths = encode_tree(state)
 
     groups: dict[object, list[int]] = {}

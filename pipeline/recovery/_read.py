@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tierpipe.pinned import page_lock, page_unlock
-from tierpipe.schemas import ShardHeader
+from tierpipe.schemas import ShardHeader, TensorEntry
 from tierpipe.shard import Head
 from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
 
@@ -28,6 +28,16 @@ def as_tensor(buf: Any, nbytes: int) -> torch.Tensor:
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+
+
+def _alone(data: memoryview, e: TensorEntry) -> torch.Tensor:
+    """The tensor alone in blob `data`: it fills the blob exactly, contiguous (the header was
+    checked so: `tierpipe.shard`), so it is the blob's bytes seen in its dtype and shape."""
+    dtype = getattr(torch, e.dtype)
+    if not len(data):
+        return torch.empty(e.shape, dtype=dtype)
+    t = torch.frombuffer(data, dtype=dtype)
+    return t if len(e.shape) == 1 else t.view(e.shape)
 
 
 class Match:
@@ -89,9 +99,14 @@ class Assembly:
                 page_unlock(ring, device=device)
 
     def take(self, index: int, data: memoryview, *, reused: bool) -> None:
-        blob = as_tensor(data, len(data))
         header = self._head.header
-        for t in self._by_blob.get(index, []):
+        members = self._by_blob.get(index, [])
+        if len(members) == 1 and self._match.targets[members[0]] is None:
+            (t,) = members  # (most blobs: one torch call, not three, for each of them)
+            self._restored[t] = _alone(data, header.tensors[t])
+            return
+        blob = as_tensor(data, len(data))
+        for t in members:
             e, target = header.tensors[t], self._match.targets[t]
             view = blob_view(blob, e)
             if target is None:

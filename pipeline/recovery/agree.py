@@ -48,6 +48,7 @@ from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
     NoCheckpointError,
+    ResourceExhaustedError,
     RestoreTimeoutError,
     WorldSizeMismatchError,
 )
@@ -55,6 +56,7 @@ from tierpipe.history import Stored, Watch
 from tierpipe.jobstate import has_rank, ranks_of
 from tierpipe.kvstate import JobStore
 from tierpipe.names import plan_subject, shard_subject
+from tierpipe.recovery._short import resource_failure
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loaded, Loader
 from tierpipe.recovery.plan import Choice, Source, choose
@@ -171,6 +173,8 @@ class Restorer:
 
         Raises:
             NoCheckpointError: nothing restorable (on every rank, with rank 0's reasons).
+            ResourceExhaustedError: a rank ran out of memory, mappings, file descriptors or
+                threads while loading (on every rank; no copy was marked bad).
             WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
         """
@@ -290,6 +294,7 @@ class Restorer:
                 _raise_plan_error(planned)
             mine, report = await self._load_planned(planned, round_)
             failed = [r for r in await collective.gather(report) if r.phase == "failed"]
+            await self._stop_if_short(failed, round_)
             if not failed and mine is not None:
                 if self.rank == 0:
                     await self.bus.publish(msgspec.structs.replace(planned, final=True))
@@ -329,12 +334,23 @@ class Restorer:
                 watch, newest, published.seq, round_=round_, step=plan.step
             )
             failed = [r for r in answers.values() if r.phase == "failed"]
+            await self._stop_if_short(failed, round_)
             if not failed and mine is not None:
                 await self.bus.publish(msgspec.structs.replace(planned, final=True))
                 return self._restored(planned, mine, round_, t0)
             # An explicit `step` stays the only candidate: the next plan then says why it failed.
             excluded[plan.step] = self._abandon(plan.step, failed)
         raise AssertionError("unreachable")
+
+    async def _stop_if_short(self, failed: list[RestoreReport], round_: int) -> None:
+        """Stop the restore on every rank if a rank ran out of a resource (no copy is to blame
+        and an older step would need the same): rank 0 says so in a final plan."""
+        if (short := resource_failure(failed)) is None:
+            return
+        if self.rank == 0:
+            error = f"{type(short).__name__}: {short.where}: {short.resource}"
+            await self.bus.publish(self._planned(round_, None, final=True, error=error))
+        raise short
 
     def _abandon(self, step: int, failed: list[RestoreReport]) -> str:
         """Why every rank moves on from `step` (the failed ranks' own words), logged."""
@@ -670,5 +686,8 @@ def _restart_from_env() -> str:
 def _raise_plan_error(plan: RecoveryPlanned) -> None:
     """Raise on another rank the error rank 0 met while planning."""
     kind, _, message = (plan.error or "").partition(": ")
+    if kind == "ResourceExhaustedError":
+        where, _, resource = message.partition(": ")
+        raise ResourceExhaustedError(where, resource)
     error = WorldSizeMismatchError if kind == "WorldSizeMismatchError" else NoCheckpointError
     raise error(f"rank 0: {message}")

@@ -28,6 +28,7 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import EVIDENCE_ERRORS
 from tierpipe.errors import (
     IntegrityError,
+    ResourceExhaustedError,
     ShardMissingError,
     SourceUnreachableError,
     StorageAuthError,
@@ -36,12 +37,14 @@ from tierpipe.errors import (
 )
 from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
+from tierpipe.recovery._short import short_report
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas import ShardHeader, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.shard import Head
 from tierpipe.staging import NodeSlots, SlotPool
+from tierpipe.state import gc_paused
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import deliver_image, read_shard
@@ -120,7 +123,8 @@ class Loader:
         else:
             store = await self._object_store()
         sink = _sink(into, expected)
-        got = await store.read_into(source.location, sink, nbytes=source.nbytes)
+        with gc_paused():
+            got = await store.read_into(source.location, sink, nbytes=source.nbytes)
         if got.image is not None:  # read whole from object storage: kept for `settle`
             self._hold((step, got.image, got.head))
         return _loaded(got.head, sink, got.seconds)
@@ -135,12 +139,20 @@ class Loader:
         Only evidence (a digest or identity mismatch, a garbled file) is reported as a bad copy
         (`failed`, not retryable); a copy that is unreachable (an outage, retried a few times
         first), refused (credentials) or missing is skipped for this restore only (`failed`,
-        retryable), so the next restore tries it again.
+        retryable), so the next restore tries it again. This process running out of a resource
+        (memory, mappings, file descriptors, threads) is no verdict on any copy either: it is
+        reported the same way, and ends this rank's attempt at once (every other source and step
+        would need the same), and rank 0 stops the restore (`_short`).
         """
         problems = []
         for source in sources:
             try:
                 return source, await self._load_retrying(source, into, step, deadline)
+            except ResourceExhaustedError as e:
+                log.warning("restore_source_failed", **_where(source, step), error=str(e),
+                            corrupt=False)  # fmt: skip
+                await self.report(source.tier, step, e, attempt=attempt)
+                return short_report(e)
             except TierpipeError as e:
                 evidence = type(e).__name__ in EVIDENCE_ERRORS
                 message = str(e)
@@ -351,9 +363,10 @@ def load_into(
     """
     t0 = time.perf_counter()
     sink = _sink(into, expected)
-    head = read_shard(
-        path, sink, direct_io=direct_io, queue_depth=queue_depth, chunk_bytes=chunk_bytes
-    )
+    with gc_paused():
+        head = read_shard(
+            path, sink, direct_io=direct_io, queue_depth=queue_depth, chunk_bytes=chunk_bytes
+        )
     return _loaded(head, sink, time.perf_counter() - t0)
 
 
@@ -374,7 +387,8 @@ def load_image(
     """The same from a sealed image already in memory (e.g. downloaded from object storage)."""
     t0 = time.perf_counter()
     sink = _sink(into, expected)
-    deliver_image(image, head, path, sink)
+    with gc_paused():
+        deliver_image(image, head, path, sink)
     return _loaded(head, sink, time.perf_counter() - t0)
 
 

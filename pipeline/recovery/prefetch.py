@@ -21,7 +21,7 @@ import structlog
 
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
-from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.errors import ConfigError, NoCheckpointError, ResourceExhaustedError
 from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, shard_subject
 from tierpipe.progress import Progress, Ticker
@@ -118,11 +118,17 @@ async def prefetch(
 
 
 def _is_copy(nvme: NvmeStore, path: Path, digest: str, nbytes: int) -> bool:
-    """Whether `path` holds the recorded copy (every digest checked)."""
+    """Whether `path` holds the recorded copy (every digest checked).
+
+    Raises:
+        ResourceExhaustedError: this process ran short checking it (no verdict on the copy).
+    """
     if not path.exists():
         return False
     try:
         nvme.verify_file(path, header_digest=digest, nbytes=nbytes)
+    except ResourceExhaustedError:
+        raise
     except Exception:
         return False
     return True

@@ -8,7 +8,11 @@ with everything up to `vend - ring_bytes` (one number, see `reader._Readers`).
 - `scratch_plan` (verify): the data region in chunks through a ring of scratch memory, each blob
   hashed in passing and never whole in memory.
 - `arena_plan` (restore): a blob that only passes through (copied out once verified) lands whole
-  in a ring arena, any other blob in a buffer of its own, which the caller keeps.
+  in a ring arena, every other blob in one buffer for them all, which the caller keeps.
+
+Either plan maps at most two buffers, whatever the tensor count: a mapping per blob would run
+into the kernel's cap on mappings per process (`vm.max_map_count`, 65,530 by default) at a few
+ten thousand tensors, and then into threads that cannot start (their stacks are mappings too).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class Read:
     """One read of a contiguous file range into contiguous memory."""
 
     file_offset: int
-    buffer: mmap.mmap  # the ring or a blob's own buffer
+    buffer: mmap.mmap  # the ring, or the buffer of the blobs the caller keeps
     buffer_offset: int
     length: int  # a multiple of 4 KiB
     needed: int  # bytes that must arrive (the rest is padding, or past the end of the file)
@@ -97,9 +101,10 @@ def arena_plan(head: Head, passing: Sequence[bool], depth: int, chunk: int) -> R
     file order, each blob contiguous and only overwritten once it was handed on (copied out).
     It is sized to hold the largest such blob plus two queue depths of reads, so copies overlap
     reads; a restore into preallocated targets touches fresh memory only for the arena, which
-    matters as much as the disk when page faults cost ~0.5 s/GiB (virtual machines). Other blobs
-    get their own buffer, which the caller keeps. Reads are coalesced across adjacent blobs up
-    to `chunk` bytes.
+    matters as much as the disk when page faults cost ~0.5 s/GiB (virtual machines). The other
+    blobs, which the caller keeps, lie in one buffer for them all in file order, each at a
+    4 KiB-aligned offset (O_DIRECT reads land in it): the tensors made from them are views that
+    keep it alive together. Reads are coalesced across adjacent blobs up to `chunk` bytes.
     """
     blobs = head.header.blobs
     sizes = [round_up(b.nbytes) for b in blobs]
@@ -107,6 +112,9 @@ def arena_plan(head: Head, passing: Sequence[bool], depth: int, chunk: int) -> R
     total = sum(n for n, a in zip(sizes, passing, strict=True) if a)
     arena_bytes = min(total, max(ARENA_MIN_BYTES, largest + 2 * depth * chunk))
     arena = aligned_buffer(arena_bytes) if arena_bytes else None
+    kept_bytes = sum(n for n, a in zip(sizes, passing, strict=True) if not a)
+    kept = aligned_buffer(kept_bytes) if kept_bytes else None
+    kept_at = 0  # where the next kept blob goes in `kept`
     plan = ReadPlan([], arena, arena_bytes, [None] * len(blobs), [b.nbytes for b in blobs])
     #: Per passing blob: the virtual position up to which the arena is free once it was handed
     #: on (its end, or past the padding to the next lap when the next one wraps).
@@ -127,7 +135,9 @@ def arena_plan(head: Head, passing: Sequence[bool], depth: int, chunk: int) -> R
             buffer, at = arena, vstart % arena_bytes
             frees[i] = cursor
         else:
-            vstart, buffer, at = -1, aligned_buffer(sizes[i]), 0
+            assert kept is not None
+            vstart, buffer, at = -1, kept, kept_at
+            kept_at += sizes[i]
         plan.places[i] = (buffer, at)
         for off in range(0, b.nbytes, chunk):
             n = min(chunk, b.nbytes - off)

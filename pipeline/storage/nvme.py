@@ -63,6 +63,7 @@ from tierpipe.storage.reader import (
     read_head_fd,
     read_shard,
 )
+from tierpipe.storage.resources import translated
 from tierpipe.storage.store import BlobSink, ReadBack, StagedShard, VerifyResult
 
 __all__ = ("NvmeStore", "WriteResult")
@@ -370,19 +371,23 @@ class NvmeStore:
         Raises:
             ShardFormatError: missing, truncated or garbled.
             IntegrityError: a digest does not match (names the file, the part, both digests).
+            ResourceExhaustedError: this process ran out of memory, file descriptors or threads
+                (no verdict on the file).
         """
         t0 = time.perf_counter()
         try:
-            fd = open_for_read(path, direct_io=self.direct_io)
+            with translated(str(path)):
+                fd = open_for_read(path, direct_io=self.direct_io)
         except FileNotFoundError as e:
             raise ShardFormatError(str(path), "file is missing") from e
         try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise ShardFormatError(str(path), f"{size} bytes on disk, {nbytes} written")
-            head = read_head_fd(fd, str(path), size)
-            check_header(head, header_digest, str(path))
-            self._reader.check(fd, head, str(path))
+            with translated(str(path)):
+                size = os.fstat(fd).st_size
+                if size != nbytes:
+                    raise ShardFormatError(str(path), f"{size} bytes on disk, {nbytes} written")
+                head = read_head_fd(fd, str(path), size)
+                check_header(head, header_digest, str(path))
+                self._reader.check(fd, head, str(path))
         except OSError as e:
             raise RetryableError(f"cannot read {path}: {e}") from e
         finally:

@@ -47,6 +47,7 @@ from tierpipe.settings import Settings
 from tierpipe.storage import s3_delete
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.reader import check_image, deliver_image, image_head
+from tierpipe.storage.resources import translated
 from tierpipe.storage.s3_errors import NotFound, first_error
 from tierpipe.storage.s3_once import Save, confirm, existing
 from tierpipe.storage.s3_parts import composite_checksum, download_parts, upload_parts
@@ -224,7 +225,8 @@ class S3Store:
             raise ShardFormatError(location, f"object is {got}, {nbytes} bytes written")
         image = await self.download(key, nbytes)
         try:
-            await anyio.to_thread.run_sync(check_image, image, location, header_digest, nbytes)
+            with translated(location):
+                await anyio.to_thread.run_sync(check_image, image, location, header_digest, nbytes)
         finally:
             close_quietly(image)
         return VerifyResult(location, nbytes, header_digest, time.perf_counter() - t0)
@@ -236,7 +238,8 @@ class S3Store:
         image = await self.download(self._key(location), nbytes, hold=self.read_slot)
         try:
             head = image_head(image, location, nbytes)
-            await anyio.to_thread.run_sync(deliver_image, image, head, location, sink)
+            with translated(location):
+                await anyio.to_thread.run_sync(deliver_image, image, head, location, sink)
         except BaseException:
             close_quietly(image)
             raise

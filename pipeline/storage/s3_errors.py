@@ -34,6 +34,7 @@ from tierpipe.errors import (
     StorageUnsupportedError,
     TierpipeError,
 )
+from tierpipe.storage.resources import resource_error
 
 __all__ = ("NotFound", "Throttled", "download_error", "first_error", "translate_errors")
 
@@ -123,6 +124,9 @@ def download_error(group: BaseExceptionGroup, location: str) -> BaseException:
         found = next((e for e in leaves if isinstance(e, kind)), None)
         if found is not None:
             return found
+    for leaf in leaves:  # (e.g. no thread left for a worker: this process, not the store)
+        if (short := resource_error(leaf, location)) is not None:
+            return short
     first = leaves[0]
     if not isinstance(first, Exception) or isinstance(first, anyio.get_cancelled_exc_class()):
         return first  # cancellation and interpreter exits pass through as they are

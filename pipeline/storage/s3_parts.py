@@ -25,6 +25,7 @@ from awscrt import checksums
 from tierpipe.errors import RetryableError, ShardMissingError, StorageUnavailableError
 from tierpipe.schemas import ALIGN
 from tierpipe.storage.aligned import aligned_buffer, open_direct, pread_into, round_up
+from tierpipe.storage.resources import translated
 from tierpipe.storage.s3_errors import NotFound, download_error, first_error
 from tierpipe.storage.s3_retry import Requests
 from tierpipe.throttle import Throttle
@@ -192,10 +193,12 @@ async def download_parts(
         ShardMissingError: there is no object at `key`.
         StorageUnavailableError: the store failed or the object is shorter than `nbytes`.
         StorageAuthError: the store refused the request (credentials, permissions).
+        ResourceExhaustedError: this process ran out of memory or threads.
     """
     location = f"s3://{bucket}/{key}"
     part = part_size_bytes
-    buf = aligned_buffer(max(nbytes, 1))
+    with translated(location):
+        buf = aligned_buffer(max(nbytes, 1))
     limiter = anyio.Semaphore(concurrency)
 
     async def get(offset: int, size: int) -> None:
