@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import subprocess
@@ -154,3 +155,16 @@ def test_shard_without_tensor_data_writes_and_verifies(tmp_path: Path) -> None:
             tmp_path / "a.shard", header_digest=done.header_digest, nbytes=done.nbytes
         )
     assert load_shard(tmp_path / "a.shard")[1]["step"] == 3
+
+
+def test_a_read_error_in_a_shard_head_comes_out_as_itself(tmp_path: Path) -> None:
+    """An I/O error reading a shard's head (here EISDIR: a folder where the shard should be)
+    is reported as that error, never masked by the read buffer's cleanup (`BufferError`,
+    which crashed an agent's evict stage)."""
+    from tierpipe.storage.reader import read_head
+
+    folder = tmp_path / "rank-00000-of-00001.shard"
+    folder.mkdir()
+    with pytest.raises(OSError) as err:
+        read_head(folder)
+    assert err.value.errno == errno.EISDIR

@@ -119,6 +119,10 @@ def pread_into(fd: int, buf: mmap.mmap | memoryview, offset: int, need: int | No
     """
     got = 0
     with memoryview(buf) as view:
+        # An error's traceback keeps this frame: were it to hold the caller's view (a slice of
+        # a buffer), the caller could not close that buffer, and its `BufferError` would mask
+        # the error itself. `view` is released on the way out.
+        del buf
         want = len(view) if need is None else need
         while got < want:
             n = os.preadv(fd, [view[got:]], offset + got)
