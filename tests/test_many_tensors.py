@@ -195,6 +195,9 @@ def failures(events: Events, tier: str) -> list[StageFailed]:
 
 
 @pytest.mark.slow
+# Its own waits bound it (save, verify, flush, two restores of 200,000 tensors): 41 s on a quiet
+# machine, 109-125 s on a loaded one, near the suite's 180 s per test.
+@pytest.mark.timeout(420)
 def test_200k_small_tensors_round_trip_bitwise_from_nvme_and_from_s3(
     settings: Settings,
     elsewhere: Settings,
