@@ -22,7 +22,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
-from tierpipe.confirm import confirmed_plan
+from tierpipe.confirm import confirmed_list, confirmed_plan, confirmed_steps
 from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
 from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.log import configure_logging
@@ -546,7 +546,7 @@ def _export(settings: Settings, job: str, step: int | None, fmt: str, out: Path)
             chosen = step
             if chosen is None:
                 head, _ = await _folded_head(bus, store, job)
-                complete = sorted(set(head.nvme_steps) | set(head.s3_steps))
+                complete = await confirmed_list(store, job, head)  # (a forged head: not believed)
                 if not complete:
                     raise NoCheckpointError(f"job {job!r} has no complete step to export")
                 chosen = complete[-1]
@@ -566,10 +566,14 @@ def _ls(settings: Settings, *, as_json: bool) -> int:
             for job in sorted(set(heads) | set(await bus.jobs())):
                 newest = max([await _newest_seq(bus, s) for s in state_subjects(job)])
                 failed = await bus.last_event(shard_subject(job, "failed", "*", "*"))
+                head = heads.get(job)
+                doubts = (
+                    {} if head is None else (await confirmed_steps(store, job, head)).unconfirmed
+                )
                 rows.append(
                     JobRow(
-                        job, heads.get(job), newest, await store.lease(job),
-                        failed if isinstance(failed, StageFailed) else None,
+                        job, head, newest, await store.lease(job),
+                        failed if isinstance(failed, StageFailed) else None, doubts,
                     )
                 )  # fmt: skip
             return rows
@@ -799,6 +803,7 @@ async def _read_view(settings: Settings, job: str) -> JobView:
             keep=await store.keep(job),
             lease=await store.lease(job),
             stream_seq=stream_seq,
+            unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
         )
 
 

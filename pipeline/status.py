@@ -13,7 +13,7 @@ import datetime
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tierpipe.catalog import Shard
@@ -44,6 +44,8 @@ __all__ = (
     "jobs_table",
     "kv_plan",
     "lag_note",
+    "newest_confirmed",
+    "newest_shown",
     "rank_details",
     "rank_json",
     "rank_table",
@@ -69,6 +71,8 @@ class JobView:
     lease: Lease | None
     #: Stream sequence of the job's newest event (0: none or unknown).
     stream_seq: int = 0
+    #: step -> why the job state does not back the head's claim of it (`tierpipe.confirm`).
+    unconfirmed: Mapping[int, str] = field(default_factory=dict)
 
 
 def _count(bits: bytes, world_size: int) -> int:
@@ -118,12 +122,10 @@ def step_table(view: JobView, *, now: float | None = None) -> str:
 def _header(view: JobView, now: float) -> list[str]:
     head, floors = view.head, view.floors
 
-    def newest(steps: Sequence[int]) -> str:
-        return str(steps[-1]) if steps else "none"
-
     lines = [
         f"job {view.job}: world size {head.world_size}, newest complete step: NVMe "
-        f"{newest(head.nvme_steps)}, object storage {newest(head.s3_steps)}",
+        f"{newest_shown(head.nvme_steps, view.unconfirmed)}, object storage "
+        f"{newest_shown(head.s3_steps, view.unconfirmed)}",
         f"floors: NVMe {floors.nvme}, object storage {floors.s3}"
         + (f", kept below them: {', '.join(map(str, floors.keep))}" if floors.keep else ""),
         "keep: "
@@ -136,8 +138,23 @@ def _header(view: JobView, now: float) -> list[str]:
         ),
         "coordinator: " + _lease(view.lease, now),
     ]
+    lines += [f"step {step} unconfirmed: {why}" for step, why in sorted(view.unconfirmed.items())]
     note = lag_note(head.seq, view.stream_seq)
     return lines + ([note] if note else [])
+
+
+def newest_confirmed(steps: Sequence[int], unconfirmed: Mapping[int, str]) -> int | None:
+    """The newest of `steps` (a head's, ascending) that is not in `unconfirmed`."""
+    return next((s for s in reversed(steps) if s not in unconfirmed), None)
+
+
+def newest_shown(steps: Sequence[int], unconfirmed: Mapping[int, str]) -> str:
+    """The newest confirmed of `steps`, and a newer one the head claims unconfirmed: `2 (999
+    unconfirmed)`."""
+    newest = newest_confirmed(steps, unconfirmed)
+    shown = "none" if newest is None else str(newest)
+    claimed = steps[-1] if steps else None
+    return shown if claimed == newest else f"{shown} ({claimed} unconfirmed)"
 
 
 def lag_note(folded_seq: int, stream_seq: int) -> str:
@@ -182,6 +199,8 @@ class JobRow:
     lease: Lease | None
     #: Its newest `failed` event.
     failed: StageFailed | None
+    #: step -> why the job state does not back the head's claim of it (`tierpipe.confirm`).
+    unconfirmed: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def lag(self) -> int:
@@ -193,9 +212,10 @@ class JobRow:
         return {
             "job": self.job,
             "world_size": head.world_size if head else None,
-            "newest_nvme": head.newest_nvme if head else None,
-            "newest_s3": head.newest_s3 if head else None,
+            "newest_nvme": newest_confirmed(head.nvme_steps, self.unconfirmed) if head else None,
+            "newest_s3": newest_confirmed(head.s3_steps, self.unconfirmed) if head else None,
             "steps": head.steps if head else [],
+            "unconfirmed": {str(k): v for k, v in sorted(self.unconfirmed.items())},
             "lag": self.lag,
             "coordinator": self.lease.holder if self.lease else None,
             "last_error": None if f is None else {
@@ -213,8 +233,8 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
     for r in rows:
         h = r.head
 
-        def newest(step: int | None) -> str:
-            return "-" if step is None else str(step)
+        def newest(steps: Sequence[int], doubts: Mapping[int, str] = r.unconfirmed) -> str:
+            return newest_shown(steps, doubts).replace("none", "-")
 
         error = "-"
         if r.failed is not None:
@@ -225,8 +245,8 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
         if r.lease is not None and r.lease.expires < now:
             coordinator += " (expired)"
         out.append((
-            r.job, str(h.world_size) if h else "-", newest(h.newest_nvme if h else None),
-            newest(h.newest_s3 if h else None), str(len(h.steps)) if h else "no state",
+            r.job, str(h.world_size) if h else "-", newest(h.nvme_steps if h else []),
+            newest(h.s3_steps if h else []), str(len(h.steps)) if h else "no state",
             str(r.lag), coordinator, error,
         ))  # fmt: skip
     return _table(out) if rows else "no jobs"

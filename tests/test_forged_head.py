@@ -90,3 +90,23 @@ def test_plan_does_not_believe_a_forged_head_and_record(settings: Settings, job:
 
     out = run_cli(settings, "plan", "--job", job, "--step", str(FORGED))
     assert out.returncode != 0 and "unconfirmed" in out.stderr, (out.stdout, out.stderr)
+
+
+def test_ls_and_status_show_a_forged_step_as_unconfirmed(settings: Settings, job: str) -> None:
+    """`tierpipe ls` and `tierpipe status` report the newest step the job state confirms and
+    name the head's forged one as unconfirmed."""
+    saved_steps(settings, job, [1, 2])
+    with Checkpointer(job, rank=0, world_size=2, settings=settings) as ckpt:
+        assert ckpt.latest_step() == 2  # (the job state folded)
+    forge(settings, job, record=True)
+
+    out = run_cli(settings, "ls", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = [r for r in map(json.loads, out.stdout.splitlines()) if r["job"] == job]
+    assert (row["newest_nvme"], row["newest_s3"]) == (2, 2), row
+    assert str(FORGED) in row["unconfirmed"], row
+
+    out = run_cli(settings, "status", "--job", job)
+    assert out.returncode == 0, out.stderr
+    assert f"NVMe 2 ({FORGED} unconfirmed)" in out.stdout, out.stdout
+    assert f"step {FORGED} unconfirmed: " in out.stdout, out.stdout
