@@ -24,6 +24,7 @@ from tierpipe.bus import Bus
 from tierpipe.catalog import Catalog
 from tierpipe.confirm import confirmed_list, confirmed_plan, confirmed_steps
 from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
+from tierpipe.folded import folded_head, newest_seq
 from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.log import configure_logging
 from tierpipe.names import (
@@ -545,7 +546,7 @@ def _export(settings: Settings, job: str, step: int | None, fmt: str, out: Path)
             store = await JobStore(bus.js, settings).open()
             chosen = step
             if chosen is None:
-                head, _ = await _folded_head(bus, store, job)
+                head, _ = await folded_head(bus, store, job)
                 complete = await confirmed_list(store, job, head)  # (a forged head: not believed)
                 if not complete:
                     raise NoCheckpointError(f"job {job!r} has no complete step to export")
@@ -564,7 +565,7 @@ def _ls(settings: Settings, *, as_json: bool) -> int:
             heads = await store.heads()
             rows = []
             for job in sorted(set(heads) | set(await bus.jobs())):
-                newest = max([await _newest_seq(bus, s) for s in state_subjects(job)])
+                newest = max([await newest_seq(bus, s) for s in state_subjects(job)])
                 failed = await bus.last_event(shard_subject(job, "failed", "*", "*"))
                 head = heads.get(job)
                 doubts = (
@@ -714,7 +715,7 @@ def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as
     async def read() -> tuple[JobHead, int, KvPlan]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore(bus.js, settings).open()
-            head, stream_seq = await _folded_head(bus, store, job)
+            head, stream_seq = await folded_head(bus, store, job)
             records = await store.records(job, head.candidates(step))
             if step is not None and step not in records:
                 kept = ", ".join(map(str, head.steps)) or "none"
@@ -759,7 +760,7 @@ def _status_step(
     async def read() -> tuple[StepRecord, dict[int, RankDigests]]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore(bus.js, settings).open()
-            head, _ = await _folded_head(bus, store, job)
+            head, _ = await folded_head(bus, store, job)
             rec = await store.record(job, step)
             if rec is None:
                 kept = ", ".join(map(str, head.steps)) or "none"
@@ -791,10 +792,10 @@ def _status_step(
 
 
 async def _read_view(settings: Settings, job: str) -> JobView:
-    """The job's state in KV, once folded up to its newest event (see `_folded_head`)."""
+    """The job's state in KV, once folded up to its newest event (see `folded_head`)."""
     async with Bus(settings, name="tierpipe-cli") as bus:
         store = await JobStore(bus.js, settings).open()
-        head, stream_seq = await _folded_head(bus, store, job)
+        head, stream_seq = await folded_head(bus, store, job)
         return JobView(
             job=job,
             head=head,
@@ -805,52 +806,6 @@ async def _read_view(settings: Settings, job: str) -> JobView:
             stream_seq=stream_seq,
             unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
         )
-
-
-async def _folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int]:
-    """The job's head in KV and the stream seq of its newest event the coordinator folds
-    (`state_subjects`): while a live coordinator
-    leads the job, once it has folded that event (a few flush intervals at most), so what an
-    operator just saw happen shows; without one, at once (the output says it lags).
-
-    Raises:
-        ConfigError: the job has no state in KV (a mistyped name, or a lost state).
-    """
-    settings = bus.settings
-    stream_seq = max([await _newest_seq(bus, subject) for subject in state_subjects(job)])
-    deadline = time.monotonic() + 2.0 + 10 * settings.coordinator_flush_s
-    while True:
-        head = await store.head(job)
-        if head is not None and head.seq >= stream_seq:
-            break
-        lease = await store.lease(job)
-        if lease is None or lease.expires < time.time() or time.monotonic() > deadline:
-            break
-        await anyio.sleep(0.05)
-    if head is None:
-        stream = stream_name(settings.stream, job)
-        events = (
-            f"though stream {stream} holds its events up to seq {stream_seq} (no "
-            "coordinator has folded them: an agent's evict stage does)"
-            if stream_seq
-            else f"and no events on stream {stream} (check the name)"
-        )
-        raise ConfigError(
-            f"job {job!r} has no state in KV bucket {settings.kv_bucket} {events}; if its state "
-            f"was lost, `tierpipe reindex --job {job}` republishes its events from shard files "
-            "and objects"
-        )
-    return head, stream_seq
-
-
-async def _newest_seq(bus: Bus, subject: str) -> int:
-    """Stream seq of the newest message on `subject` (0: none, or no stream at all)."""
-    with translate(f"newest message on {subject}", keep=(nats.js.errors.NotFoundError,)):
-        try:
-            msg = await bus.js.get_msg(bus.stream(subject), subject=subject)
-        except nats.js.errors.NotFoundError:
-            return 0
-    return int(msg.seq or 0)
 
 
 async def _digests(store: JobStore, job: str, step: int, chunk: int) -> RankDigests | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
 from tierpipe.dev import NatsServer
 from tierpipe.jobstate import bitmap
+from tierpipe.kvstate import JobStore
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import (
     RecoveryPlanned,
@@ -93,7 +95,25 @@ def save(
             lambda e, r=r: isinstance(e, ShardFlushed) and e.step == steps[-1] and e.rank == r,
             kind="flushed",
         )
+    # What a restore reads its sources from: the job state in KV, folded by the coordinator a
+    # flush interval or two after the events (a plan made up by a test, not by rank 0, finds
+    # no source for a step the job state does not show in object storage yet).
+    deadline = time.monotonic() + 30
+    while not set(steps) <= set(kv_head_s3_steps(nodes[0], job)):
+        assert time.monotonic() < deadline, "the job state never showed the steps in S3"
+        time.sleep(0.1)
     return saved
+
+
+def kv_head_s3_steps(settings: Settings, job: str) -> list[int]:
+    """The steps complete in object storage, as the job's head in KV lists them."""
+
+    async def read() -> list[int]:
+        async with Bus(settings) as bus:
+            head = await (await JobStore(bus.js, settings).open()).head(job)
+        return head.s3_steps if head else []
+
+    return anyio.run(read)
 
 
 def restore(settings: Settings, job: str, rank: int, world: int, local: int = LOCAL) -> Any:

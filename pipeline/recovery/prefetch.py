@@ -22,6 +22,7 @@ import structlog
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.errors import ConfigError, NoCheckpointError, ResourceExhaustedError
+from tierpipe.folded import folded_head
 from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, shard_subject
 from tierpipe.progress import Progress, Ticker
@@ -66,8 +67,8 @@ async def prefetch(
     source = of_node or here
     async with Bus(settings, name=f"tierpipe-prefetch-{here}") as bus:
         store = await JobStore(bus.js, settings).open()
-        head = await store.head(job)
-        step = step if step is not None else (head.newest_s3 if head else None)
+        if step is None:  # (the newest the operator could have seen flushed)
+            step = (await folded_head(bus, store, job))[0].newest_s3
         rec = None if step is None else await store.record(job, step)
         if step is None or rec is None or rec.s3_removed:
             raise NoCheckpointError(f"job {job!r} has no step {step or ''} in object storage")
