@@ -63,11 +63,9 @@ def normal_endpoint(url: str | None) -> str:
 
 def location_of(settings: Settings) -> StoreLocation:
     """The object store an agent with `settings` writes to (as `S3Store` addresses it)."""
-    return StoreLocation(
-        endpoint=normal_endpoint(settings.s3_endpoint),
-        bucket=settings.s3_bucket,
-        prefix=settings.s3_prefix.strip("/"),
-    )
+    s = settings
+    here = StoreLocation(endpoint=s.s3_endpoint or "", bucket=s.s3_bucket, prefix=s.s3_prefix)
+    return _normal(here)
 
 
 def same_location(a: StoreLocation | str, b: StoreLocation | str) -> bool:
@@ -75,11 +73,7 @@ def same_location(a: StoreLocation | str, b: StoreLocation | str) -> bool:
     location, a `str`, is none)."""
     if isinstance(a, str) or isinstance(b, str):
         return False
-    return (a.bucket, a.prefix.strip("/"), normal_endpoint(a.endpoint)) == (
-        b.bucket,
-        b.prefix.strip("/"),
-        normal_endpoint(b.endpoint),
-    )
+    return _normal(a) == _normal(b)
 
 
 def _normal(location: StoreLocation) -> StoreLocation:

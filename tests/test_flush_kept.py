@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
+from tests.test_resilience import wait_until
 from tierpipe.batcher import Batcher
 from tierpipe.bus import Bus
 from tierpipe.client import Checkpointer
@@ -73,13 +74,6 @@ def handled(agent: Agent, stage: str, step: int) -> bool:
 
 #: What flush logs when it uploads nothing for a step object storage does not keep.
 DROPPED = ("upload_skipped", "upload_cancelled", "upload_withdrawn", "upload_abandoned")
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_late_copy_is_never_removed_as_flushed_before_its_upload_and_leaves_no_object(

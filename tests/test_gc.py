@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events, run_cli
+from tests.test_resilience import wait_until
 from tierpipe.client import Checkpointer
 from tierpipe.names import shard_relpath
 from tierpipe.retention.gc import unkept
@@ -47,13 +48,6 @@ def nvme_steps(settings: Settings, job: str) -> list[int]:
         int(d.name[5:]) for d in (Path(settings.nvme_root) / job).glob("step-*")
         if any(d.glob("*.shard"))
     )  # fmt: skip
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture

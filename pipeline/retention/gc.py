@@ -49,7 +49,7 @@ from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3 import S3Store
 from tierpipe.storage.s3_commit import commit_key, commits_prefix, remove_commit
 
-__all__ = ("MIN_AGE_S", "Found", "GcReport", "JobView", "gc", "job_objects", "unkept")
+__all__ = ("MIN_AGE_S", "Found", "GcReport", "gc", "job_objects", "unkept")
 
 log = structlog.get_logger(__name__)
 
@@ -110,7 +110,7 @@ def _fields(f: Found) -> dict[str, object]:
 
 
 @dataclass(slots=True)
-class JobView:
+class _KeptState:
     """What the job state in KV says of a job, with the records read so far."""
 
     head: JobHead
@@ -119,7 +119,7 @@ class JobView:
     records: dict[int, StepRecord | None] = field(default_factory=dict)
 
     @classmethod
-    async def read(cls, store: JobStore, job: str) -> JobView:
+    async def read(cls, store: JobStore, job: str) -> _KeptState:
         """Raises:
         JobStateMissingError: the job has no state in KV.
         BusUnavailableError, BusError: the job state cannot be read.
@@ -177,7 +177,7 @@ async def gc(
     report = GcReport(job, apply)
     async with Bus(settings, name=f"tierpipe-gc-{node}") as bus:
         store = await JobStore(bus.js, settings).open()
-        view = await JobView.read(store, job)
+        view = await _KeptState.read(store, job)
         cutoff = time.time() - min_age_s
         with NvmeStore.from_settings(settings) as nvme:
             files = await _nvme_found(nvme, view, job, cutoff, report.skipped)
@@ -192,7 +192,7 @@ async def gc(
 
 
 async def _nvme_found(
-    nvme: NvmeStore, view: JobView, job: str, cutoff: float, skipped: list[str]
+    nvme: NvmeStore, view: _KeptState, job: str, cutoff: float, skipped: list[str]
 ) -> list[Found]:
     """This node's files under the job's NVMe folder whose step the job keeps on no tier."""
     found = []
@@ -215,7 +215,7 @@ async def _nvme_found(
 
 
 async def _objects_found(
-    objects: S3Store, view: JobView, job: str, cutoff: float, skipped: list[str]
+    objects: S3Store, view: _KeptState, job: str, cutoff: float, skipped: list[str]
 ) -> list[Found]:
     """The job's shard objects and COMMITs whose step object storage does not keep."""
     found = []
