@@ -40,6 +40,7 @@ typecheck: $(STAMP)
 	@for e in pipeline/*.py pipeline/*/; do ln -s "$$PWD/$${e%/}" build/typecheck/tierpipe/; done
 	@ln -s "$$PWD/stages" "$$PWD/schemas" build/typecheck/tierpipe/
 	$(VENV)/bin/mypy -p tierpipe
+	$(VENV)/bin/mypy tests/contract_types.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

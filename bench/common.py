@@ -376,7 +376,7 @@ class Deployment:
             raise RuntimeError(f"node agent died ({self.agent.returncode}):\n{tail}")
 
     def checkpointer(self, job: str = JOB) -> Any:
-        from tierpipe.client import Checkpointer
+        from tierpipe.trainer.checkpointer import Checkpointer
 
         return Checkpointer(job, rank=0, world_size=1, node=NODE, settings=self.settings)
 

@@ -115,9 +115,9 @@ from bench.common import log, scratch_dir
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-    from tierpipe.bus import Bus
-    from tierpipe.jobstate import JobState
-    from tierpipe.kvstate import JobStore
+    from tierpipe.bus.client import Bus
+    from tierpipe.control.jobstate import JobState
+    from tierpipe.control.kvstate import JobStore
     from tierpipe.schemas import Event
     from tierpipe.schemas.jobstate import JobHead
     from tierpipe.settings import Settings
@@ -248,7 +248,7 @@ class Publisher:
         self.last_seq = 0
 
     async def publish(self, events: Iterable[Event]) -> None:
-        from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER
+        from tierpipe.bus.client import KIND_HEADER, SCHEMA_HEADER
         from tierpipe.names import event_subject, msg_id, stream_name
         from tierpipe.schemas import SCHEMA_VERSION, encode_event
 
@@ -410,9 +410,9 @@ def _coordinator_main(env: dict[str, str], conn: Any, profile: bool) -> None:
     prof = cProfile.Profile() if profile else None
 
     async def serve() -> None:
-        from tierpipe.bus import Bus
-        from tierpipe.coordinator import Coordinator
-        from tierpipe.kvstate import JobStore
+        from tierpipe.bus.client import Bus
+        from tierpipe.control.coordinator import Coordinator
+        from tierpipe.control.kvstate import JobStore
 
         async def remove(job: str, step: int, world_size: int) -> None:
             stats.removed.append((job, step))
@@ -551,7 +551,7 @@ async def _restart_read(kv: KeyValue, job: str, rank: int = 0) -> tuple[int, int
     import msgspec
     import nats.js.errors
 
-    from tierpipe.kvstate import digests_key, head_key, step_key
+    from tierpipe.control.kvstate import digests_key, head_key, step_key
     from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead
 
     entry = await kv.get(head_key(job))
@@ -783,7 +783,7 @@ async def _history_reads(jobs: dict[int, Driver]) -> dict[str, float]:
 async def _replay(d: Driver) -> tuple[list[tuple[int, Event]], float]:
     from nats.js import api
 
-    from tierpipe import history
+    from tierpipe.bus import history
     from tierpipe.names import job_subjects
 
     assert d.bus.nc is not None
@@ -872,7 +872,7 @@ class _Throttled:
 async def _throttled(bus: Bus, settings: Settings, counts: Counter[str]) -> tuple[Any, JobStore]:
     """The bus and a job store for the simulated ranks (see `_Throttled`), their requests
     counted in `counts` by method (`get`: KV, `last_raw`: direct get, `publish`)."""
-    from tierpipe.kvstate import JobStore
+    from tierpipe.control.kvstate import JobStore
 
     slots = asyncio.Semaphore(IN_FLIGHT_REQUESTS)
     store = await JobStore(bus.js, settings).open()
@@ -980,7 +980,7 @@ def _restart_proc(
     configure_logging("warning", "json", only_if_unconfigured=True)
 
     async def main() -> _Part:
-        from tierpipe.bus import Bus
+        from tierpipe.bus.client import Bus
         from tierpipe.settings import load_settings
 
         settings = load_settings(path=None, env=env)
@@ -1006,7 +1006,7 @@ async def _restart(d: Driver, work: Path, procs: int = 1) -> dict[str, Any]:
     docstring."""
     import multiprocessing
 
-    from tierpipe.bus import Bus
+    from tierpipe.bus.client import Bus
     from tierpipe.names import plan_subject, shard_subject
     from tierpipe.schemas import decode_event, encode_event
 
@@ -1082,7 +1082,7 @@ FOLD_RANKS = 8000
 def _fold_us(world: int, ranks_per_node: int) -> float:
     """CPU µs per rank event of `JobState.apply`, on facts built beforehand (see the module
     docstring)."""
-    from tierpipe.jobstate import JobState
+    from tierpipe.control.jobstate import JobState
     from tierpipe.schemas import ShardFlushed, ShardVerified, ShardWritten
     from tierpipe.schemas.facts import fact_of
     from tierpipe.schemas.jobstate import Keep
@@ -1124,8 +1124,8 @@ def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> d
     the plan message every rank receives."""
     import msgspec
 
-    from tierpipe.catalog import Catalog
-    from tierpipe.jobstate import bitmap
+    from tierpipe.control.catalog import Catalog
+    from tierpipe.control.jobstate import bitmap
     from tierpipe.recovery.plan import plan_recovery
     from tierpipe.schemas import RecoveryPlanned, encode_event
 
@@ -1185,8 +1185,8 @@ def _kv_equals_fold(
 
 async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> list[str]:
     """The KV against a fresh fold of the job's stream as stored."""
-    from tierpipe.jobstate import JobState
-    from tierpipe.kvstate import floor_key, head_key
+    from tierpipe.control.jobstate import JobState
+    from tierpipe.control.kvstate import floor_key, head_key
     from tierpipe.schemas import ShardEvent
 
     state = JobState(d.job, keep)
@@ -1232,9 +1232,9 @@ async def _main(
     profile: bool,
     restart_procs: int,
 ) -> dict[str, Any]:
-    from tierpipe.bus import Bus
+    from tierpipe.bus.client import Bus
+    from tierpipe.control.kvstate import JobStore
     from tierpipe.dev import NatsServer
-    from tierpipe.kvstate import JobStore
     from tierpipe.schemas.jobstate import Keep
     from tierpipe.settings import load_settings
 

@@ -178,7 +178,7 @@ class _Flushes:
     def __init__(self, dep: Deployment, store: _Store, stack: ExitStack) -> None:
         from anyio.from_thread import start_blocking_portal
 
-        from tierpipe.bus import Bus
+        from tierpipe.bus.client import Bus
 
         self.dep = dep
         self.store = store
@@ -195,7 +195,7 @@ class _Flushes:
     def one(self, state: dict[str, Any], *, keep: Path | None = None) -> dict[str, float]:
         """Save `state`, wait for its `flushed` event, delete the object and the NVMe file (or
         move that file to `keep`). Returns the event's seconds and nbytes."""
-        from tierpipe.staged_image import release
+        from tierpipe.storage.staged_image import release
 
         self.step += 1
         step = self.step
@@ -257,7 +257,7 @@ def _direct(settings: Any, path: Path, key: str) -> float:
     """`S3Store.upload` of `path`; its own `seconds` (client creation untimed)."""
     import anyio
 
-    from tierpipe.storage.s3 import S3Store
+    from tierpipe.storage.s3.store import S3Store
 
     async def go() -> float:
         async with S3Store(settings) as s3:

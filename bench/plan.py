@@ -58,7 +58,7 @@ def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> lis
 
 
 def _plan_at_scale() -> dict[str, float]:
-    from tierpipe.catalog import Catalog
+    from tierpipe.control.catalog import Catalog
     from tierpipe.recovery.plan import plan_recovery
 
     job, digest = "plan", "0" * 32
@@ -108,8 +108,8 @@ def _plan_at_scale() -> dict[str, float]:
 def _replay_at_scale(work: Path) -> dict[str, float]:
     import anyio
 
-    from tierpipe.bus import KIND_HEADER, SCHEMA_HEADER, Bus
-    from tierpipe.catalog import Catalog
+    from tierpipe.bus.client import KIND_HEADER, SCHEMA_HEADER, Bus
+    from tierpipe.control.catalog import Catalog
     from tierpipe.dev import NatsServer
     from tierpipe.names import event_subject, msg_id
     from tierpipe.schemas import SCHEMA_VERSION, encode_event

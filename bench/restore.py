@@ -214,7 +214,7 @@ class _Setup:
         """Upload the shard with `S3Store.upload`; returns its seconds."""
         import anyio
 
-        from tierpipe.storage.s3 import S3Store
+        from tierpipe.storage.s3.store import S3Store
 
         async def go() -> float:
             async with S3Store(self.settings) as store:
@@ -268,7 +268,7 @@ class _Restores:
     """`Checkpointer.restore()` from NVMe or object storage, each call its own restart id."""
 
     def __init__(self, setup: _Setup, targets: _Targets, stack: ExitStack) -> None:
-        from tierpipe.client import Checkpointer
+        from tierpipe.trainer.checkpointer import Checkpointer
 
         self.setup = setup
         self.targets = targets
@@ -277,7 +277,7 @@ class _Restores:
         self.count = 0
 
     def one(self, tier: str) -> float:
-        from tierpipe.staged_image import release
+        from tierpipe.storage.staged_image import release
 
         self.count += 1
         restart = f"bench-{tier}-{self.count}"

@@ -15,15 +15,15 @@ from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from tierpipe.client import Checkpointer
-    from tierpipe.handle import SaveHandle, SaveStats
     from tierpipe.recovery.load import load_shard
     from tierpipe.storage.shardfile import write_shard
+    from tierpipe.trainer.checkpointer import Checkpointer
+    from tierpipe.trainer.handle import SaveHandle, SaveStats
 
 _LAZY = {
-    "Checkpointer": "tierpipe.client",
-    "SaveHandle": "tierpipe.handle",
-    "SaveStats": "tierpipe.handle",
+    "Checkpointer": "tierpipe.trainer.checkpointer",
+    "SaveHandle": "tierpipe.trainer.handle",
+    "SaveStats": "tierpipe.trainer.handle",
     "load_shard": "tierpipe.recovery.load",
     "write_shard": "tierpipe.storage.shardfile",
 }

@@ -41,12 +41,12 @@ from tierpipe.schemas import (
     StageFailed,
 )
 from tierpipe.settings import Settings
-from tierpipe.staging import markers
+from tierpipe.storage.staging import markers
 from tierpipe.throttle import Throttle
 
 if TYPE_CHECKING:
-    from tierpipe.bus import Bus
-    from tierpipe.kvstate import JobStore
+    from tierpipe.bus.client import Bus
+    from tierpipe.control.kvstate import JobStore
 
 __all__ = ("METRICS", "Metrics", "serve")
 
@@ -145,7 +145,7 @@ class Metrics:
 
 
 def _slots_in_use(staging: Path) -> int:
-    """Staging slots holding an unreleased step (`tierpipe.staging`'s markers)."""
+    """Staging slots holding an unreleased step (`tierpipe.storage.staging`'s markers)."""
     return sum(len(markers(d)) for d in staging.glob("*/rank-*"))
 
 

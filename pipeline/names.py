@@ -160,7 +160,7 @@ def job_subjects(job: str) -> str:
 
 
 def state_subjects(job: str) -> list[str]:
-    """What the job's coordinator folds (`tierpipe.coordinator`): the nodes' batches, every
+    """What the job's coordinator folds (`tierpipe.control.coordinator`): the nodes' batches, every
     failure, the plans and restore reports; not the per-rank copies of what batches say."""
     return [
         batch_subject(job, "*", "*"),

@@ -25,7 +25,7 @@ and, for every message:
   outcome, attempt, seconds, the kinds published, plus whatever the handler bound with
   `structlog.contextvars.bind_contextvars`), at debug when the message led to nothing;
 - when its stream or consumer disappears (deleted, or lost by the server), creates them again,
-  says so once, and goes on (`tierpipe.consumer`);
+  says so once, and goes on (`tierpipe.bus.consumer`);
 - on SIGTERM/SIGINT stops fetching and lets in-flight work finish for up to `drain_timeout_s`
   (an outage being waited out is handed back at once).
 """
@@ -49,10 +49,11 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
 from tierpipe import metrics
-from tierpipe.advert import advertise
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.consumer import Drain, StageConsumer, backoff, quietly, text
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.bus.consumer import Drain, StageConsumer, backoff, quietly, text
+from tierpipe.control.advert import advertise
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     DuplicateEventError,
     PermanentError,
@@ -61,7 +62,6 @@ from tierpipe.errors import (
     UnavailableError,
 )
 from tierpipe.faults import maybe_die
-from tierpipe.kvstate import JobStore
 from tierpipe.log import register_secrets, settings_secrets, unit_of_work
 from tierpipe.metrics import METRICS
 from tierpipe.names import (
@@ -500,7 +500,7 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))
             # The node's trainers learn from it that an agent serves them, and where it keeps
-            # their copies (`tierpipe.advert`).
+            # their copies (`tierpipe.control.advert`).
             tg.start_soon(
                 functools.partial(advertise, node=node, stages=[s.STAGE for s in stages]),
                 settings,

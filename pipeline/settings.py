@@ -66,7 +66,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     metrics_port: int = 9464
     #: Replicas of the stream and of the KV bucket (3 on a 3-server cluster).
     stream_replicas: int = 1
-    #: The JetStream KV bucket of the jobs' compacted state (`tierpipe.kvstate`).
+    #: The JetStream KV bucket of the jobs' compacted state (`tierpipe.control.kvstate`).
     kv_bucket: str = "tierpipe-state"
     #: Events older than this leave the stream (0: kept forever). Limits drop the oldest events
     #: first, so what stays is always a suffix of the history: a copy's removal is never lost
@@ -95,8 +95,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     agent_lock_timeout_s: float = 60.0
     #: Fault injection for tests: the agent SIGKILLs itself at this named point ("" : never).
     fault_point: str = ""
-    #: How often an agent stores its node's record (`tierpipe.advert`: its roots and store, for
-    #: the trainers of its node). A record three of these old counts as no agent.
+    #: How often an agent stores its node's record (`tierpipe.control.advert`: its roots and store,
+    #: for the trainers of its node). A record three of these old counts as no agent.
     node_heartbeat_s: float = 10.0
 
     # --- node identity and tiers

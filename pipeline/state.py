@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tierpipe.schemas import BlobEntry, ShardHeader, TensorEntry
-from tierpipe.shard import DTYPE_SIZES, align_up, encode_head
+from tierpipe.storage.shard import DTYPE_SIZES, align_up, encode_head
 from tierpipe.tree import KeyPath, decode_tree, dtype_name, encode_tree
 
 __all__ = (
@@ -256,7 +256,7 @@ def rebuild_state(
 
 def blob_view(blob: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """Entry `e`'s tensor as a view of its blob's uint8 tensor (no copy). The layout was
-    checked against the blob when the header was parsed (`tierpipe.shard`)."""
+    checked against the blob when the header was parsed (`tierpipe.storage.shard`)."""
     t = torch.empty(0, dtype=getattr(torch, e.dtype))  # e.dtype was checked against DTYPE_SIZES
     base = blob.storage_offset() // DTYPE_SIZES[e.dtype]
     return t.set_(blob.untyped_storage(), base + e.offset, e.shape, e.stride)

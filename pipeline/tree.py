@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from tierpipe.errors import ShardFormatError, UnsupportedStateError
-from tierpipe.shard import DTYPE_SIZES
+from tierpipe.storage.shard import DTYPE_SIZES
 
 __all__ = ("KeyPath", "decode_tree", "dtype_name", "encode_tree")
 

@@ -1,7 +1,7 @@
 """A step's COMMIT manifest: the object that says a step is complete in object storage.
 
 The job's retention coordinator writes it once every rank's object of the step is confirmed
-(`tierpipe.storage.s3_commit`, a conditional create), and retention removes it first when it
+(`tierpipe.storage.s3.commit`, a conditional create), and retention removes it first when it
 removes the step's objects. It names the step's objects (their keys follow from job, step, rank
 and world size) and carries the same per-rank data as the job state's `RankDigests`: what
 `tierpipe reindex` needs to rebuild the job state from storage alone, when the stream and the

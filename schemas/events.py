@@ -123,8 +123,8 @@ class ShardStaged(ShardEvent, frozen=True, kw_only=True, tag="staged"):
     #: "restore": a shard read back from object storage, staged so this node's NVMe gets a copy.
     origin: Literal["save", "restore"] = "save"
     #: The slot's generation when this image was copied in: the trainer bumps it in the slot
-    #: (`tierpipe.shard.slot_generation`) before it reuses the slot, so a writer that reads the
-    #: same value before and after copying proves it copied this very save.
+    #: (`tierpipe.storage.shard.slot_generation`) before it reuses the slot, so a writer that reads
+    #: the same value before and after copying proves it copied this very save.
     generation: NonNegInt = 0
 
 

@@ -1,4 +1,4 @@
-"""A job's compacted state, as kept in the JetStream KV bucket (`tierpipe.kvstate`).
+"""A job's compacted state, as kept in the JetStream KV bucket (`tierpipe.control.kvstate`).
 
 The event stream is the audit log and the stages' trigger; these records are what restarts,
 retention and operators read instead of replaying it. One writer (the job's retention
@@ -71,7 +71,7 @@ StepOrNone = Annotated[int, msgspec.Meta(ge=-1)]
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Which ranks of one step have a good copy on each tier.
 
-    A bitmap holds rank r in bit `r % 8` of byte `r // 8` (`tierpipe.jobstate.Bitmap`); a
+    A bitmap holds rank r in bit `r % 8` of byte `r // 8` (`tierpipe.control.jobstate.Bitmap`); a
     step is complete on a tier when its bitmap holds every rank below `world_size`.
     """
 
@@ -283,10 +283,10 @@ class Shares(msgspec.Struct, frozen=True, kw_only=True):
 
 class StoreLocation(msgspec.Struct, frozen=True, kw_only=True):
     """Where a job's objects live: bound to the job in KV by the first agent that writes one of
-    them (`tierpipe.location.bind_location`), and what every agent's own object store must be
-    before it writes or deletes another. Never a credential."""
+    them (`tierpipe.control.location.bind_location`), and what every agent's own object store must
+    be before it writes or deletes another. Never a credential."""
 
-    #: The S3 endpoint URL as compared (`tierpipe.location.normal_endpoint`); "" for AWS's.
+    #: The S3 endpoint URL as compared (`tierpipe.control.location.normal_endpoint`); "" for AWS's.
     endpoint: str = ""
     bucket: str
     #: The key prefix, without leading or trailing slashes.

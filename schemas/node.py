@@ -1,4 +1,4 @@
-"""A node's record, as its agent advertises it in KV (`tierpipe.advert`).
+"""A node's record, as its agent advertises it in KV (`tierpipe.control.advert`).
 
 Key: the node name, in the bucket `<kv_bucket>-nodes`. What the trainers of the node need to
 find the agent's copies and to tell whether an agent serves the node at all; never credentials.

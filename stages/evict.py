@@ -5,14 +5,14 @@
   failed for good (nothing will ever need the copy again; the trainer's handle reports the
   failure). These are the only events the stage consumes, and only this node's: slot releases
   never wait behind retention work.
-- The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.kvstate`) and
+- The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.control.kvstate`) and
   applies them to every copy on its disk, with or without events about it
   (`tierpipe.retention.kept`): below the NVMe floor a copy goes once that very copy is in
   object storage, or as "not kept" once the job keeps its step on no tier; all at once when
   the job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the floors keep stay.
   Below `nvme_min_free_bytes` free, the oldest copies in object storage go first.
-- Object storage: the job's retention coordinator (`tierpipe.coordinator`), one per job, elected
-  by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
+- Object storage: the job's retention coordinator (`tierpipe.control.coordinator`), one per job,
+  elected by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
   objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
 
 Every removal is published as an `evicted` event. Holds the node's evict lock.
@@ -32,12 +32,12 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator, RestorePins
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.coordinator import Coordinator, RestorePins
+from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.errors import ShardFormatError, TierpipeError
 from tierpipe.faults import maybe_fail
-from tierpipe.kvstate import JobStore, default_keep
 from tierpipe.names import job_dirs, node_name, plan_subject, shard_relpath, shard_subject
 from tierpipe.retention.kept import REASONS, Fate, copy_evidence, nvme_fate
 from tierpipe.schemas import (
@@ -52,11 +52,11 @@ from tierpipe.schemas import (
 from tierpipe.schemas.commit import CommitManifest
 from tierpipe.schemas.jobstate import Floors, Keep, StepRecord
 from tierpipe.settings import Settings
-from tierpipe.staged_image import release
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store
-from tierpipe.storage.s3_commit import put_commit, remove_commit
+from tierpipe.storage.s3.commit import put_commit, remove_commit
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.storage.staged_image import release
 
 __all__ = ("KINDS", "STAGE", "Evict", "LocalCopy", "Verdict", "floor_verdict", "handle", "open")
 

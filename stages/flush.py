@@ -34,10 +34,10 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
+from tierpipe.control.location import bind_location
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
-from tierpipe.kvstate import JobStore
-from tierpipe.location import bind_location
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.metrics import METRICS
 from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
@@ -51,7 +51,7 @@ from tierpipe.schemas import (
 )
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.s3 import S3Store, Uploaded
+from tierpipe.storage.s3.store import S3Store, Uploaded
 from tierpipe.storage.store import SealedFile
 from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
 

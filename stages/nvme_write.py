@@ -19,15 +19,15 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.errors import StagingGoneError, TierpipeError
 from tierpipe.log import bind_io
 from tierpipe.names import node_name
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
-from tierpipe.staged_image import open_image
 from tierpipe.storage.nvme import NvmeStore, WriteResult
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.staged_image import open_image
 
 __all__ = ("KINDS", "STAGE", "NvmeWrite", "handle", "open")
 

@@ -28,9 +28,8 @@ from typing import Literal
 import msgspec
 import torch
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.names import shard_subject
-from tierpipe.pinned import page_lock, page_unlock
 from tierpipe.schemas import (
     Event,
     ShardEvent,
@@ -41,9 +40,10 @@ from tierpipe.schemas import (
     decode_event,
     shard_event,
 )
-from tierpipe.shard import Head
-from tierpipe.staging import Slot, SlotPool, stale_markers
 from tierpipe.state import StatePlan
+from tierpipe.storage.pinned import page_lock, page_unlock
+from tierpipe.storage.shard import Head
+from tierpipe.storage.staging import Slot, SlotPool, stale_markers
 
 __all__ = (
     "Snapshot",

@@ -17,14 +17,14 @@ from pathlib import Path
 import anyio
 import structlog
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.log import bind_io
 from tierpipe.names import node_name
 from tierpipe.schemas import Event, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.staged_image import open_staged
 from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.staged_image import open_staged
 from tierpipe.storage.store import VerifyResult
 
 __all__ = ("KINDS", "STAGE", "Verify", "handle", "open")

@@ -22,7 +22,7 @@ T0 = time.monotonic()
 
 import torch  # noqa: E402
 
-from tierpipe.client import Checkpointer  # noqa: E402
+from tierpipe.trainer.checkpointer import Checkpointer  # noqa: E402
 
 
 def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:

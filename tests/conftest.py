@@ -17,7 +17,7 @@ import anyio
 import pytest
 import structlog
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.dev import NatsServer, S3Server
 from tierpipe.names import SUBJECT_ROOT, msg_id
 from tierpipe.schemas import Event, NodeBatch, ShardStaged

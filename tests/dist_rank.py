@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tests.test_recovery import model
-from tierpipe.client import Checkpointer
 from tierpipe.errors import TierpipeError
+from tierpipe.trainer.checkpointer import Checkpointer
 
 
 def main() -> None:

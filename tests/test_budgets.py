@@ -13,17 +13,17 @@ import torch
 
 from tests.conftest import Agent, Events, run_cli
 from tests.test_retention import digest
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
-from tierpipe.coordinator import ActiveNodes, Coordinator, divide
-from tierpipe.kvstate import JobStore
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.coordinator import ActiveNodes, Coordinator, divide
+from tierpipe.control.kvstate import JobStore
 from tierpipe.recovery.load import s3_reads_per_node
 from tierpipe.schemas import NodeBatch, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import Budget, Keep, Shares
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _follow_shares
 from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
+from tierpipe.trainer.checkpointer import Checkpointer
 
 MB = 1_000_000
 MiB = 1 << 20

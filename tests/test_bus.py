@@ -1,4 +1,4 @@
-"""The bus against a real nats-server: stream and consumer management (`tierpipe.consumer`),
+"""The bus against a real nats-server: stream and consumer management (`tierpipe.bus.consumer`),
 dedup, readable events."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from nats.js import api
 from structlog.testing import capture_logs
 
 from tests.conftest import make_staged as staged
-from tierpipe.bus import Bus, redact_url
-from tierpipe.consumer import ensure_consumer, fetch, missing, pull
+from tierpipe.bus.client import Bus, redact_url
+from tierpipe.bus.consumer import ensure_consumer, fetch, missing, pull
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import stream_name

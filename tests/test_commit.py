@@ -20,18 +20,18 @@ from tests.conftest import Agent, Events
 from tests.test_coordinator import saved
 from tests.test_recovery import restore_all, save_steps
 from tests.test_retention import digest
-from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator
+from tierpipe.bus.client import Bus
+from tierpipe.control.coordinator import Coordinator
+from tierpipe.control.jobstate import JobState
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import StorageUnavailableError
-from tierpipe.jobstate import JobState
-from tierpipe.kvstate import JobStore
 from tierpipe.names import stream_name
 from tierpipe.schemas import Event
 from tierpipe.schemas.commit import CommitManifest, decode_commit, encode_commit
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Keep, RankDigests
 from tierpipe.settings import Settings, load_settings
-from tierpipe.storage.s3 import S3Store
-from tierpipe.storage.s3_commit import commit_key, put_commit, read_commit, read_commits
+from tierpipe.storage.s3.commit import commit_key, put_commit, read_commit, read_commits
+from tierpipe.storage.s3.store import S3Store
 
 
 def manifest(world: int, *, step: int = 3, epoch: int = 0, job: str = "j") -> CommitManifest:

@@ -14,9 +14,9 @@ import pytest
 
 from tests.conftest import Agent
 from tests.test_retention import digest
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.kvstate import JobStore, lease_key
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore, lease_key
 from tierpipe.recovery.survey import current_head, own_events
 from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import JobHead, Keep, Lease

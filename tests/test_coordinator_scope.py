@@ -16,12 +16,12 @@ import pytest
 
 from tests.conftest import Agent
 from tests.test_coordinator import publish, saved, wait_for
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore, head_key
 from tierpipe.dev import S3Server
-from tierpipe.kvstate import JobStore, head_key
 from tierpipe.schemas.jobstate import Lease
 from tierpipe.settings import Settings
-from tierpipe.storage.s3 import object_key
+from tierpipe.storage.s3.store import object_key
 
 
 def kv(settings: Settings, key: str) -> bytes | None:

@@ -25,9 +25,9 @@ import anyio
 import msgspec
 import pytest
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer, find_binary, free_ports
-from tierpipe.kvstate import JobStore
 from tierpipe.names import stream_name
 from tierpipe.settings import Settings, load_settings
 

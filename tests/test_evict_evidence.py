@@ -14,9 +14,9 @@ import msgspec
 import pytest
 import torch
 
-from tierpipe.bus import Bus
-from tierpipe.jobstate import bitmap
-from tierpipe.kvstate import JobStore, digests_key, floor_key, step_key
+from tierpipe.bus.client import Bus
+from tierpipe.control.jobstate import bitmap
+from tierpipe.control.kvstate import JobStore, digests_key, floor_key, step_key
 from tierpipe.names import shard_relpath
 from tierpipe.retention.kept import REASONS, nvme_fate, s3_keeps
 from tierpipe.schemas import ShardEvicted, ShardFlushed

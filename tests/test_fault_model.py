@@ -28,12 +28,12 @@ from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from tests.conftest import Agent, Events
-from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
 from tierpipe.errors import NoCheckpointError
 from tierpipe.recovery.reindex import reindex
 from tierpipe.schemas import ShardEvicted, ShardFlushed
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

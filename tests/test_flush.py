@@ -20,7 +20,6 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.conftest import Agent, Events
-from tierpipe.client import Checkpointer
 from tierpipe.dev import S3Server
 from tierpipe.errors import StorageConflictError
 from tierpipe.names import shard_relpath
@@ -28,10 +27,11 @@ from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
-from tierpipe.storage import s3 as s3_store
-from tierpipe.storage.s3 import S3Store, Uploaded, parse_object_key
+from tierpipe.storage.s3 import store as s3_store
+from tierpipe.storage.s3.store import S3Store, Uploaded, parse_object_key
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 
@@ -263,7 +263,7 @@ def test_flush_rate_can_be_changed_and_paused_at_run_time(
 def _last_control(settings: Settings, subject: str) -> bytes:
     import anyio
 
-    from tierpipe.bus import Bus
+    from tierpipe.bus.client import Bus
 
     async def get() -> bytes:
         async with Bus(settings) as bus:

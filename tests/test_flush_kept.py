@@ -17,17 +17,17 @@ import torch
 
 from tests.conftest import Agent, Events
 from tests.test_resilience import wait_until
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
-from tierpipe.kvstate import JobStore, floor_key
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore, floor_key
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import Floors
 from tierpipe.settings import Settings
 from tierpipe.stages import flush as flush_stage
-from tierpipe.storage.s3 import Uploaded, parse_object_key
+from tierpipe.storage.s3.store import Uploaded, parse_object_key
 from tierpipe.storage.shardfile import write_shard
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import msgspec
 from tests.conftest import run_cli
 from tests.test_coordinator import publish, saved
 from tierpipe import Checkpointer
-from tierpipe.bus import Bus
-from tierpipe.kvstate import JobStore, head_key, step_key
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore, head_key, step_key
 from tierpipe.schemas.jobstate import JobHead, StepRecord, encode_record
 from tierpipe.settings import Settings
 

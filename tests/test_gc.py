@@ -17,15 +17,15 @@ import torch
 
 from tests.conftest import Agent, Events, run_cli
 from tests.test_resilience import wait_until
-from tierpipe.client import Checkpointer
 from tierpipe.names import shard_relpath
 from tierpipe.retention.gc import unkept
 from tierpipe.schemas import ShardEvicted
 from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
 from tierpipe.settings import Settings
-from tierpipe.storage.s3 import object_key, parse_object_key
-from tierpipe.storage.s3_commit import commit_key
+from tierpipe.storage.s3.commit import commit_key
+from tierpipe.storage.s3.store import object_key, parse_object_key
 from tierpipe.storage.shardfile import write_shard
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

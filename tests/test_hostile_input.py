@@ -28,8 +28,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from tests.conftest import Agent, Events, run_cli
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
 from tierpipe.names import CONTROL_FLUSH, node_name, shard_relpath
@@ -43,9 +43,9 @@ from tierpipe.schemas import (
     ShardWritten,
 )
 from tierpipe.settings import Settings
-from tierpipe.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.storage.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
 from tierpipe.storage.shardfile import write_shard
 
 # --- item 14: crafted shard files ------------------------------------------------------------
@@ -438,8 +438,8 @@ def test_unknown_job_is_an_error(settings: Settings, job: str, command: str) -> 
 def test_plan_into_a_closed_pipe_exits_quietly(settings: Settings, job: str) -> None:
     """`tierpipe plan --json` whose reader has gone (`| head -c 10`) stops without a traceback
     or any other word on stderr, exiting as a filter killed by SIGPIPE would (141)."""
-    from tierpipe.jobstate import JobState
-    from tierpipe.kvstate import JobStore
+    from tierpipe.control.jobstate import JobState
+    from tierpipe.control.kvstate import JobStore
     from tierpipe.schemas.jobstate import Keep
 
     saved = _saved(settings, job)

@@ -11,11 +11,11 @@ import pytest
 import structlog
 import torch
 
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
-from tierpipe.kvstate import JobStore
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

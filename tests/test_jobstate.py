@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierpipe import jobstate
-from tierpipe.catalog import Catalog
-from tierpipe.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
+from tierpipe.control import jobstate
+from tierpipe.control.catalog import Catalog
+from tierpipe.control.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
 from tierpipe.schemas import (
     Event,
     RestoreReport,

@@ -10,9 +10,9 @@ import anyio
 import pytest
 
 from tests.test_deploy import per_role_block
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
-from tierpipe.kvstate import JobStore
 from tierpipe.settings import Settings
 
 

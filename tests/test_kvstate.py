@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from nats.js import api
 
 from tests.test_jobstate import WORLD, histories, lifecycle
-from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog
+from tierpipe.bus.client import Bus
+from tierpipe.control.catalog import Catalog
+from tierpipe.control.jobstate import JobState, ranks_of
+from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError, LeaseLostError
-from tierpipe.jobstate import JobState, ranks_of
-from tierpipe.kvstate import JobStore
 from tierpipe.names import stream_name
 from tierpipe.schemas import Event
 from tierpipe.schemas.jobstate import Keep, StepRecord

@@ -14,9 +14,9 @@ import pytest
 import structlog
 import torch
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import UnsupportedStateError
-from tierpipe.kvstate import JobStore
 from tierpipe.recovery.survey import current_head
 from tierpipe.settings import Settings
 

@@ -1,5 +1,5 @@
-"""The object store a job's objects are bound to (`tierpipe.location`): how locations compare,
-and that agents racing to bind a job agree on one."""
+"""The object store a job's objects are bound to (`tierpipe.control.location`): how locations
+compare, and that agents racing to bind a job agree on one."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import msgspec
 import pytest
 
 from tests.test_coordinator import saved
-from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator
-from tierpipe.errors import StoreMismatchError
-from tierpipe.jobstate import JobState
-from tierpipe.kvstate import JobStore
-from tierpipe.location import (
+from tierpipe.bus.client import Bus
+from tierpipe.control.coordinator import Coordinator
+from tierpipe.control.jobstate import JobState
+from tierpipe.control.kvstate import JobStore
+from tierpipe.control.location import (
     bind_location,
     location_of,
     normal_endpoint,
     same_location,
     stored_location,
 )
+from tierpipe.errors import StoreMismatchError
 from tierpipe.schemas.commit import CommitManifest
 from tierpipe.schemas.jobstate import JobHead, Keep, StoreLocation
 from tierpipe.settings import Settings, load_settings

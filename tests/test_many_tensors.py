@@ -19,15 +19,15 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe import errors
-from tierpipe.client import Checkpointer
 from tierpipe.errors import TierpipeError
 from tierpipe.recovery.load import load_into
 from tierpipe.schemas import ShardFlushed, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.shard import Head
 from tierpipe.storage import layout
 from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.shard import Head
 from tierpipe.storage.shardfile import write_shard
+from tierpipe.trainer.checkpointer import Checkpointer
 
 #: Mixed dtypes and shapes, 0-dim and empty ones among them.
 _KINDS: list[tuple[torch.dtype, tuple[int, ...]]] = [
@@ -241,7 +241,7 @@ def test_200k_small_tensors_round_trip_bitwise_from_nvme_and_from_s3(
     ("tier", "allocation"),
     [
         ("nvme", "tierpipe.storage.layout.aligned_buffer"),
-        ("s3", "tierpipe.storage.s3_parts.aligned_buffer"),
+        ("s3", "tierpipe.storage.s3.parts.aligned_buffer"),
     ],
 )
 def test_out_of_memory_reading_a_good_copy_fails_the_restore_and_marks_nothing(

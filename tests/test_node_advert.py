@@ -16,11 +16,11 @@ import structlog
 import torch
 
 from tests.conftest import Agent
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.errors import StorageAuthError
 from tierpipe.settings import Settings, load_settings
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

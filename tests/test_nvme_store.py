@@ -15,10 +15,10 @@ from structlog.testing import capture_logs
 
 from tierpipe.errors import NoSpaceError, ShardFormatError
 from tierpipe.recovery.load import load_shard
-from tierpipe.shard import parse_head
 from tierpipe.state import plan_state, tensor_buffer
 from tierpipe.storage.lock import INSTANCE
 from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.shard import parse_head
 
 
 def staged_image(nbytes: int) -> tuple[mmap.mmap, object]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierpipe import pinned
+from tierpipe.storage import pinned
 
 _FAKE_RUNTIME = r"""
 static int last_error = 0;

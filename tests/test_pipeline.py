@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.errors import InvalidNameError, SlotTimeoutError
 from tierpipe.names import shard_relpath, stream_name
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardStaged, ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 
@@ -294,7 +294,7 @@ def test_trainer_crash_after_save_loses_nothing(
     script = tmp_path / "crash.py"
     script.write_text(
         "import os, sys, torch\n"
-        "from tierpipe.client import Checkpointer\n"
+        "from tierpipe.trainer.checkpointer import Checkpointer\n"
         "from tierpipe.settings import load_settings\n"
         f"c = Checkpointer({job!r}, rank=0, world_size=1, settings=load_settings())\n"
         "c.save(42, {'w': torch.arange(1000.0)})\n"

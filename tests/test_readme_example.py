@@ -19,8 +19,8 @@ import anyio
 import pytest
 
 from tests.conftest import Agent
-from tierpipe.bus import Bus
-from tierpipe.kvstate import JobStore
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.settings import Settings
 
 pytestmark = pytest.mark.slow

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.client import Checkpointer
+from tierpipe.control.jobstate import ranks_of
 from tierpipe.errors import NoCheckpointError, RestoreTimeoutError, WorldSizeMismatchError
-from tierpipe.jobstate import ranks_of
 from tierpipe.names import shard_relpath, stream_name
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 
@@ -176,9 +176,9 @@ def test_purged_stream_is_rebuilt_by_reindex_to_the_same_plan(
     lost too) on which `tierpipe plan` and `tierpipe status` give the same answer as before."""
     import anyio
 
-    from tierpipe.bus import Bus
-    from tierpipe.jobstate import JobState
-    from tierpipe.kvstate import JobStore
+    from tierpipe.bus.client import Bus
+    from tierpipe.control.jobstate import JobState
+    from tierpipe.control.kvstate import JobStore
     from tierpipe.schemas.jobstate import Keep
 
     agent()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierpipe.catalog import Catalog
+from tierpipe.control.catalog import Catalog
 from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
 from tierpipe.recovery.plan import plan_recovery
 from tierpipe.schemas import (

@@ -13,14 +13,14 @@ import pytest
 
 from tests.conftest import Agent, Events, make_staged
 from tests.test_recovery import flip, restore_all, save_steps
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.names import msg_id, shard_relpath, shard_subject
 from tierpipe.runner import serve
 from tierpipe.schemas import ShardVerified, ShardWritten, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.staging import markers, rank_dir
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.staging import markers, rank_dir
 
 pytestmark = pytest.mark.slow
 

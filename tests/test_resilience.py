@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events, make_staged
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.dev import NatsServer, S3Server, free_ports
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import shard_relpath, stream_name, subject_job
@@ -33,7 +32,8 @@ from tierpipe.schemas import (
     encode_event,
 )
 from tierpipe.settings import Settings
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

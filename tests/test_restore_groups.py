@@ -20,11 +20,10 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
+from tierpipe.control.jobstate import bitmap
+from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
-from tierpipe.jobstate import bitmap
-from tierpipe.kvstate import JobStore
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import (
     RecoveryPlanned,
@@ -36,6 +35,7 @@ from tierpipe.schemas import (
     encode_event,
 )
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

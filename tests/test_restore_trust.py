@@ -21,14 +21,13 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog
-from tierpipe.client import Checkpointer
-from tierpipe.coordinator import RestorePins
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.catalog import Catalog
+from tierpipe.control.coordinator import RestorePins
+from tierpipe.control.jobstate import JobState
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
-from tierpipe.jobstate import JobState
 from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected, load_into
 from tierpipe.recovery.plan import plan_recovery
@@ -44,9 +43,10 @@ from tierpipe.schemas import (
 )
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings
-from tierpipe.staging import NodeSlots
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
 from tierpipe.storage.shardfile import write_shard
+from tierpipe.storage.staging import NodeSlots
+from tierpipe.trainer.checkpointer import Checkpointer
 
 # --- events for pure-logic tests
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierpipe.jobstate import JobState
+from tierpipe.control.jobstate import JobState
 from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import Floors, Keep
 from tierpipe.stages.evict import floor_verdict

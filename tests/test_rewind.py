@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.client import Checkpointer
 from tierpipe.errors import NoCheckpointError, StaleStepError
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ShardFlushed, StageFailed
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

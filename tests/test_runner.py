@@ -17,8 +17,8 @@ import nats.js.errors
 import pytest
 
 from tests.conftest import Events, make_staged
-from tierpipe.bus import Bus
-from tierpipe.consumer import Drain
+from tierpipe.bus.client import Bus
+from tierpipe.bus.consumer import Drain
 from tierpipe.errors import (
     BusUnavailableError,
     PermanentError,

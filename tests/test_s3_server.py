@@ -439,7 +439,7 @@ async def test_a_request_the_store_does_not_implement_is_permanent_not_an_outage
     from botocore.exceptions import ClientError
 
     from tierpipe.errors import StorageUnsupportedError, UnavailableError
-    from tierpipe.storage.s3_errors import translate_errors
+    from tierpipe.storage.s3.errors import translate_errors
 
     refused = ClientError(
         {

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tierpipe.client import Checkpointer
 from tierpipe.schemas import ShardStaged
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 
 @pytest.mark.parametrize("step", [True, False, np.bool_(True), torch.tensor(True)])

@@ -17,12 +17,12 @@ import torch
 
 from tests.conftest import Agent
 from tests.test_resilience import wait_until
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
 from tierpipe.schemas import ShardVerified
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

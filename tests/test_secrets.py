@@ -20,14 +20,14 @@ import torch
 
 from tests.conftest import Agent, Events, make_staged
 from tests.test_deploy import per_role_block
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusAuthError
 from tierpipe.log import configure_logging
 from tierpipe.names import stream_name
 from tierpipe.schemas import ShardFlushed, ShardVerified, StageFailed
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,7 @@ def _crash_agent_script(tmp_path: Path) -> Path:
 
         from contextlib import asynccontextmanager
 
-        from tierpipe import cli
+        from tierpipe.cli import main as cli_main
         from tierpipe.stages import AGENT_STAGES
 
         class crash:
@@ -116,7 +116,7 @@ def _crash_agent_script(tmp_path: Path) -> Path:
                 raise RuntimeError(f"cannot log in with {password} or {s3_secret}")
 
         AGENT_STAGES["crash"] = crash
-        sys.exit(cli.main(["worker", "all"]))
+        sys.exit(cli_main(["worker", "all"]))
         """)
     )
     return script

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from tierpipe.errors import IntegrityError, ShardFormatError, UnsupportedStateError
 from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import ALIGN
-from tierpipe.shard import PREFIX_NBYTES
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.shard import PREFIX_NBYTES
 from tierpipe.storage.shardfile import write_shard
 
 DTYPES = [

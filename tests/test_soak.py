@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.client import Checkpointer
 from tierpipe.schemas import ShardFlushed
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -10,10 +10,10 @@ import torch
 
 from tierpipe.errors import ConfigError, ShardFormatError, StagingGoneError
 from tierpipe.schemas import ShardStaged
-from tierpipe.shard import slot_generation
-from tierpipe.staged_image import open_image, release
-from tierpipe.staging import SlotPool, stale_markers
 from tierpipe.state import plan_state
+from tierpipe.storage.shard import slot_generation
+from tierpipe.storage.staged_image import open_image, release
+from tierpipe.storage.staging import SlotPool, stale_markers
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import anyio
 import pytest
 
 from tests.conftest import run_cli
-from tierpipe.bus import Bus
-from tierpipe.jobstate import JobState
-from tierpipe.kvstate import JobStore
+from tierpipe.bus.client import Bus
+from tierpipe.control.jobstate import JobState
+from tierpipe.control.kvstate import JobStore
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import Keep

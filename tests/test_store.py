@@ -18,10 +18,10 @@ import torch
 from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
 from tierpipe.names import node_name
 from tierpipe.settings import Settings
-from tierpipe.shard import Head, parse_head
 from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
+from tierpipe.storage.shard import Head, parse_head
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.storage.store import SealedFile, ShardStore
 

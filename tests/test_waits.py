@@ -14,9 +14,9 @@ import structlog
 import torch
 
 from tests.conftest import Agent
-from tierpipe.client import Checkpointer
 from tierpipe.errors import RestoreTimeoutError, SlotTimeoutError
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.slow
 

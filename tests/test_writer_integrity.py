@@ -20,8 +20,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.conftest import Agent, Events
-from tierpipe.bus import Bus
-from tierpipe.client import Checkpointer
+from tierpipe.bus.client import Bus
 from tierpipe.errors import (
     AgentLockedError,
     NoSpaceError,
@@ -40,12 +39,13 @@ from tierpipe.schemas import (
     StageFailed,
 )
 from tierpipe.settings import Settings
-from tierpipe.staged_image import StagedImage, open_image, release
 from tierpipe.stages.snapshot import Snapshot
-from tierpipe.staging import SlotPool
 from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.staged_image import StagedImage, open_image, release
+from tierpipe.storage.staging import SlotPool
+from tierpipe.trainer.checkpointer import Checkpointer
 
 JOB = "j"
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import anyio
 
-from tierpipe.bus import Bus
-from tierpipe.catalog import Catalog
+from tierpipe.bus.client import Bus
+from tierpipe.control.catalog import Catalog
 from tierpipe.dev.nats import NatsServer
 from tierpipe.dev.process import free_ports, own_session, start_agent, terminate
 from tierpipe.dev.s3 import S3Server

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tierpipe.client import Checkpointer
+from tierpipe.trainer.checkpointer import Checkpointer
 
 __all__ = ("JOB", "run_rank")
 

@@ -40,9 +40,9 @@ except ImportError as e:  # pragma: no cover (the extra is installed where this 
         "pip install 'tierpipe[hf]'"
     ) from e
 
-from tierpipe.client import Checkpointer
 from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
 
 __all__ = ("TierpipeCallback",)
 

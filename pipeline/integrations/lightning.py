@@ -37,9 +37,9 @@ except ImportError as e:  # pragma: no cover - only without the extra
         "tierpipe.integrations.lightning needs Lightning: pip install 'tierpipe[lightning]'"
     ) from e
 
-from tierpipe.client import Checkpointer
 from tierpipe.errors import ConfigError, UnsupportedStateError
 from tierpipe.names import validate_token
+from tierpipe.trainer.checkpointer import Checkpointer
 from tierpipe.tree import encode_tree
 
 if TYPE_CHECKING:

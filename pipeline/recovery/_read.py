@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from tierpipe.pinned import page_lock, page_unlock
 from tierpipe.schemas import ShardHeader, TensorEntry
-from tierpipe.shard import Head
 from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
+from tierpipe.storage.pinned import page_lock, page_unlock
+from tierpipe.storage.shard import Head
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
@@ -32,7 +32,7 @@ def as_tensor(buf: Any, nbytes: int) -> torch.Tensor:
 
 def _alone(data: memoryview, e: TensorEntry) -> torch.Tensor:
     """The tensor alone in blob `data`: it fills the blob exactly, contiguous (the header was
-    checked so: `tierpipe.shard`), so it is the blob's bytes seen in its dtype and shape."""
+    checked so: `tierpipe.storage.shard`), so it is the blob's bytes seen in its dtype and shape."""
     dtype = getattr(torch, e.dtype)
     if not len(data):
         return torch.empty(e.shape, dtype=dtype)

@@ -15,14 +15,14 @@ from functools import partial
 import anyio
 import structlog
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
 from tierpipe.errors import DuplicateEventError, TierpipeError
 from tierpipe.names import msg_id
 from tierpipe.settings import Settings
-from tierpipe.shard import Head
 from tierpipe.stages.snapshot import stage_image, staged_event
-from tierpipe.staging import Slot, SlotPool
 from tierpipe.storage.aligned import close_quietly
+from tierpipe.storage.shard import Head
+from tierpipe.storage.staging import Slot, SlotPool
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `Loader.settle` starts it
 

@@ -43,7 +43,10 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.bus.history import Stored, Watch
+from tierpipe.control.jobstate import has_rank, ranks_of
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
@@ -52,9 +55,6 @@ from tierpipe.errors import (
     RestoreTimeoutError,
     WorldSizeMismatchError,
 )
-from tierpipe.history import Stored, Watch
-from tierpipe.jobstate import has_rank, ranks_of
-from tierpipe.kvstate import JobStore
 from tierpipe.names import plan_subject, shard_subject
 from tierpipe.recovery._short import resource_failure
 from tierpipe.recovery.collective import Collective
@@ -77,7 +77,7 @@ from tierpipe.schemas import (
     deflated_bitmap,
 )
 from tierpipe.settings import Settings
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
 from tierpipe.waits import Reminder, missing_ranks
 
 __all__ = ("Restored", "Restorer")

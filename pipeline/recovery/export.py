@@ -26,14 +26,14 @@ import anyio
 import structlog
 import torch
 
+from tierpipe.control.jobstate import has_rank
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import ConfigError, NoCheckpointError
-from tierpipe.jobstate import has_rank
-from tierpipe.kvstate import JobStore
 from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected, load_image, load_into
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import image_head
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
 
 __all__ = ("FORMATS", "export_step", "read_rank", "write_rank")
 

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from tierpipe.bus import Bus
-from tierpipe.catalog import EVIDENCE_ERRORS
+from tierpipe.bus.client import Bus
+from tierpipe.control.catalog import EVIDENCE_ERRORS
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     IntegrityError,
     ResourceExhaustedError,
@@ -35,23 +36,22 @@ from tierpipe.errors import (
     TierpipeError,
     UnavailableError,
 )
-from tierpipe.kvstate import JobStore
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._short import short_report
 from tierpipe.recovery._writeback import write_back
 from tierpipe.recovery.plan import Source
 from tierpipe.schemas import ShardHeader, StageFailed, Tier
 from tierpipe.settings import Settings
-from tierpipe.shard import Head
-from tierpipe.staging import NodeSlots, SlotPool
 from tierpipe.state import gc_paused
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import deliver_image, read_shard
+from tierpipe.storage.shard import Head
+from tierpipe.storage.staging import NodeSlots, SlotPool
 from tierpipe.storage.store import ShardStore
 
 if TYPE_CHECKING:
-    from tierpipe.storage.s3 import S3Store
+    from tierpipe.storage.s3.store import S3Store
 
 __all__ = (
     "Expected",
@@ -255,7 +255,7 @@ class Loader:
 
     async def _object_store(self) -> S3Store:
         if self._store is None:
-            from tierpipe.storage.s3 import S3Store
+            from tierpipe.storage.s3.store import S3Store
 
             s = self.settings
             cap = await s3_reads_per_node(s, self.bus, self.job)

@@ -15,9 +15,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
-from tierpipe.catalog import Catalog, Copy, Shard
+from tierpipe.control.catalog import Catalog, Copy, Shard
+from tierpipe.control.jobstate import bitmap
 from tierpipe.errors import ConfigError, NoCheckpointError, WorldSizeMismatchError
-from tierpipe.jobstate import bitmap
 from tierpipe.schemas import SourceRef
 
 __all__ = ("Choice", "Plan", "Source", "Steps", "choose", "plan_recovery")

@@ -19,11 +19,11 @@ from pathlib import Path
 import anyio
 import structlog
 
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.folded import folded_head
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import ConfigError, NoCheckpointError, ResourceExhaustedError
-from tierpipe.folded import folded_head
-from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, shard_subject
 from tierpipe.progress import Progress, Ticker
 from tierpipe.recovery.reindex import nvme_events
@@ -33,7 +33,7 @@ from tierpipe.storage.durable import fsync_dir, makedirs_durable, unlink_quietly
 from tierpipe.storage.lock import temp_path
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import check_header, image_head
-from tierpipe.storage.s3 import S3Store
+from tierpipe.storage.s3.store import S3Store
 
 __all__ = ("Prefetched", "prefetch")
 

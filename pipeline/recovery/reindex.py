@@ -32,11 +32,11 @@ from typing import Any
 import anyio
 import structlog
 
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.jobstate import JobState
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import TierpipeError
-from tierpipe.jobstate import JobState
-from tierpipe.kvstate import JobStore
 from tierpipe.names import node_name, shard_relpath, validate_token
 from tierpipe.progress import Progress, Ticker
 from tierpipe.schemas import (
@@ -51,8 +51,8 @@ from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store, ShardKey
-from tierpipe.storage.s3_commit import check_objects, read_commits
+from tierpipe.storage.s3.commit import check_objects, read_commits
+from tierpipe.storage.s3.store import S3Store, ShardKey
 
 __all__ = ("Reindexed", "nvme_events", "reindex")
 

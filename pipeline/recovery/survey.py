@@ -24,11 +24,11 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.bus import Bus
-from tierpipe.coordinator import Coordinator
+from tierpipe.bus.client import Bus
+from tierpipe.control.coordinator import Coordinator
+from tierpipe.control.jobstate import has_rank
+from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
-from tierpipe.jobstate import has_rank
-from tierpipe.kvstate import JobStore, digests_key
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source

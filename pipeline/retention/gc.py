@@ -34,11 +34,11 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.batcher import Batcher
-from tierpipe.bus import Bus
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
+from tierpipe.control.location import check_location
 from tierpipe.errors import JobStateMissingError, ShardFormatError, TierpipeError
-from tierpipe.kvstate import JobStore
-from tierpipe.location import check_location
 from tierpipe.names import node_name, validate_token
 from tierpipe.retention.kept import s3_keeps
 from tierpipe.schemas import ShardEvicted, Tier
@@ -46,8 +46,8 @@ from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.s3 import S3Store
-from tierpipe.storage.s3_commit import commit_key, commits_prefix, remove_commit
+from tierpipe.storage.s3.commit import commit_key, commits_prefix, remove_commit
+from tierpipe.storage.s3.store import S3Store
 
 __all__ = ("MIN_AGE_S", "Found", "GcReport", "gc", "job_objects", "unkept")
 

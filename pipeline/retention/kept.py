@@ -1,6 +1,6 @@
 """What a job keeps on each tier, read from its state in KV: one rule for every remover.
 
-The job's coordinator moves the retention floors (`tierpipe.jobstate`); these functions read
+The job's coordinator moves the retention floors (`tierpipe.control.jobstate`); these functions read
 them, with a step's record, to say what becomes of one copy. The evict stage removes this node's
 NVMe copies with them, the flush stage never uploads (or withdraws) an object of a step object
 storage does not keep, and `tierpipe gc` removes what they say no kept step owns.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from tierpipe.jobstate import has_rank
-from tierpipe.kvstate import JobStore
+from tierpipe.control.jobstate import has_rank
+from tierpipe.control.kvstate import JobStore
 from tierpipe.schemas.jobstate import Floors, Keep, StepRecord
 
 __all__ = (

@@ -28,15 +28,15 @@ import anyio
 import msgspec
 import structlog
 
-from tierpipe.bus import Bus
+from tierpipe.bus.client import Bus
+from tierpipe.bus.connect import translate
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import JobBusyError
-from tierpipe.kvstate import JobStore
 from tierpipe.names import job_subjects, node_name, stream_name, validate_token
-from tierpipe.nats_conn import translate
 from tierpipe.retention.gc import job_objects
 from tierpipe.settings import Settings
-from tierpipe.storage.s3 import S3Store
-from tierpipe.storage.s3_commit import commits_prefix
+from tierpipe.storage.s3.commit import commits_prefix
+from tierpipe.storage.s3.store import S3Store
 
 __all__ = ("IDLE_S", "RmReport", "rm")
 

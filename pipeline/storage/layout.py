@@ -21,8 +21,8 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierpipe.shard import Head
 from tierpipe.storage.aligned import aligned_buffer, round_up
+from tierpipe.storage.shard import Head
 
 __all__ = ("ARENA_MIN_BYTES", "Read", "ReadPlan", "arena_plan", "scratch_plan")
 

@@ -43,7 +43,6 @@ from tierpipe.faults import maybe_die
 from tierpipe.names import shard_relpath
 from tierpipe.schemas import ALIGN
 from tierpipe.settings import Settings
-from tierpipe.shard import PREFIX_NBYTES, Head, encode_head, seal_header
 from tierpipe.storage.aligned import O_DIRECT, aligned_copy, open_direct, pwrite_all
 from tierpipe.storage.durable import (
     fallocate,
@@ -64,6 +63,7 @@ from tierpipe.storage.reader import (
     read_shard,
 )
 from tierpipe.storage.resources import translated
+from tierpipe.storage.shard import PREFIX_NBYTES, Head, encode_head, seal_header
 from tierpipe.storage.store import BlobSink, ReadBack, StagedShard, VerifyResult
 
 __all__ = ("NvmeStore", "WriteResult")

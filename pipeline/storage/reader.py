@@ -26,10 +26,10 @@ import xxhash
 
 from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
 from tierpipe.schemas import ALIGN, ShardHeader
-from tierpipe.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 from tierpipe.storage.aligned import aligned_buffer, open_direct, pread_into, round_up
 from tierpipe.storage.layout import ReadPlan, arena_plan, scratch_plan
 from tierpipe.storage.resources import translated
+from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 from tierpipe.storage.store import BlobSink
 
 __all__ = (

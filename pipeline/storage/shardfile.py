@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from tierpipe.shard import parse_head
 from tierpipe.state import plan_state
 from tierpipe.storage.aligned import aligned_buffer
 from tierpipe.storage.nvme import NvmeStore, WriteResult
+from tierpipe.storage.shard import parse_head
 
 __all__ = ("seal_image", "write_shard")
 

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
-from tierpipe.shard import Head
+from tierpipe.storage.shard import Head
 
 __all__ = (
     "BlobSink",
@@ -37,7 +37,7 @@ SourceT = TypeVar("SourceT", contravariant=True)
 
 class StagedShard(Protocol):
     """A staged (unsealed) shard image in memory: what the NVMe tier writes from
-    (`tierpipe.staged_image.StagedImage` is one)."""
+    (`tierpipe.storage.staged_image.StagedImage` is one)."""
 
     @property
     def head(self) -> Head: ...
@@ -180,14 +180,3 @@ class ShardStore(Protocol[SourceT]):
             True once the copy is gone (now, or it was absent); False if it was left in place.
         """
         ...
-
-
-if TYPE_CHECKING:  # mypy proves both stores keep the contract
-    from tierpipe.storage.nvme import NvmeStore
-    from tierpipe.storage.s3 import S3Store
-
-    def _nvme_keeps_the_contract(store: NvmeStore) -> ShardStore[StagedShard]:
-        return store
-
-    def _s3_keeps_the_contract(store: S3Store) -> ShardStore[SealedFile]:
-        return store

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.conftest import Agent
-from tierpipe import pinned
-from tierpipe.client import Checkpointer
 from tierpipe.recovery.load import load_into, load_shard
 from tierpipe.settings import Settings
+from tierpipe.storage import pinned
+from tierpipe.trainer.checkpointer import Checkpointer
 
 pytestmark = [
     pytest.mark.gpu,

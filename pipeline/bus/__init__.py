@@ -1,0 +1,19 @@
+"""The NATS boundary: every NATS and JetStream call of tierpipe goes through this package, and
+nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest of the error tree).
+
+- `client`: `Bus`, one NATS connection: publishing events, reading and watching a job's stream,
+  the KV buckets.
+- `connect`: nats-py connect options from the settings, what a refusal means, which exceptions
+  mean an outage.
+- `stream`: a job's stream, created or brought up to date in place.
+- `history`: the stream read back: stored history, the newest event, a live view.
+- `consumer`: the stages' durable pull consumers and how a worker stops taking messages.
+- `batcher`: a stage's outputs reported per node, one batch per job and kind.
+- `portal`: the trainer's `Bus` on its own event-loop thread (`BusPortal`).
+"""
+
+from tierpipe.bus.client import Bus, Published, redact_url
+from tierpipe.bus.history import Raw, Stored, Watch
+from tierpipe.bus.portal import BusPortal
+
+__all__ = ("Bus", "BusPortal", "Published", "Raw", "Stored", "Watch", "redact_url")

@@ -1,0 +1,229 @@
+"""The node advertisement: what a node's agent tells the trainers of its node.
+
+An agent stores its node's record (`NodeRecord`: its staging and NVMe roots, the object store it
+flushes to, never credentials; its pid and stages) in the KV bucket `<kv_bucket>-nodes` under
+the node's name once its stages are bound, again every `node_heartbeat_s`, and marks it stopped
+when it exits. A trainer reads its node's record (one direct get) on its first save or
+restore:
+
+- no record, a stopped one, or one three heartbeats old: no agent serves the node, and the
+  trainer says so at once (its saves would wait for staging slots that never free);
+- the roots and the store the record names are where the node keeps its copies: the trainer
+  takes them for every such setting its own settings did not set (`adopt`), so a trainer whose
+  environment lacks `source .tierpipe/env` still restores from the agent's NVMe, and warns
+  about the ones it did set differently.
+
+Reading never creates anything; a record that cannot be read (an outage, a server that does not
+let this user read it) leaves both questions open, and nothing is claimed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import api
+from nats.js.kv import KeyValue
+
+from tierpipe.bus.client import Bus
+from tierpipe.bus.connect import UNAVAILABLE, translate
+from tierpipe.errors import TierpipeError
+from tierpipe.schemas.node import MISSED_BEATS, NodeRecord
+from tierpipe.settings import Settings, explicit_fields
+
+__all__ = ("ADOPTED", "NodeState", "adopt", "advertise", "bucket_name", "read_node")
+
+log = structlog.get_logger(__name__)
+
+#: The settings a trainer takes from its node's record unless it set them itself.
+ADOPTED = ("staging_root", "nvme_root", "s3_endpoint", "s3_region", "s3_bucket", "s3_prefix")
+#: Records of nodes whose agent is gone leave the bucket after this long.
+_RECORD_TTL_S = 7 * 86400.0
+_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+_json = msgspec.json.Encoder()
+
+
+def bucket_name(settings: Settings) -> str:
+    """The KV bucket of the node records: `<kv_bucket>-nodes`."""
+    return f"{settings.kv_bucket}-nodes"
+
+
+# --- the agent's side
+
+
+async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence[str]) -> None:
+    """Store `node`'s record now and every `node_heartbeat_s` until cancelled, then mark it
+    stopped (unless another agent of the node wrote it since). Never raises: a record that
+    cannot be stored is logged (once per cause) and tried again at the next beat."""
+    record = NodeRecord(
+        node=node,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        started_ts=time.time(),
+        heartbeat_ts=time.time(),
+        heartbeat_s=settings.node_heartbeat_s,
+        stages=list(stages),
+        staging_root=settings.staging_root,
+        nvme_root=settings.nvme_root,
+        s3_endpoint=_without_userinfo(settings.s3_endpoint),
+        s3_region=settings.s3_region,
+        s3_bucket=settings.s3_bucket,
+        s3_prefix=settings.s3_prefix,
+    )
+    kv: KeyValue | None = None
+    revision: int | None = None
+    trouble = ""
+    try:
+        while True:
+            record = msgspec.structs.replace(record, heartbeat_ts=time.time())
+            try:
+                kv = kv or await _open_bucket(bus, settings)
+                with translate(f"kv {bucket_name(settings)} {node}"):
+                    revision = await kv.put(node, _json.encode(record))
+                if trouble:
+                    log.info("node_record_stored", node=node)
+                trouble = ""
+            except (TierpipeError, nats.errors.Error) as e:
+                if str(e) != trouble:
+                    log.warning("node_record_not_stored", node=node, error=str(e))
+                trouble = str(e)
+            await anyio.sleep(settings.node_heartbeat_s)
+    finally:
+        if kv is not None and revision is not None:
+            stopped = msgspec.structs.replace(record, stopped_ts=time.time())
+            # (another agent's record since: leave it)
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(2),
+                contextlib.suppress(Exception),
+            ):
+                await kv.update(node, _json.encode(stopped), last=revision)
+
+
+async def _open_bucket(bus: Bus, settings: Settings) -> KeyValue:
+    """The records' bucket, created if missing (by an agent: a trainer only reads)."""
+    name = bucket_name(settings)
+    with translate(f"kv bucket {name}", keep=(nats.js.errors.BucketNotFoundError,)):
+        try:
+            kv: KeyValue = await bus.js.key_value(name)
+            return kv
+        except nats.js.errors.BucketNotFoundError:
+            config = api.KeyValueConfig(
+                bucket=name,
+                history=1,
+                ttl=_RECORD_TTL_S,
+                replicas=settings.stream_replicas,
+                storage=api.StorageType.FILE,
+                direct=True,  # (trainers read by direct get: no JetStream API request)
+            )
+            created: KeyValue = await bus.js.create_key_value(config)
+            return created
+
+
+def _without_userinfo(url: str | None) -> str | None:
+    """An endpoint URL without credentials in it (a record never carries one)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --- the trainer's side
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """What a trainer learned of its node's agent."""
+
+    node: str
+    #: The record (None: there is none).
+    record: NodeRecord | None
+    #: Why it could not be read ("": it was, or there is none); then nothing is known.
+    unknown: str = ""
+
+    def absent(self, now: float | None = None) -> str:
+        """Why no agent serves the node ("": one does, or nothing is known)."""
+        if self.unknown:
+            return ""
+        if self.record is None:
+            return f"no node agent alive for node {self.node} (none has advertised it)"
+        r, now = self.record, time.time() if now is None else now
+        if r.stopped_ts is not None:
+            return (
+                f"no node agent alive for node {self.node}: its agent (pid {r.pid} on "
+                f"{r.host}) stopped {round(now - r.stopped_ts)} s ago"
+            )
+        if not r.alive(now):
+            return (
+                f"no node agent alive for node {self.node}: its agent (pid {r.pid} on "
+                f"{r.host}) has not been heard from for {round(r.silent_s(now))} s (it "
+                f"reports every {r.heartbeat_s:g} s; {MISSED_BEATS} missed count as gone)"
+            )
+        return ""
+
+
+#: What to do about a node without an agent (for warnings).
+HINT = (
+    "start `tierpipe worker all` (or `tierpipe up`) on this node, with the same node name, "
+    "staging root and NATS as this trainer"
+)
+
+
+async def read_node(bus: Bus, settings: Settings, node: str) -> NodeState:
+    """`node`'s record, by one direct get (nothing is created). Never raises."""
+    name = bucket_name(settings)
+    kv = KeyValue(name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=bus.js, direct=True)
+    try:
+        entry = await kv.get(node)
+    except _ABSENT:
+        return NodeState(node, None)
+    except nats.errors.NoRespondersError:
+        return NodeState(node, None)  # (no bucket: no agent ever advertised a node)
+    except (*UNAVAILABLE, nats.errors.Error) as e:
+        return NodeState(node, None, unknown=f"{type(e).__name__}: {e}")
+    try:
+        record = msgspec.json.decode(entry.value or b"", type=NodeRecord)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return NodeState(node, None, unknown=f"unreadable record: {e}")
+    return NodeState(node, record)
+
+
+def adopt(settings: Settings, record: NodeRecord) -> tuple[Settings, dict[str, Any]]:
+    """`settings` with every `ADOPTED` field they did not set taken from the node's record
+    (logged as `node_settings_adopted`); the ones they set and the record says otherwise are
+    kept and warned about (`node_settings_differ`). Returns the settings and what was taken."""
+    explicit = explicit_fields(settings)
+    taken: dict[str, Any] = {}
+    differ: dict[str, list[Any]] = {}
+    for name in ADOPTED:
+        mine, theirs = getattr(settings, name), getattr(record, name)
+        if mine == theirs:
+            continue
+        if name in explicit:
+            differ[name] = [mine, theirs]
+        else:
+            taken[name] = theirs
+    if taken:
+        log.info("node_settings_adopted", node=record.node, fields=taken)
+    if differ:
+        log.warning(
+            "node_settings_differ",
+            node=record.node,
+            fields=differ,
+            hint="this process's own settings win (its saves and restores use them); the "
+            "node's agent uses the others: unset them to use the agent's",
+        )
+    return (settings.replace(**taken) if taken else settings), taken

@@ -1,0 +1,267 @@
+"""Shard file format at the byte level: the 64-byte prefix, the header, and layout checks.
+
+A shard image is the same bytes on every tier. In a staging slot it is *unsealed* (all digests
+zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests and the header
+digest. Nothing here imports torch: the node agent works on bytes only (see `tierpipe.state` for
+tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
+import msgspec
+import xxhash
+
+from tierpipe.errors import IntegrityError, ShardFormatError
+from tierpipe.schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
+
+__all__ = (
+    "DTYPE_SIZES",
+    "GENERATION_OFFSET",
+    "PREFIX_NBYTES",
+    "Head",
+    "align_up",
+    "digest_hex",
+    "encode_head",
+    "file_nbytes",
+    "parse_head",
+    "parse_prefix",
+    "seal_header",
+    "set_slot_generation",
+    "slot_generation",
+)
+
+# magic, format version, flags, header length, file length, header digest, slot generation;
+# padded to 64 bytes. The generation is only meaningful in a staging slot (0 in a sealed file).
+_PREFIX = struct.Struct("<8sHHIQ16sQ16x")
+PREFIX_NBYTES = _PREFIX.size
+_GENERATION = struct.Struct("<Q")
+#: Offset of the slot generation in the prefix.
+GENERATION_OFFSET = 40
+_FLAG_SEALED = 1
+_ZERO_DIGEST = bytes(16)
+#: A header larger than this is treated as garbage rather than allocated.
+_MAX_HEADER_NBYTES = 1 << 30
+_INT64_MAX = (1 << 63) - 1
+
+#: Every dtype a shard may hold, with its element size. Loading maps names through this table
+#: only, so a header can never name an arbitrary attribute.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ShardHeader)
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def digest_hex(digest: bytes) -> str:
+    return digest.hex()
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A parsed prefix + header."""
+
+    header: ShardHeader
+    header_bytes: bytes
+    #: xxh3-128 of `header_bytes` as recorded in the prefix (zeros when unsealed).
+    header_digest: bytes
+    sealed: bool
+    data_offset: int
+    file_nbytes: int
+
+
+def file_nbytes(data_offset: int, blobs: tuple[BlobEntry, ...] | list[BlobEntry]) -> int:
+    end = max((b.offset + b.nbytes for b in blobs), default=0)
+    return data_offset + align_up(end)
+
+
+def encode_head(header: ShardHeader, *, sealed: bool) -> bytes:
+    """Prefix + header + zero padding up to the data region (a multiple of 4 KiB).
+
+    An unsealed head (staging) carries zero digests; the header's length is the same either way
+    because every digest is a fixed 16-byte field.
+    """
+    body = _encoder.encode(header)
+    data_offset = align_up(PREFIX_NBYTES + len(body))
+    digest = xxhash.xxh3_128_digest(body) if sealed else _ZERO_DIGEST
+    prefix = _PREFIX.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        _FLAG_SEALED if sealed else 0,
+        len(body),
+        file_nbytes(data_offset, header.blobs),
+        digest,
+        0,
+    )
+    return prefix + body + bytes(data_offset - PREFIX_NBYTES - len(body))
+
+
+def slot_generation(image: bytes | memoryview | bytearray | mmap.mmap) -> int:
+    """The generation a staging slot's prefix records (see `set_slot_generation`)."""
+    generation: int = _GENERATION.unpack_from(image, GENERATION_OFFSET)[0]
+    return generation
+
+
+def set_slot_generation(image: memoryview | bytearray, generation: int) -> None:
+    """Record `generation` in a staging slot's prefix. The trainer bumps it *before* it writes
+    anything else into a reused slot, so a reader that sees the same generation before and
+    after copying the slot knows no reuse began meanwhile."""
+    _GENERATION.pack_into(image, GENERATION_OFFSET, generation)
+
+
+def seal_header(header: ShardHeader, digests: list[bytes]) -> ShardHeader:
+    """The header with each blob's digest filled in."""
+    blobs = tuple(
+        BlobEntry(b.offset, b.nbytes, d) for b, d in zip(header.blobs, digests, strict=True)
+    )
+    return msgspec.structs.replace(header, blobs=blobs)
+
+
+def parse_prefix(prefix: bytes | memoryview, path: str) -> tuple[int, int, bytes, bool]:
+    """Check the fixed prefix; return (header length, file length, header digest, sealed)."""
+    if len(prefix) < PREFIX_NBYTES:
+        raise ShardFormatError(path, f"truncated: {len(prefix)} bytes, no complete prefix")
+    magic, version, flags, header_len, nbytes, digest, _ = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise ShardFormatError(path, f"not a tierpipe shard (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise ShardFormatError(
+            path, f"format version {version} (this build reads {FORMAT_VERSION})"
+        )
+    if not 0 < header_len <= _MAX_HEADER_NBYTES:
+        raise ShardFormatError(path, f"implausible header length {header_len}")
+    if nbytes < align_up(PREFIX_NBYTES + header_len) or nbytes % ALIGN:
+        raise ShardFormatError(path, f"implausible file length {nbytes}")
+    return header_len, nbytes, digest, bool(flags & _FLAG_SEALED)
+
+
+def parse_head(
+    buf: bytes | memoryview,
+    path: str,
+    *,
+    sealed: bool = True,
+    actual_nbytes: int | None = None,
+) -> Head:
+    """Parse and check a head read from the start of a shard image.
+
+    Args:
+        buf: at least the prefix and the header (the first `data_offset` bytes suffice).
+        path: named in errors.
+        sealed: require a sealed image and check the header digest.
+        actual_nbytes: the file's real size, checked against the recorded one.
+
+    Raises:
+        ShardFormatError: truncated, garbled or inconsistent.
+        IntegrityError: the header bytes do not match the recorded header digest.
+    """
+    header_len, nbytes, digest, is_sealed = parse_prefix(buf, path)
+    if actual_nbytes is not None and actual_nbytes != nbytes:
+        raise ShardFormatError(
+            path, f"truncated or padded: {actual_nbytes} bytes, header says {nbytes}"
+        )
+    if sealed and not is_sealed:
+        raise ShardFormatError(path, "image is not sealed (a staging copy, not a written shard)")
+    end = PREFIX_NBYTES + header_len
+    if len(buf) < end:
+        raise ShardFormatError(path, f"truncated: header needs {end} bytes, have {len(buf)}")
+    body = bytes(buf[PREFIX_NBYTES:end])
+    if sealed:
+        actual = xxhash.xxh3_128_digest(body)
+        if actual != digest:
+            raise IntegrityError(path, "header", digest.hex(), actual.hex())
+    try:
+        header = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ShardFormatError(path, f"garbled header: {e}") from e
+    data_offset = align_up(end)
+    _check_layout(header, path, data_offset, nbytes)
+    return Head(header, body, digest, is_sealed, data_offset, nbytes)
+
+
+def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int) -> None:
+    """Reject any layout that would read outside a blob or the file, before torch sees it.
+
+    Blobs lie in order inside the file without overlapping. A tensor alone in its blob is what
+    the writer makes of it (`tierpipe.state.plan_state`): contiguous from the blob's start and
+    filling it exactly. Only a blob that several tensors declare they share may be viewed with
+    overlaps, gaps or zero strides (tied weights, expanded views); even then every element
+    lies inside the blob. Sizes that do not fit torch's int64 are refused here rather than
+    left to raise from torch.
+    """
+    if file_nbytes(data_offset, header.blobs) != nbytes:
+        raise ShardFormatError(path, "blob layout does not match the file length")
+    end = 0
+    for i, b in enumerate(header.blobs):
+        if b.offset % ALIGN or b.offset < end or b.nbytes < 0 or len(b.digest) != 16:
+            raise ShardFormatError(path, f"blob {i} is misplaced or malformed")
+        end = b.offset + b.nbytes
+    users = Counter(t.blob for t in header.tensors)
+    for t in header.tensors:
+        _check_tensor(t, header.blobs, users[t.blob] > 1, path)
+
+
+def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:
+    size = DTYPE_SIZES.get(t.dtype)
+    if size is None:
+        raise ShardFormatError(path, f"tensor {t.path!r} has unknown dtype {t.dtype!r}")
+    if not 0 <= t.blob < len(blobs):
+        raise ShardFormatError(path, f"tensor {t.path!r} refers to missing blob {t.blob}")
+    if len(t.shape) != len(t.stride) or not all(
+        0 <= n <= _INT64_MAX for n in (*t.shape, *t.stride, t.offset)
+    ):
+        raise ShardFormatError(path, f"tensor {t.path!r} has a malformed shape or stride")
+    # torch multiplies the sizes in int64 (and zero-size tensors still carry the others).
+    nominal = math.prod(max(n, 1) for n in t.shape)
+    if nominal * size > _INT64_MAX:
+        raise ShardFormatError(path, f"tensor {t.path!r} is too large for int64 sizes")
+    blob_nbytes = blobs[t.blob].nbytes
+    numel = math.prod(t.shape)
+    if not shared:
+        if t.offset or t.stride != _contiguous_strides(t.shape) or numel * size != blob_nbytes:
+            raise ShardFormatError(
+                path,
+                f"tensor {t.path!r} alone in blob {t.blob} must be contiguous and fill its "
+                f"{blob_nbytes} bytes (shape {t.shape}, stride {t.stride}, offset {t.offset})",
+            )
+        return
+    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True))
+    if (numel and (last + 1) * size > blob_nbytes) or t.offset * size > blob_nbytes:
+        raise ShardFormatError(path, f"tensor {t.path!r} reaches past the end of its blob")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides as torch gives them (a zero-size dimension counts as 1)."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
