@@ -25,7 +25,6 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -201,13 +200,13 @@ async def read_node(bus: Bus, settings: Settings, node: str) -> NodeState:
     return NodeState(node, record)
 
 
-def adopt(settings: Settings, record: NodeRecord) -> tuple[Settings, dict[str, Any]]:
+def adopt(settings: Settings, record: NodeRecord) -> tuple[Settings, dict[str, object]]:
     """`settings` with every `ADOPTED` field they did not set taken from the node's record
     (logged as `node_settings_adopted`); the ones they set and the record says otherwise are
     kept and warned about (`node_settings_differ`). Returns the settings and what was taken."""
     explicit = explicit_fields(settings)
-    taken: dict[str, Any] = {}
-    differ: dict[str, list[Any]] = {}
+    taken: dict[str, object] = {}
+    differ: dict[str, list[object]] = {}
     for name in ADOPTED:
         mine, theirs = getattr(settings, name), getattr(record, name)
         if mine == theirs:

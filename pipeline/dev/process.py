@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from tierpipe.errors import ConfigError
 
@@ -99,7 +99,7 @@ def free_ports(n: int) -> list[int]:
     raise ConfigError(f"no {n} free ports outside the ephemeral range {lo}-{hi}")
 
 
-def terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+def terminate(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_s: float) -> None:
     """SIGTERM, then SIGKILL after `timeout_s`; reaped either way."""
     if proc.poll() is not None:
         return

@@ -162,21 +162,21 @@ class TierpipeCallback(TrainerCallback):
     # --- Trainer events
 
     def on_init_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         if args.deepspeed or args.fsdp:
             raise ConfigError("TierpipeCallback does not support DeepSpeed or FSDP training")
         self._args = args
 
     def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         self._forget_resume_folder()  # (the Trainer read it before its first step)
         if self._pending is not None:  # (another callback cancelled the log or the evaluation)
             self._save(args, state, **kw)
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         every = self.every_steps or state.save_steps
         step = state.global_step
@@ -188,20 +188,20 @@ class TierpipeCallback(TrainerCallback):
             self._save(args, state, **kw)
 
     def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         # (during an evaluation, `should_evaluate` is still set: its `on_evaluate` saves)
         if self._pending == state.global_step and not control.should_evaluate:
             self._save(args, state, **kw)
 
     def on_evaluate(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         if self._pending == state.global_step:
             self._save(args, state, **kw)
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         if self._pending is not None:
             self._save(args, state, **kw)
@@ -210,7 +210,7 @@ class TierpipeCallback(TrainerCallback):
 
     # --- helpers
 
-    def _save(self, args: TrainingArguments, state: TrainerState, **kw: Any) -> None:
+    def _save(self, args: TrainingArguments, state: TrainerState, **kw: object) -> None:
         step, self._pending = state.global_step, None
         self.checkpointer.save(
             step,
