@@ -1,9 +1,9 @@
-"""The event bus: one NATS connection, the jobs' streams, publishing and watching events.
+"""The event bus (`Bus`): the jobs' streams, publishing events, reading and watching them.
 
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
-config, API error). Credentials and TLS come from the settings (user/password, token, creds
-file, nkey seed, CA and client certificate; `tierpipe.bus.connect`). The stream's configuration is
+config, API error). The connection itself is `tierpipe.bus.connection`'s (credentials and TLS
+from the settings, `tierpipe.bus.connect`). The stream's configuration is
 `tierpipe.bus.stream`'s; reading its history and watching it, `tierpipe.bus.history`'s; the stages'
 durable pull consumers, `tierpipe.bus.consumer`'s. Each job has a stream of its own
 (`<stream>_<job>`, subjects `tp.<job>.>`); a subject names its job, so every call here finds the
