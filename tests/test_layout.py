@@ -34,7 +34,7 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 BARE_NAMES = frozenset({"pipeline", "stages", "schemas"})
 #: The only module outside the dev harness that may import it (for `tierpipe demo`).
 DEV = "tierpipe.dev"
-DEV_IMPORTERS = frozenset({"tierpipe.cli.main"})
+DEV_IMPORTERS = frozenset({"tierpipe.cli.ops"})
 
 
 @dataclass(frozen=True)
@@ -232,10 +232,10 @@ def _module_all(mod: Module) -> ast.expr | None:
 def test_the_graph_sees_the_package() -> None:
     """The graph holds every folder's modules and finds imports inside functions."""
     mods = modules()
-    for name in ("tierpipe", "tierpipe.cli.main", "tierpipe.dev.demo", "tierpipe.stages.flush",
+    for name in ("tierpipe", "tierpipe.cli.ops", "tierpipe.dev.demo", "tierpipe.stages.flush",
                  "tierpipe.schemas.events", "tierpipe.storage.s3.store"):  # fmt: skip
         assert name in mods, name
-    assert "tierpipe.dev.demo" in _edges()["tierpipe.cli.main"]  # imported inside a function
+    assert "tierpipe.dev.demo" in _edges()["tierpipe.cli.ops"]  # imported inside a function
     assert _cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}}) == [["a", "b", "a"]]
 
 
@@ -270,7 +270,7 @@ def test_stages_never_import_each_other() -> None:
 
 
 def test_only_the_cli_imports_the_dev_harness() -> None:
-    """Nothing outside tierpipe.dev imports it but tierpipe.cli.main (for `tierpipe demo`)."""
+    """Nothing outside tierpipe.dev imports it but tierpipe.cli.ops (`tierpipe demo`, `up`)."""
     found: dict[str, list[str]] = defaultdict(list)
     for name, mod in modules().items():
         if name in DEV_IMPORTERS or (name + ".").startswith(DEV + "."):

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import make_staged, run_cli
 from tests.test_status_cli import _saves, _store_state
 from tierpipe.bus.client import Bus
-from tierpipe.cli.main import parse_since
+from tierpipe.cli.parser import parse_since
 from tierpipe.errors import ConfigError
 from tierpipe.schemas import Event, StageFailed
 from tierpipe.settings import Settings

@@ -1,10 +1,12 @@
 """The NATS boundary: every NATS and JetStream call of tierpipe goes through this package, and
 nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest of the error tree).
 
-- `client`: `Bus`, one NATS connection: publishing events, reading and watching a job's stream,
-  the KV buckets.
+- `client`: `Bus`: publishing events, reading and watching a job's stream.
+- `connection`: one NATS connection and its JetStream context (`Bus`'s base): connected,
+  watched while up, closed.
 - `connect`: nats-py connect options from the settings, what a refusal means, which exceptions
   mean an outage.
+- `kv`: the job-state KV bucket's handle (opened or bound) and its watches.
 - `stream`: a job's stream, created or brought up to date in place.
 - `history`: the stream read back: stored history, the newest event, a live view.
 - `consumer`: the stages' durable pull consumers and how a worker stops taking messages.

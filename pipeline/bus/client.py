@@ -1,9 +1,9 @@
-"""The event bus: one NATS connection, the jobs' streams, publishing and watching events.
+"""The event bus (`Bus`): the jobs' streams, publishing events, reading and watching them.
 
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
-config, API error). Credentials and TLS come from the settings (user/password, token, creds
-file, nkey seed, CA and client certificate; `tierpipe.bus.connect`). The stream's configuration is
+config, API error). The connection itself is `tierpipe.bus.connection`'s (credentials and TLS
+from the settings, `tierpipe.bus.connect`). The stream's configuration is
 `tierpipe.bus.stream`'s; reading its history and watching it, `tierpipe.bus.history`'s; the stages'
 durable pull consumers, `tierpipe.bus.consumer`'s. Each job has a stream of its own
 (`<stream>_<job>`, subjects `tp.<job>.>`); a subject names its job, so every call here finds the
@@ -13,27 +13,27 @@ server) is recreated by the next publish that finds it missing.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
+import anyio
 import msgspec
-import nats
 import nats.errors
 import nats.js.errors
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from tierpipe.bus import history, stream
-from tierpipe.bus.connect import UNAVAILABLE, connect_options, refusal, translate
+from tierpipe.bus.connect import UNAVAILABLE, translate
+from tierpipe.bus.connection import Connection
 from tierpipe.bus.history import Follow, Raw, Watch
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, InvalidNameError
-from tierpipe.log import register_secrets, scrub, settings_secrets
+from tierpipe.log import scrub
 from tierpipe.names import (
     event_subject,
     msg_id,
@@ -53,9 +53,6 @@ log = structlog.get_logger(__name__)
 KIND_HEADER = "Tp-Kind"
 SCHEMA_HEADER = "Tp-Schema"
 
-#: A permissions violation as nats-py reports it: `... for Publish to "<subject>"`.
-_DENIED = re.compile(r"Permissions Violation for (Publish|Subscription) to \"?([^\"']+)\"?", re.I)
-
 
 @dataclass(frozen=True, slots=True)
 class Published:
@@ -64,167 +61,20 @@ class Published:
     duplicate: bool
 
 
-class Bus:
-    """Async context manager around one NATS connection and its JetStream context."""
+class Bus(Connection):
+    """Async context manager around one NATS connection (`Connection`): a job's stream, its
+    events published, read back and watched."""
 
     def __init__(
         self, settings: Settings, *, name: str = "tierpipe", connect_wait_s: float = 0.0
     ) -> None:
-        self.settings = settings
-        self.name = name
-        self.connect_wait_s = connect_wait_s
-        self._closing = False
+        super().__init__(settings, name=name, connect_wait_s=connect_wait_s)
         #: A read that finds no stream makes sure of it first (`ensure_stream_on_first_miss`).
         self._ensure_on_miss = False
         #: Jobs whose stream this connection made sure of (`ensure_job_stream`).
         self._ensured: set[str] = set()
-        self._connected = False
-        self._last_error: BaseException | None = None
-        self._refused = asyncio.Event()
-        #: Subjects the server refused a publish to (permissions), with its words.
-        self._denied: dict[str, str] = {}
-        #: Set while connected: publishes wait for it rather than queue up in nats-py's buffer.
-        self._up = asyncio.Event()
-        self.nc: nats.NATS | None = None
-        self.js: Any = None
         #: Called with every event published (an agent's metrics count them).
         self.on_publish: Callable[[Event], None] | None = None
-        # Every process that talks to NATS masks these in its logs (see tierpipe.log).
-        register_secrets(settings_secrets(settings))
-
-    async def __aenter__(self) -> Bus:
-        await self.connect(wait_s=self.connect_wait_s)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def connect(self, *, wait_s: float = 0.0) -> None:
-        """Connect (reconnects are unlimited once connected); retry the first connect for
-        up to `wait_s` seconds so an agent may start before its server.
-
-        Raises:
-            BusUnavailableError: no server answered in time.
-            BusAuthError: a server refused the credentials or the TLS handshake failed.
-            ConfigError: a credentials, key or certificate file cannot be read.
-        """
-        s = self.settings
-        servers = [u.strip() for u in s.nats_url.split(",") if u.strip()]
-        options = connect_options(s)
-        deadline = time.monotonic() + wait_s
-        delay = 0.1
-        while True:
-            try:
-                self.nc = await self._connect_once(servers, options)
-                break
-            except Exception as e:
-                self.nc = None
-                where = redact_url(s.nats_url)
-                refused = refusal(self._last_error or e)
-                if refused is not None:
-                    raise BusAuthError(where, refused) from e
-                if time.monotonic() + delay > deadline:
-                    cause = self._last_error or e
-                    raise BusUnavailableError(
-                        f"cannot reach NATS at {where}: {scrub(str(cause) or type(cause).__name__)}"
-                    ) from e
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        self.nc.options["max_reconnect_attempts"] = -1
-        self._connected = True
-        self._up.set()
-        self.js = self.nc.jetstream(timeout=s.request_timeout_s)
-        log.debug("bus_connected", url=redact_url(s.nats_url), name=self.name)
-
-    async def _connect_once(self, servers: list[str], options: dict[str, Any]) -> nats.NATS:
-        """One round over `servers`. nats-py keeps retrying a server whose certificate it
-        rejects instead of failing, so a refusal reported to the error callback ends it here."""
-        s = self.settings
-        self._last_error = None
-        self._refused = asyncio.Event()
-        self._up = asyncio.Event()
-        nc = nats.NATS()
-        connecting = asyncio.ensure_future(
-            nc.connect(
-                servers,
-                name=self.name,
-                connect_timeout=s.connect_timeout_s,  # type: ignore[arg-type]  # (seconds, float)
-                # Bounded while connecting (so a dead address fails); unlimited once up.
-                max_reconnect_attempts=1,
-                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # (nats-py annotates int)
-                allow_reconnect=True,
-                error_cb=self._on_error,
-                disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected,
-                **options,
-            )
-        )
-        refused = asyncio.ensure_future(self._refused.wait())
-        limit = 2 * len(servers) * (s.connect_timeout_s + 1.0)
-        try:
-            await asyncio.wait({connecting, refused}, timeout=limit, return_when="FIRST_COMPLETED")
-        finally:
-            refused.cancel()
-        if connecting.done():
-            connecting.result()  # raises what connecting raised
-            return nc
-        connecting.cancel()
-        await asyncio.wait({connecting}, timeout=5)  # its own end, without raising it here
-        with contextlib.suppress(Exception):
-            await nc.close()
-        raise self._last_error or BusUnavailableError(f"no NATS server answered in {limit:g} s")
-
-    async def aclose(self) -> None:
-        nc, self.nc = self.nc, None
-        if nc is None or nc.is_closed:
-            return
-        self._closing = True
-        try:
-            # Flush what was published, then close: a drain would wait out pending pull requests.
-            await nc.flush(timeout=2)
-        except Exception as e:  # closing must not fail on a dead server
-            log.debug("bus_flush_failed", error=str(e) or type(e).__name__)
-        await nc.close()
-
-    # nats-py runs these callbacks inside its read loop: an exception escaping one (a log
-    # write to a closed stream, say) would stop the connection's reading for good.
-
-    async def _on_error(self, e: Exception) -> None:
-        try:
-            denied = _DENIED.search(str(e))
-            if denied is not None:
-                # The server drops a publish it does not permit and says so only here: remember
-                # it, so the publish waiting for its ack fails as refused, not as an outage.
-                if len(self._denied) > 1000:
-                    self._denied.clear()
-                self._denied[denied[2]] = f"not permitted to {denied[1].lower()} to {denied[2]}"
-            if self._connected:  # failed first attempts are reported by connect() itself
-                log.warning("bus_error", error=str(e) or type(e).__name__)
-            else:
-                self._last_error = e
-                if refusal(e) is not None:
-                    self._refused.set()
-        except Exception:  # noqa: S110 (see above: never raise into nats-py)
-            pass
-
-    async def _on_disconnected(self) -> None:
-        self._up.clear()
-        # What nats-py buffered before it noticed the disconnect, it sends after the reconnect:
-        # a publish already reported failed (its ack timed out) would land late. Every stream
-        # publish here retries under its own msg id until its deadline, so dropping the buffer
-        # loses nothing acknowledged. (A paused server can still read its socket late; the
-        # agent refuses such a `staged` by its slot generation, see `staged_image.release`.)
-        if self.nc is not None and hasattr(self.nc, "_pending"):
-            self.nc._pending.clear()
-            self.nc._pending_data_size = 0
-        with contextlib.suppress(Exception):
-            if not self._closing:
-                log.warning("bus_disconnected", name=self.name)
-
-    async def _on_reconnected(self) -> None:
-        self._up.set()
-        with contextlib.suppress(Exception):
-            log.info("bus_reconnected", name=self.name)
 
     # --- the stream
 
@@ -269,6 +119,45 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 return None
         return str(info.created or ""), int(info.state.last_seq or 0)
+
+    async def stream_size(self, job: str) -> tuple[int, int] | None:
+        """(messages, bytes) of `job`'s stream, or None: there is no such stream.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+        """
+        name = stream_name(self.settings.stream, job)
+        with translate(f"stream {name}", keep=(nats.js.errors.NotFoundError,)):
+            try:
+                state = (await self.js.stream_info(name)).state
+            except nats.js.errors.NotFoundError:
+                return None
+        return int(state.messages or 0), int(state.bytes or 0)
+
+    async def delete_stream(self, job: str) -> None:
+        """Delete `job`'s stream and every message in it (`tierpipe rm`).
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+            BusError: JetStream refused (no such stream, or it denies deletes).
+        """
+        name = stream_name(self.settings.stream, job)
+        with translate(f"deleting stream {name}"):
+            await self.js.delete_stream(name)
+
+    async def has_consumer(self, job: str, durable: str) -> bool:
+        """Whether `job`'s stream has the durable consumer `durable`. A JetStream API request.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+        """
+        name = stream_name(self.settings.stream, job)
+        with translate(f"consumer {durable} of {name}", keep=(nats.js.errors.NotFoundError,)):
+            try:
+                await self.js.consumer_info(name, durable)
+            except nats.js.errors.NotFoundError:
+                return False
+        return True
 
     async def jobs(self) -> list[str]:
         """The jobs that have a stream, by name (operators' tools: a JetStream API request per
@@ -332,7 +221,7 @@ class Bus:
 
     async def _publish(
         self, subject: str, data: bytes, *, headers: dict[str, str] | None, timeout: float | None
-    ) -> Any:
+    ) -> api.PubAck:
         """Publish into the stream and wait for its ack, trying again until `timeout`.
 
         A stream found missing (deleted under us, lost by the server) is created again, once:
@@ -378,7 +267,7 @@ class Bus:
                         self.js, self.settings, subject_job(subject), min(left, per_try)
                     )
                 elif isinstance(e, nats.js.errors.NoStreamResponseError):
-                    await asyncio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
+                    await anyio.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
             except nats.js.errors.APIError as e:
                 raise BusError(f"publish to {subject} refused: {e.description or e}") from e
             except UNAVAILABLE as e:
@@ -389,27 +278,9 @@ class Bus:
                 return ack
             tried = True
 
-    async def _until_connected(self, subject: str, deadline: float) -> None:
-        if self.nc is None or self.nc.is_closed:
-            raise BusUnavailableError(f"publish to {subject}: the connection is closed")
-        if self._up.is_set():
-            return
-        try:
-            await asyncio.wait_for(self._up.wait(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError as e:
-            raise BusUnavailableError(
-                f"publish to {subject}: disconnected from NATS at "
-                f"{redact_url(self.settings.nats_url)} (reconnecting)"
-            ) from e
-
-    def _client(self) -> nats.NATS:
-        if self.nc is None:
-            raise BusUnavailableError(
-                "not connected to NATS (connect() first; or the bus is closed)"
-            )
-        return self.nc
-
-    async def subscribe(self, subject: str, callback: Callable[[Msg], Awaitable[None]]) -> Any:
+    async def subscribe(
+        self, subject: str, callback: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
         """A core (non-JetStream) subscription: live events only, no replay."""
         return await self._client().subscribe(subject, cb=callback)
 
@@ -433,6 +304,21 @@ class Bus:
         except UNAVAILABLE as e:
             raise BusUnavailableError(f"get {subject}: {e or type(e).__name__}") from e
         return raw.seq or 0, raw.data or b""
+
+    async def newest_seq(self, subject: str) -> int:
+        """Stream seq of the newest message on `subject` (wildcards allowed, but for the job);
+        0: none, or no stream at all. A JetStream API request (by the stream's index), so it
+        answers for a stream that allows no direct gets too.
+
+        Raises:
+            BusUnavailableError: JetStream did not answer.
+        """
+        with translate(f"newest message on {subject}", keep=(nats.js.errors.NotFoundError,)):
+            try:
+                msg = await self.js.get_msg(self.stream(subject), subject=subject)
+            except nats.js.errors.NotFoundError:  # no such message, or no stream at all
+                return 0
+        return int(msg.seq or 0)
 
     async def last_event(self, subject: str) -> Event | None:
         """The newest event on `subject` (see `last_raw`), or None."""
@@ -463,7 +349,7 @@ class Bus:
 
     def tail(
         self, subject: str, *, after: int
-    ) -> contextlib.AbstractAsyncContextManager[asyncio.Queue[Raw]]:
+    ) -> contextlib.AbstractAsyncContextManager[MemoryObjectReceiveStream[Raw]]:
         """Every message on `subject` stored after stream sequence `after`, as it comes."""
         return history.tail(self.js, self.stream(subject), subject, after=after)
 

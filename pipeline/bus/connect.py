@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import TypedDict
 
 import nats
 import nats.errors
@@ -17,7 +17,7 @@ import nats.js.errors
 from tierpipe.errors import BusError, BusUnavailableError, ConfigError
 from tierpipe.settings import Settings
 
-__all__ = ("UNAVAILABLE", "connect_options", "refusal", "translate")
+__all__ = ("UNAVAILABLE", "ConnectOptions", "connect_options", "refusal", "translate")
 
 #: nats-py exceptions that mean NATS is down, unreachable or not answering (retry later).
 UNAVAILABLE = (
@@ -52,23 +52,32 @@ def translate(what: str, *, keep: tuple[type[Exception], ...] = ()) -> Iterator[
         raise BusUnavailableError(f"{what}: {e or type(e).__name__}") from e
 
 
-def connect_options(s: Settings) -> dict[str, Any]:
+class ConnectOptions(TypedDict, total=False):
+    """The nats-py `connect` keywords the settings give (credentials and TLS)."""
+
+    user: str
+    password: str
+    token: str
+    user_credentials: str
+    nkeys_seed: str
+    tls: ssl.SSLContext
+
+
+def connect_options(s: Settings) -> ConnectOptions:
     """nats-py `connect` keywords for the credentials and TLS in the settings."""
-    options: dict[str, Any] = {}
+    options = ConnectOptions()
     if s.nats_user is not None:
         options["user"] = s.nats_user
     if s.nats_password is not None:
         options["password"] = s.nats_password
     if s.nats_token is not None:
         options["token"] = s.nats_token
-    for field, keyword in (
-        ("nats_creds_file", "user_credentials"),
-        ("nats_nkey_seed_file", "nkeys_seed"),
-    ):
-        path = getattr(s, field)
-        if path is not None:
-            _check_readable(field, path)
-            options[keyword] = path
+    if s.nats_creds_file is not None:
+        _check_readable("nats_creds_file", s.nats_creds_file)
+        options["user_credentials"] = s.nats_creds_file
+    if s.nats_nkey_seed_file is not None:
+        _check_readable("nats_nkey_seed_file", s.nats_nkey_seed_file)
+        options["nkeys_seed"] = s.nats_nkey_seed_file
     if s.nats_tls_ca_file or s.nats_tls_cert_file or s.nats_tls_key_file:
         options["tls"] = _tls_context(s)
     return options

@@ -14,14 +14,14 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from tierpipe.bus.client import Bus
 from tierpipe.bus.connect import UNAVAILABLE, translate
@@ -88,7 +88,7 @@ async def missing(bus: Bus, job: str, durable: str) -> Missing | None:
     return None
 
 
-async def pull(bus: Bus, job: str, durable: str) -> Any:
+async def pull(bus: Bus, job: str, durable: str) -> JetStreamContext.PullSubscription:
     """A pull subscription bound to an existing durable consumer of `job`'s stream."""
     stream = stream_name(bus.settings.stream, job)
     return await bus.js.pull_subscribe_bind(durable=durable, stream=stream)
@@ -103,7 +103,9 @@ FETCH_BATCH = 16
 FETCH_WAIT_S = 5.0
 
 
-async def fetch(sub: Any, *, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+async def fetch(
+    sub: JetStreamContext.PullSubscription, *, batch: int = 1, timeout: float = 1.0
+) -> list[Msg]:
     """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
     try:
         return await sub.fetch(batch, timeout=timeout)
@@ -127,7 +129,7 @@ class StageConsumer:
         job: str,
         durable: str,
         filters: list[str],
-        sub: Any,
+        sub: JetStreamContext.PullSubscription,
     ) -> None:
         self.bus, self.settings, self.stage, self.job = bus, settings, stage, job
         self.durable, self.filters, self.sub = durable, filters, sub
@@ -233,7 +235,7 @@ def backoff(
     return delay * random.uniform(0.5, 1.0) if jitter else delay  # noqa: S311 (not crypto)
 
 
-async def quietly(op: Awaitable[Any]) -> None:
+async def quietly(op: Awaitable[object]) -> None:
     """Acks, naks and heartbeats are best effort: a lost one means a redelivery, which the
     stages' idempotence absorbs."""
     try:

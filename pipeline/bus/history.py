@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import anyio
 import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
@@ -137,6 +140,7 @@ class Follow:
     def __init__(self, decode: Callable[[bytes], Event | Fact] = decode_event) -> None:
         self._decode = decode
         self._queued: list[Folded] = []
+        #: (An asyncio event: each batch clears it, and an `anyio.Event` cannot be cleared.)
         self._arrived = asyncio.Event()
 
     async def on_msg(self, msg: Msg) -> None:
@@ -151,8 +155,8 @@ class Follow:
         """What arrived since the last batch, in stream order; waits up to `timeout` seconds
         for the first message when none is queued (an empty list then)."""
         if not self._queued:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), max(timeout, 0.001))
+            with anyio.move_on_after(max(timeout, 0.001)):
+                await self._arrived.wait()
         queued, self._queued = self._queued, []
         self._arrived.clear()
         return queued
@@ -255,7 +259,7 @@ async def collect_raw(
     inbox = nc.new_inbox()
     bodies: list[Raw] = []
     expected: int | None = None
-    done = asyncio.Event()
+    done = anyio.Event()
 
     async def on_msg(msg: Msg) -> None:
         status = msg.headers.get("Status") if msg.headers else None
@@ -300,8 +304,8 @@ async def collect_raw(
             done.set()
         while not done.is_set():
             seen = len(bodies)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout)
+            with anyio.move_on_after(timeout):
+                await done.wait()
             if not done.is_set() and len(bodies) == seen:
                 raise BusUnavailableError(
                     f"replay {subject} stalled at {seen} of {expected} messages"
@@ -317,13 +321,13 @@ async def collect_raw(
 @contextlib.asynccontextmanager
 async def tail(
     js: JetStreamContext, stream: str, subject: str, *, after: int
-) -> AsyncIterator[asyncio.Queue[Raw]]:
+) -> AsyncIterator[MemoryObjectReceiveStream[Raw]]:
     """Every message on `subject` stored after stream sequence `after`, as the stream stores
-    them (an ordered push consumer), put on the queue yielded."""
-    queue: asyncio.Queue[Raw] = asyncio.Queue()
+    them (an ordered push consumer), sent on the stream yielded."""
+    send, receive = anyio.create_memory_object_stream[Raw](max_buffer_size=math.inf)
 
     async def on_msg(msg: Msg) -> None:
-        queue.put_nowait(_raw(msg))
+        send.send_nowait(_raw(msg))
 
     with translate(f"tail {subject}"):
         sub = await js.subscribe(
@@ -336,7 +340,9 @@ async def tail(
             idle_heartbeat=1.0,
         )
     try:
-        yield queue
+        yield receive
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+        send.close()
+        receive.close()

@@ -6,8 +6,7 @@ its servers."""
 
 from __future__ import annotations
 
-import asyncio
-
+import anyio
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext, api
@@ -90,7 +89,8 @@ async def recreate_if_missing(js: JetStreamContext, s: Settings, job: str, timeo
     """Create `job`'s stream (with the settings at hand) if JetStream says it does not exist."""
     name = stream_name(s.stream, job)
     try:
-        await asyncio.wait_for(js.stream_info(name), timeout)
+        with anyio.fail_after(timeout):
+            await js.stream_info(name)
     except nats.js.errors.NotFoundError:
         log.warning("publish_found_no_stream", stream=name)
         try:

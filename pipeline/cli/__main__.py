@@ -2,6 +2,6 @@
 
 import sys
 
-from tierpipe.cli.main import main
+from tierpipe.cli.dispatch import main
 
 sys.exit(main())

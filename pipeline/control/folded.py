@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import time
 
-import anyio
-import nats.js.errors
-
 from tierpipe.bus.client import Bus
-from tierpipe.bus.connect import translate
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import ConfigError
 from tierpipe.names import state_subjects, stream_name
 from tierpipe.schemas.jobstate import JobHead
 
-__all__ = ("folded_head", "newest_seq")
+__all__ = ("folded_head",)
 
 
 async def folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int]:
@@ -31,21 +27,25 @@ async def folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int
         ConfigError: the job has no state in KV (a mistyped name, or a lost state).
     """
     settings = bus.settings
-    stream_seq = max([await newest_seq(bus, subject) for subject in state_subjects(job)])
+    stream_seq = max([await bus.newest_seq(subject) for subject in state_subjects(job)])
     grace = time.monotonic() + 2.0
     deadline = grace + 10 * settings.coordinator_flush_s
-    while True:
-        head = await store.head(job)
-        if head is not None and head.seq >= stream_seq:
-            break
-        lease = await store.lease(job)
-        now = time.monotonic()
-        # No lease yet: an agent may be about to take the job up (it does once its node has a
-        # folder of the job): a short grace. An expired one: its coordinator is gone.
-        gone = lease is not None and lease.expires < time.time()
-        if gone or (lease is None and now > grace) or now > deadline:
-            break
-        await anyio.sleep(0.05)
+    # Woken by each write of the job's head or lease (its coordinator's), else when the grace,
+    # the lease or the deadline runs out: the moments the answer below can change.
+    async with store.changes(job) as written:
+        while True:
+            head = await store.head(job)
+            if head is not None and head.seq >= stream_seq:
+                break
+            lease = await store.lease(job)
+            now = time.monotonic()
+            # No lease yet: an agent may be about to take the job up (it does once its node
+            # has a folder of the job): a short grace. An expired one: its coordinator is gone.
+            gone = lease is not None and lease.expires < time.time()
+            if gone or (lease is None and now > grace) or now > deadline:
+                break
+            until = grace if lease is None else now + lease.expires - time.time()
+            await written.wait(min(until, deadline) - now + 0.001)
     if head is None:
         stream = stream_name(settings.stream, job)
         events = (
@@ -60,13 +60,3 @@ async def folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int
             "and objects"
         )
     return head, stream_seq
-
-
-async def newest_seq(bus: Bus, subject: str) -> int:
-    """Stream seq of the newest message on `subject` (0: none, or no stream at all)."""
-    with translate(f"newest message on {subject}", keep=(nats.js.errors.NotFoundError,)):
-        try:
-            msg = await bus.js.get_msg(bus.stream(subject), subject=subject)
-        except nats.js.errors.NotFoundError:
-            return 0
-    return int(msg.seq or 0)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-from nats.js import api
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from tierpipe.bus import kv as bucket
 from tierpipe.bus.connect import translate
 from tierpipe.control.jobstate import Changes, JobState
 from tierpipe.errors import BusError, BusUnavailableError, LeaseLostError
@@ -41,6 +42,9 @@ from tierpipe.schemas.jobstate import (
 )
 from tierpipe.settings import Settings
 
+if TYPE_CHECKING:
+    from tierpipe.bus.client import Bus
+
 __all__ = (
     "JobStore",
     "budget_key",
@@ -56,11 +60,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 _json = msgspec.json.Encoder()
 
-#: What `KeyValue.get` raises for a key never written, or deleted.
-_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
-
-#: The largest value the bucket takes (a message must stay below 256 KiB at any job size).
-MAX_VALUE_BYTES = 256 * 1024
+_ABSENT = bucket.ABSENT
 
 
 def default_keep(settings: Settings) -> Keep:
@@ -116,7 +116,12 @@ def _translated(what: str) -> contextlib.AbstractContextManager[None]:
 class JobStore:
     """The KV bucket of job states, over a connected `Bus`'s JetStream context."""
 
-    def __init__(self, js: Any, settings: Settings) -> None:
+    @classmethod
+    async def opened(cls, bus: Bus) -> JobStore:
+        """The job store over `bus`'s connection, opened (`open`): the operators' tools'."""
+        return await cls(bus.js, bus.settings).open()
+
+    def __init__(self, js: JetStreamContext, settings: Settings) -> None:
         self._js = js
         self.settings = settings
         self._kv: KeyValue | None = None
@@ -127,23 +132,7 @@ class JobStore:
 
     async def open(self) -> JobStore:
         """Bind the bucket, creating it if missing (idempotent)."""
-        s = self.settings
-        with _translated(f"kv bucket {s.kv_bucket}"):
-            try:
-                self._kv = await self._js.key_value(s.kv_bucket)
-            except nats.js.errors.BucketNotFoundError:
-                config = api.KeyValueConfig(
-                    bucket=s.kv_bucket,
-                    history=1,
-                    replicas=s.stream_replicas,
-                    max_value_size=MAX_VALUE_BYTES,
-                    storage=api.StorageType.FILE,
-                    # Reads by direct get: any replica answers, and a trainer's permissions
-                    # can name its own job's keys (`$JS.API.DIRECT.GET.KV_<bucket>.$KV...`).
-                    direct=True,
-                )
-                self._kv = await self._js.create_key_value(config)
-                await self._admit_watchers()
+        self._kv = await bucket.open_bucket(self._js, self.settings)
         return self
 
     def bind(self) -> JobStore:
@@ -151,19 +140,9 @@ class JobStore:
         for a job's ranks but rank 0, which `open`s it. (At 80,000 ranks, a stream-info request
         each would overflow the server's API queue, 10,000 by default.) A bucket that does not
         answer a read is opened then (`_value`)."""
-        b = self.settings.kv_bucket
-        self._kv = KeyValue(name=b, stream=f"KV_{b}", pre=f"$KV.{b}.", js=self._js, direct=True)
+        self._kv = bucket.bind_bucket(self._js, self.settings)
         self._bound = True
         return self
-
-    async def _admit_watchers(self) -> None:
-        """Let the bucket's stream take every agent's watchers (2 each): nats-server admits
-        1,000 consumers a stream unless the stream says otherwise (500 agents)."""
-        stream = f"KV_{self.settings.kv_bucket}"
-        config = (await self._js.stream_info(stream)).config
-        if config.max_consumers != self.settings.stream_max_consumers:
-            config.max_consumers = self.settings.stream_max_consumers
-            await self._js.update_stream(config)
 
     @property
     def kv(self) -> KeyValue:
@@ -239,23 +218,30 @@ class JobStore:
         """Every job's head as stored now (`tierpipe ls`): one watch of `*.head`, stopped once
         it delivered what is stored; a value that does not decode is skipped."""
         out: dict[str, JobHead] = {}
-        with _translated("kv watch *.head"):
-            watcher = await self.kv.watch("*.head", ignore_deletes=True)
-            try:
-                async for entry in watcher:
-                    if entry is None:  # (what was stored is all delivered)
-                        break
-                    with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-                        head = msgspec.json.decode(entry.value or b"", type=JobHead)
-                        out[head.job] = head
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+        for _, value in await bucket.stored(self.kv, "*.head"):
+            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                head = msgspec.json.decode(value, type=JobHead)
+                out[head.job] = head
         return out
 
     async def lease(self, job: str) -> Lease | None:
         found = await self._get(lease_key(job), Lease)
         return None if found is None else found[0]
+
+    async def digests(self, job: str, step: int, chunk: int) -> RankDigests | None:
+        """One chunk of a step's header digests (None: not stored)."""
+        found = await self._get(digests_key(job, step, chunk), RankDigests)
+        return None if found is None else found[0]
+
+    async def keys(self, job: str) -> list[str]:
+        """Every key of `job` in the bucket (`<job>.<...>`), sorted: one watch, stopped once it
+        delivered what is stored."""
+        return sorted(key for key, _ in await bucket.stored(self.kv, f"{job}.>"))
+
+    def changes(self, job: str) -> contextlib.AbstractAsyncContextManager[bucket.KeyChanges]:
+        """Wake-ups at each write of `job`'s own keys (`<job>.head`, `.lease`, ...; not its
+        records), for a reader waiting for its head to catch up (`folded_head`)."""
+        return bucket.changes(self.kv, f"{job}.*")
 
     async def rank_digest(self, job: str, step: int, rank: int) -> tuple[str, int] | None:
         """(header digest, size) of `rank`'s verified copy of `step`, or None: one read of
@@ -327,6 +313,12 @@ class JobStore:
                 await self.kv.put(key, _json.encode(keep))
             else:
                 await self.kv.create(key, _json.encode(default_keep(self.settings)))
+
+    async def purge(self, keys: Iterable[str]) -> None:
+        """Remove `keys` with their history (`tierpipe rm`), in the order given."""
+        for key in keys:
+            with _translated(f"kv purge {key}"):
+                await self.kv.purge(key)
 
     async def set_budget(self, job: str, budget: Budget) -> None:
         """Set the job's admission budgets (an operator's or the trainer's: the newest wins);

@@ -176,7 +176,7 @@ async def gc(
     node = node_name(settings.node)
     report = GcReport(job, apply)
     async with Bus(settings, name=f"tierpipe-gc-{node}") as bus:
-        store = await JobStore(bus.js, settings).open()
+        store = await JobStore.opened(bus)
         view = await _KeptState.read(store, job)
         cutoff = time.time() - min_age_s
         with NvmeStore.from_settings(settings) as nvme:

@@ -29,10 +29,9 @@ import msgspec
 import structlog
 
 from tierpipe.bus.client import Bus
-from tierpipe.bus.connect import translate
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import JobBusyError
-from tierpipe.names import job_subjects, node_name, stream_name, validate_token
+from tierpipe.names import job_subjects, node_name, validate_token
 from tierpipe.retention.gc import job_objects
 from tierpipe.settings import Settings
 from tierpipe.storage.s3.commit import commits_prefix
@@ -113,9 +112,9 @@ async def rm(
     nvme_dir = Path(settings.nvme_root, job)  # (settings' paths are absolute)
     staging_dir = Path(settings.staging_root, job)
     async with Bus(settings, name=f"tierpipe-rm-{node_name(settings.node)}") as bus:
-        store = await JobStore(bus.js, settings).open()
-        report.stream = await _stream_size(bus, job)
-        report.kv_keys = await _kv_keys(store, job)
+        store = await JobStore.opened(bus)
+        report.stream = await bus.stream_size(job)
+        report.kv_keys = await store.keys(job)
         report.busy = await _in_use(bus, store, job, idle_s, has_stream=report.stream is not None)
         async with await job_objects(settings, store, job) as objects:
             shards = await objects.list_job(job)
@@ -130,12 +129,9 @@ async def rm(
             await _delete_objects(objects, [k for k, _ in commits])  # (COMMITs first)
             await _delete_objects(objects, [k for k, _ in shards])
         if report.stream is not None:
-            name = stream_name(settings.stream, job)
-            with translate(f"deleting stream {name}"):
-                await bus.js.delete_stream(name)
-        with translate(f"deleting the job-state keys of {job}"):
-            for key in sorted(report.kv_keys, key=lambda k: not k.endswith(".keep")):
-                await store.kv.purge(key)  # (the policy first: coordinators follow it)
+            await bus.delete_stream(job)
+        # (the policy first: coordinators follow it)
+        await store.purge(sorted(report.kv_keys, key=lambda k: not k.endswith(".keep")))
     for folder in (nvme_dir, staging_dir):
         await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, folder, ignore_errors=True))
     log.info("job_removed", job=job, objects=len(report.objects), kv_keys=len(report.kv_keys),
@@ -158,32 +154,6 @@ async def _in_use(
     if newest is not None and now - newest.ts < idle_s:
         busy.append(f"its newest event is {now - newest.ts:.0f} s old (under {idle_s:g} s)")
     return busy
-
-
-async def _stream_size(bus: Bus, job: str) -> tuple[int, int] | None:
-    """(messages, bytes) of the job's stream, or None if it has none."""
-    if await bus.stream_made(job) is None:
-        return None
-    name = stream_name(bus.settings.stream, job)
-    with translate(f"stream {name}"):
-        state = (await bus.js.stream_info(name)).state
-    return int(state.messages or 0), int(state.bytes or 0)
-
-
-async def _kv_keys(store: JobStore, job: str) -> list[str]:
-    """Every key of the job in the job-state bucket (`<job>.<...>`): one watch, stopped once it
-    delivered what is stored."""
-    found = []
-    with translate(f"kv watch {job}.>"):
-        watcher = await store.kv.watch(f"{job}.>", ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:  # (what was stored is all delivered)
-                    break
-                found.append(entry.key)
-        finally:
-            await watcher.stop()
-    return sorted(found)
 
 
 async def _delete_objects(objects: S3Store, keys: list[str]) -> None:

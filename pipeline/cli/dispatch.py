@@ -1,0 +1,124 @@
+"""`tierpipe`'s entry point (`main`): the command line parsed, the settings loaded, each verb
+handed to its view (`tierpipe.cli.views`) or operation (`tierpipe.cli.ops`), and an error
+printed as one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tierpipe.cli import ops, views
+from tierpipe.cli.parser import build_parser, parse_rate, parse_since
+from tierpipe.errors import ConfigError, TierpipeError
+from tierpipe.log import configure_logging
+from tierpipe.names import validate_token
+from tierpipe.settings import load_settings
+
+__all__ = ("main",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `tierpipe` with `argv` (default: the process's arguments); the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+    except BrokenPipeError:
+        if args.command == "worker":
+            raise  # a socket's error, not a closed stdout
+        return _reader_gone()
+    except TierpipeError as e:
+        print(f"tierpipe: error: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tierpipe.stages import AGENT_STAGES
+
+    settings = load_settings(args.config)
+    configure_logging(settings.log_level, settings.log_format)
+    match args.command:
+        case "worker":
+            names = list(AGENT_STAGES) if "all" in args.stages else list(dict.fromkeys(args.stages))
+            return ops.worker(settings, names)
+        case "status":
+            job = validate_token("job", args.job)
+            return views.status(settings, job, step=args.step, rank=args.rank, as_json=args.json)
+        case "flush":
+            return ops.flush(
+                settings, args.action, args.rate, args.node, force=args.force, job=args.job
+            )
+        case "plan":
+            if args.alive is not None:
+                raise ConfigError(
+                    "--alive is gone: the job state does not record which node holds a rank's "
+                    "NVMe copy (a restart checks each rank's own disk); --nvme-lost plans as if "
+                    "every NVMe copy were lost"
+                )
+            job = validate_token("job", args.job)
+            return views.plan(settings, job, args.step, nvme_lost=args.nvme_lost, as_json=args.json)
+        case "reindex":
+            job = validate_token("job", args.job)
+            return ops.reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3)
+        case "budget":
+            if args.restore_gets is not None and args.restore_gets < 0:
+                raise ConfigError("--restore-gets must be >= 0")
+            flush = parse_rate(args.flush) if args.flush is not None else None
+            return ops.budget(
+                settings, validate_token("job", args.job), flush=flush,
+                gets=args.restore_gets, as_json=args.json,
+            )  # fmt: skip
+        case "events":
+            job = validate_token("job", args.job)
+            since = parse_since(args.since) if args.since is not None else None
+            return views.events(
+                settings, job, kind=args.kind, since=since, follow=args.follow,
+                as_json=args.json,
+            )  # fmt: skip
+        case "ls":
+            return views.ls(settings, as_json=args.json)
+        case "gc":
+            job = validate_token("job", args.job)
+            return ops.gc(
+                settings, job, apply=args.apply, min_age_s=args.min_age_s, as_json=args.json
+            )
+        case "rm":
+            job = validate_token("job", args.job)
+            return ops.rm(
+                settings, job, apply=args.apply, force=args.force, idle_s=args.idle_s,
+                as_json=args.json,
+            )  # fmt: skip
+        case "prefetch":
+            job = validate_token("job", args.job)
+            node = validate_token("node", args.node) if args.node else None
+            return ops.prefetch(settings, job, node=node, step=args.step)
+        case "export":
+            job = validate_token("job", args.job)
+            return ops.export(settings, job, args.step, args.to, Path(args.dir))
+        case "up":
+            return ops.up(
+                settings, data=args.data, nats_url=args.nats_url, nats_port=args.nats_port,
+                s3_endpoint=args.s3_endpoint, no_s3=args.no_s3,
+            )  # fmt: skip
+        case "demo" if args.rank is not None:
+            return ops.demo_rank(args.rank, args.ranks, args.steps, args.every)
+        case "demo":
+            return ops.demo(
+                settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data,
+                plot=args.plot,
+            )  # fmt: skip
+    return 0
+
+
+def _reader_gone() -> int:
+    """The reader of our output closed it (`tierpipe plan --json | head -c 10`): stop quietly,
+    as Unix filters do. Python flushes stdout again at exit and would report the same broken
+    pipe, so stdout is pointed at /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

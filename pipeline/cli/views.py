@@ -1,0 +1,207 @@
+"""The read-only views of `tierpipe`: `status`, `plan`, `ls` and `events`, read through the bus
+and the job store (`tierpipe.cli.render` prints them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+
+from tierpipe.bus.client import Bus
+from tierpipe.cli.render import (
+    JobRow,
+    JobView,
+    KvPlan,
+    event_json_line,
+    event_line,
+    jobs_table,
+    lag_note,
+    rank_details,
+    rank_json,
+    rank_table,
+    step_json,
+    step_table,
+)
+from tierpipe.control.confirm import confirmed_plan, confirmed_steps
+from tierpipe.control.folded import folded_head
+from tierpipe.control.kvstate import JobStore
+from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.names import (
+    batch_subject,
+    job_subjects,
+    plan_subject,
+    shard_relpath,
+    shard_subject,
+    state_subjects,
+    stream_name,
+)
+from tierpipe.schemas import StageFailed
+from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
+from tierpipe.settings import Settings
+
+__all__ = ("events", "ls", "plan", "status")
+
+
+def status(
+    settings: Settings, job: str, *, step: int | None, rank: int | None, as_json: bool
+) -> int:
+    if rank is not None and step is None:
+        raise ConfigError("--rank needs --step (the per-rank detail is of one step)")
+    if step is not None:
+        return _status_step(settings, job, step, rank, as_json=as_json)
+    view = anyio.run(_read_view, settings, job)
+    if as_json:
+        for s in view.head.steps:
+            print(json.dumps(step_json(job, s, view.records.get(s))))
+    else:
+        print(step_table(view))
+    return 0
+
+
+def _status_step(
+    settings: Settings, job: str, step: int, rank: int | None, *, as_json: bool
+) -> int:
+    from tierpipe.storage.s3.store import S3Store
+
+    async def read() -> tuple[StepRecord, dict[int, RankDigests]]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore.opened(bus)
+            head, _ = await folded_head(bus, store, job)
+            rec = await store.record(job, step)
+            if rec is None:
+                kept = ", ".join(map(str, head.steps)) or "none"
+                raise ConfigError(
+                    f"step {step} of job {job!r} has no record in its job state (the steps it "
+                    f"keeps: {kept})"
+                )
+            if rank is not None and not 0 <= rank < rec.world_size:
+                raise ConfigError(
+                    f"rank {rank} is not a rank of step {step} (world size {rec.world_size})"
+                )
+            last = -(-rec.world_size // RANKS_PER_CHUNK)
+            chunks = range(last) if rank is None else [rank // RANKS_PER_CHUNK]
+            return rec, {c: d for c in chunks if (d := await store.digests(job, step, c))}
+
+    rec, chunks = anyio.run(read)
+    nvme_root = Path(settings.nvme_root)
+    details = rank_details(
+        job, rec, chunks, range(rec.world_size) if rank is None else [rank],
+        locate_nvme=lambda j, s, r, w: str(nvme_root / shard_relpath(j, s, r, w)),
+        locate_object=S3Store(settings).locate,
+    )  # fmt: skip
+    if as_json:
+        for d in details:
+            print(json.dumps(rank_json(job, rec, d)))
+    else:
+        print(rank_table(job, rec, details))
+    return 0
+
+
+async def _read_view(settings: Settings, job: str) -> JobView:
+    """The job's state in KV, once folded up to its newest event (see `folded_head`)."""
+    async with Bus(settings, name="tierpipe-cli") as bus:
+        store = await JobStore.opened(bus)
+        head, stream_seq = await folded_head(bus, store, job)
+        return JobView(
+            job=job,
+            head=head,
+            records=await store.records(job, head.steps),
+            floors=await store.floors(job),
+            keep=await store.keep(job),
+            lease=await store.lease(job),
+            stream_seq=stream_seq,
+            unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
+        )
+
+
+def plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
+    async def read() -> tuple[JobHead, int, KvPlan]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore.opened(bus)
+            head, stream_seq = await folded_head(bus, store, job)
+            records = await store.records(job, head.candidates(step))
+            if step is not None and step not in records:
+                kept = ", ".join(map(str, head.steps)) or "none"
+                raise NoCheckpointError(
+                    f"step {step} of job {job!r} has no record in its job state (the steps it "
+                    f"keeps: {kept})"
+                )
+            # (steps the rest of the job state does not back are passed over, shown as such)
+            plan = await confirmed_plan(store, job, head, records, step=step, nvme_lost=nvme_lost)
+            return head, stream_seq, plan
+
+    head, stream_seq, plan = anyio.run(read)
+    if as_json:
+        print(json.dumps({**plan.to_json(), "folded_seq": head.seq, "stream_seq": stream_seq}))
+    else:
+        note = lag_note(head.seq, stream_seq)
+        print(plan.describe() + (f"\n  {note}" if note else ""))
+    return 0
+
+
+def ls(settings: Settings, *, as_json: bool) -> int:
+    async def read() -> list[JobRow]:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            store = await JobStore.opened(bus)
+            heads = await store.heads()
+            rows = []
+            for job in sorted(set(heads) | set(await bus.jobs())):
+                newest = max([await bus.newest_seq(s) for s in state_subjects(job)])
+                failed = await bus.last_event(shard_subject(job, "failed", "*", "*"))
+                head = heads.get(job)
+                doubts = (
+                    {} if head is None else (await confirmed_steps(store, job, head)).unconfirmed
+                )
+                rows.append(
+                    JobRow(
+                        job, head, newest, await store.lease(job),
+                        failed if isinstance(failed, StageFailed) else None, doubts,
+                    )
+                )  # fmt: skip
+            return rows
+
+    rows = anyio.run(read)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row.as_json()))
+    else:
+        print(jobs_table(rows))
+    return 0
+
+
+def events(
+    settings: Settings, job: str, *, kind: str | None, since: float | None, follow: bool,
+    as_json: bool,
+) -> int:  # fmt: skip
+    if kind is None:
+        subject = job_subjects(job)
+    elif kind == "plan":
+        subject = plan_subject(job)
+    elif kind == "batch":
+        subject = batch_subject(job, "*", "*")
+    else:
+        subject = shard_subject(job, kind, "*", "*")
+    show = event_json_line if as_json else event_line
+
+    async def main() -> None:
+        async with Bus(settings, name="tierpipe-cli") as bus:
+            made = await bus.stream_made(job)
+            if made is None:
+                raise ConfigError(
+                    f"job {job!r} has no stream ({stream_name(settings.stream, job)}): check "
+                    "the name (`tierpipe ls` lists the jobs)"
+                )
+            found = await bus.stored(subject, since=since)
+            for raw in found:
+                print(show(raw), flush=follow)
+            if follow:
+                async with bus.tail(subject, after=found[-1].seq if found else made[1]) as new:
+                    while True:
+                        print(show(await new.receive()), flush=True)
+
+    try:
+        anyio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    return 0
