@@ -1124,8 +1124,8 @@ def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> d
     the plan message every rank receives."""
     import msgspec
 
+    from tierpipe.control.bitmap import bitmap
     from tierpipe.control.catalog import Catalog
-    from tierpipe.control.jobstate import bitmap
     from tierpipe.recovery.plan import plan_recovery
     from tierpipe.schemas import RecoveryPlanned, encode_event
 

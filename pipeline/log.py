@@ -134,7 +134,7 @@ def configure_logging(
 
 
 @contextmanager
-def unit_of_work(**fields: Any) -> Iterator[None]:
+def unit_of_work(**fields: object) -> Iterator[None]:
     """Bind `fields` (stage, job, step, rank) to the log lines of one unit of work. What the
     work binds besides with `bind_contextvars` (bytes, paths) goes into its canonical line
     and no further: the context is as before once the block ends."""

@@ -71,7 +71,7 @@ StepOrNone = Annotated[int, msgspec.Meta(ge=-1)]
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Which ranks of one step have a good copy on each tier.
 
-    A bitmap holds rank r in bit `r % 8` of byte `r // 8` (`tierpipe.control.jobstate.Bitmap`); a
+    A bitmap holds rank r in bit `r % 8` of byte `r // 8` (`tierpipe.control.bitmap`); a
     step is complete on a tier when its bitmap holds every rank below `world_size`.
     """
 

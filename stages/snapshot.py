@@ -2,9 +2,9 @@
 
 `Checkpointer.save()` has `Snapshot` take one of the rank's staging slots, copy the state into
 it (blocking, or overlapped on the copier thread) and mark it busy with the step, then publishes
-the `staged` event built here (`staged_event`); a restore's
-write-back stages a shard read from object storage the same way (`stage_image`), with the same
-builder. At start, `reclaim_slots` drops markers no node agent will release and
+the `staged` event (`tierpipe.storage.staging.staged_event`); a restore's write-back stages a
+shard read from object storage the same way (`tierpipe.storage.staging.stage_image`), with the
+same builder. At start, `reclaim_slots` drops markers no node agent will release and
 `newest_staged_step` finds where this rank's saves left off.
 
 This is the only part of tierpipe on the training loop's critical path, so it does nothing but
@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 import torch
@@ -33,25 +32,20 @@ from tierpipe.names import shard_subject
 from tierpipe.schemas import (
     Event,
     ShardEvent,
-    ShardHeader,
     ShardStaged,
     ShardVerified,
     StageFailed,
     decode_event,
-    shard_event,
 )
 from tierpipe.state import StatePlan
 from tierpipe.storage.pinned import page_lock, page_unlock
-from tierpipe.storage.shard import Head
-from tierpipe.storage.staging import Slot, SlotPool, stale_markers
+from tierpipe.storage.staging import Slot, SlotPool, staged_event, stale_markers
 
 __all__ = (
     "Snapshot",
     "StagedCopy",
     "newest_staged_step",
     "reclaim_slots",
-    "stage_image",
-    "staged_event",
 )
 
 
@@ -279,55 +273,6 @@ class Snapshot:
         image = self._images.pop(index, None)
         if image is not None and image.pinned:
             page_unlock(image.mm, device=image.device)
-
-
-def staged_event(
-    header: ShardHeader,
-    slot: Slot,
-    *,
-    node: str,
-    nbytes: int,
-    stall_s: float = 0.0,
-    blocking: bool = True,
-    origin: Literal["save", "restore"] = "save",
-    rewind_to: int | None = None,
-) -> ShardStaged:
-    """The `staged` event of the image in `slot` (whose header is `header`), as `node`'s.
-
-    The shard's identity and timeline come from the image's own header, so the event cannot
-    disagree with the bytes the agent will read.
-    """
-    return shard_event(
-        ShardStaged,
-        header,
-        node=node,
-        staging_path=str(slot.path),
-        slot=slot.index,
-        nbytes=nbytes,
-        tensors=len(header.tensors),
-        stall_s=round(stall_s, 6),
-        blocking=blocking,
-        origin=origin,
-        generation=slot.generation,
-        rewind_to=rewind_to,
-    )
-
-
-def stage_image(pool: SlotPool, image: mmap.mmap, head: Head, *, timeout_s: float) -> Slot | None:
-    """Copy a sealed shard image into a staging slot (waiting for a free one) and mark it.
-
-    Raises:
-        SlotTimeoutError: no slot freed up within `timeout_s`.
-    """
-    slot = pool.acquire(wait=True, timeout_s=timeout_s)
-    if slot is None:
-        return None
-    mm = slot.ensure(head.file_nbytes)
-    with memoryview(image) as src:
-        slot.begin(src[: head.data_offset])  # the generation first, as for every save
-        mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
-    pool.mark(slot, head.header.step)
-    return slot
 
 
 async def reclaim_slots(bus: Bus, pool: SlotPool, *, job: str, node: str, rank: int) -> None:

@@ -21,7 +21,7 @@ from tierpipe.control.kvstate import JobStore, head_key
 from tierpipe.dev import S3Server
 from tierpipe.schemas.jobstate import Lease
 from tierpipe.settings import Settings
-from tierpipe.storage.s3.store import object_key
+from tierpipe.storage.s3.keys import object_key
 
 
 def kv(settings: Settings, key: str) -> bytes | None:

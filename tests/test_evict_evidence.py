@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tierpipe.bus.client import Bus
-from tierpipe.control.jobstate import bitmap
+from tierpipe.control.bitmap import bitmap
 from tierpipe.control.kvstate import JobStore, digests_key, floor_key, step_key
 from tierpipe.names import shard_relpath
 from tierpipe.retention.kept import REASONS, nvme_fate, s3_keeps

@@ -28,7 +28,8 @@ from tierpipe.schemas import FlushControl, ShardEvicted, ShardFlushed, ShardVeri
 from tierpipe.settings import Settings
 from tierpipe.stages.flush import _apply
 from tierpipe.storage.s3 import store as s3_store
-from tierpipe.storage.s3.store import S3Store, Uploaded, parse_object_key
+from tierpipe.storage.s3.keys import parse_object_key
+from tierpipe.storage.s3.store import S3Store, Uploaded
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.throttle import Throttle
 from tierpipe.trainer.checkpointer import Checkpointer

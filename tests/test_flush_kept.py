@@ -25,7 +25,8 @@ from tierpipe.schemas import ShardEvicted, ShardFlushed, ShardVerified, ShardWri
 from tierpipe.schemas.jobstate import Floors
 from tierpipe.settings import Settings
 from tierpipe.stages import flush as flush_stage
-from tierpipe.storage.s3.store import Uploaded, parse_object_key
+from tierpipe.storage.s3.keys import parse_object_key
+from tierpipe.storage.s3.store import Uploaded
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.trainer.checkpointer import Checkpointer
 

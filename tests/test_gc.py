@@ -23,7 +23,7 @@ from tierpipe.schemas import ShardEvicted
 from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.s3.commit import commit_key
-from tierpipe.storage.s3.store import object_key, parse_object_key
+from tierpipe.storage.s3.keys import object_key, parse_object_key
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.trainer.checkpointer import Checkpointer
 

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierpipe.control import jobstate
+from tierpipe.control.bitmap import bitmap, has_rank, is_full, ranks_of
 from tierpipe.control.catalog import Catalog
-from tierpipe.control.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
+from tierpipe.control.jobstate import JobState
 from tierpipe.schemas import (
     Event,
     RestoreReport,

@@ -14,8 +14,9 @@ from nats.js import api
 
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus.client import Bus
+from tierpipe.control.bitmap import ranks_of
 from tierpipe.control.catalog import Catalog
-from tierpipe.control.jobstate import JobState, ranks_of
+from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError, LeaseLostError

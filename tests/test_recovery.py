@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
-from tierpipe.control.jobstate import ranks_of
+from tierpipe.control.bitmap import ranks_of
 from tierpipe.errors import NoCheckpointError, RestoreTimeoutError, WorldSizeMismatchError
 from tierpipe.names import shard_relpath, stream_name
 from tierpipe.schemas import RecoveryPlanned, ShardFlushed, StageFailed

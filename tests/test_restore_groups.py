@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.bus.client import Bus
-from tierpipe.control.jobstate import bitmap
+from tierpipe.control.bitmap import bitmap
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
 from tierpipe.names import shard_relpath

@@ -20,8 +20,9 @@ from tierpipe.errors import StorageUnavailableError
 from tierpipe.recovery.reindex import reindex
 from tierpipe.settings import Settings
 from tierpipe.storage.s3.errors import Throttled, translate_errors
+from tierpipe.storage.s3.keys import ShardKey, object_key, parse_object_key
 from tierpipe.storage.s3.retry import ConcurrencyLimit, full_jitter
-from tierpipe.storage.s3.store import S3Store, ShardKey, object_key, parse_object_key
+from tierpipe.storage.s3.store import S3Store
 from tierpipe.storage.shardfile import write_shard
 
 pytestmark = pytest.mark.anyio

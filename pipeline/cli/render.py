@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tierpipe.bus.history import Raw
+from tierpipe.control.bitmap import has_rank
 from tierpipe.control.catalog import Shard
-from tierpipe.control.jobstate import has_rank
 from tierpipe.recovery.kvplan import ASSUME_NVME_KEPT, ASSUME_NVME_LOST, KvPlan, kv_plan
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import (

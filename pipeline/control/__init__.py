@@ -2,6 +2,8 @@
 and the one coordinator per job that writes it.
 
 - `jobstate`: `JobState`, one job's state folded from its events (steps, tiers, floors).
+- `ledger`: the copies of the steps the fold still reads from their events, with the evidence rules.
+- `bitmap`: rank bitmaps, one bit per rank of a step, and `StepBits`, a step's bitmaps per tier.
 - `kvstate`: `JobStore`, the job state in KV: reading it, and writing it as its one writer.
 - `coordinator`: `Coordinator`, one per job, elected with a lease: folds, retention, shares.
 - `catalog`: events folded into job -> step -> rank -> copies (the operator's full view).

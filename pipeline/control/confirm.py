@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from tierpipe.control.jobstate import is_full
+from tierpipe.control.bitmap import is_full
 from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.recovery.kvplan import KvPlan, kv_plan
 from tierpipe.schemas import Tier

@@ -39,7 +39,8 @@ import structlog
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.history import Follow
-from tierpipe.control.jobstate import Changes, JobState, ranks_of
+from tierpipe.control.bitmap import ranks_of
+from tierpipe.control.jobstate import Changes, JobState
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location, check_location, location_of
 from tierpipe.control.pins import RestorePins

@@ -1,21 +1,18 @@
-"""One job's compacted state, folded from its events: per step and tier, which ranks have a
-good copy; the newest complete steps; the retention floors.
+"""The job state: one job's compacted state, folded from its events: per step and tier, which
+ranks have a good copy; the newest complete steps; the retention floors.
 
-The retention coordinator (`tierpipe.control.coordinator`) feeds it the job's events and stores what
-changed in JetStream KV (`tierpipe.control.kvstate`); restarts, retention and operators read the KV,
-never the history. Pure (no I/O), so property tests can hold it against a fold of the whole
-history (`tierpipe.control.catalog.Catalog`) on arbitrary event sequences.
+The retention coordinator (`tierpipe.control.coordinator`) feeds it the job's events (or their
+facts, `tierpipe.schemas.facts`) and stores what changed in JetStream KV
+(`tierpipe.control.kvstate`); restarts, retention and operators read the KV, never the history.
+Pure (no I/O), so property tests hold it against a fold of the whole history
+(`tierpipe.control.catalog.Catalog`). Copies go into a ledger (`tierpipe.control.ledger`), each
+rank's usable ones into its step's bitmaps (`tierpipe.control.bitmap.StepBits`).
 
-It folds an event's facts (`tierpipe.schemas.facts`, what the coordinator decodes on its hot
-path; a full event is taken to its facts first) into a ledger of the window's copies with the
-catalog's evidence rules, kept lean: a few slots per copy, no history of failures or doubts.
-
-Memory stays bounded by what is kept, not by the history: the steps in the window (the NVMe
-retention window and what is in flight) are folded from their events, with the evidence rules
-of the catalog; older steps that are still kept (object storage, the period rule) are known by
-their records alone, and only removals change them. A step below both floors leaves memory and
-the KV. Work per event is O(1) in the number of steps, but when it completes a step or moves a
-floor (O(kept steps)), or rewinds a rank (O(that rank's kept steps)).
+Memory stays bounded by what is kept: steps in the window (the NVMe retention window and what
+is in flight) are folded from their events; older kept steps are known by their records alone,
+changed only by removals; a step below both floors leaves memory and the KV. Work per event is
+O(1) in the number of steps, but O(kept steps) when it completes a step or moves a floor, and
+O(that rank's kept steps) when it rewinds a rank.
 """
 
 from __future__ import annotations
@@ -25,7 +22,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tierpipe.control.bitmap import TIERS, StepBits
 from tierpipe.control.catalog import EVIDENCE_ERRORS
+from tierpipe.control.ledger import Ledger, LedgerShard
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
     BaseFact,
@@ -33,19 +32,12 @@ from tierpipe.schemas.facts import (
     EvictedFact,
     Fact,
     FailedFact,
-    FlushedFact,
-    RestoreFact,
     ShardFact,
-    StagedFact,
-    VerifiedFact,
-    WrittenFact,
     fact_of,
 )
 from tierpipe.schemas.jobstate import (
-    DIGEST_BYTES,
     HEAD_RECORD_BYTES,
     RANKS_PER_CHUNK,
-    SIZE_BYTES,
     Floors,
     JobHead,
     Keep,
@@ -55,295 +47,7 @@ from tierpipe.schemas.jobstate import (
     stored_record,
 )
 
-__all__ = ("Changes", "JobState", "bitmap", "has_rank", "is_full", "ranks_of")
-
-_TIERS: tuple[Tier, Tier] = ("nvme", "s3")
-
-
-def bitmap(ranks: Iterable[int], world_size: int) -> bytes:
-    """Rank r in bit `r % 8` of byte `r // 8`; `world_size` bits, rounded up to whole bytes."""
-    out = bytearray((world_size + 7) // 8)
-    for r in ranks:
-        out[r >> 3] |= 1 << (r & 7)
-    return bytes(out)
-
-
-def has_rank(bits: bytes | bytearray, rank: int) -> bool:
-    i = rank >> 3
-    return i < len(bits) and bool(bits[i] >> (rank & 7) & 1)
-
-
-def ranks_of(bits: bytes | bytearray) -> list[int]:
-    return [i * 8 + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
-
-
-def is_full(bits: bytes | bytearray, world_size: int) -> bool:
-    """`bits` holds every rank below `world_size`, and no other."""
-    return len(bits) == (world_size + 7) // 8 and sum(b.bit_count() for b in bits) == world_size
-
-
-class _Step:
-    """One step's bitmaps, mutable, with their counts."""
-
-    __slots__ = ("bits", "count", "digests", "either", "epoch", "s3_removed", "sizes", "world_size")
-
-    def __init__(self, world_size: int, epoch: int = 0) -> None:
-        self.world_size = world_size
-        self.epoch = epoch
-        size = (world_size + 7) // 8
-        self.bits: dict[Tier, bytearray] = {"nvme": bytearray(size), "s3": bytearray(size)}
-        self.count: dict[Tier, int] = {"nvme": 0, "s3": 0}
-        #: Ranks with a copy on either tier.
-        self.either = 0
-        #: Retention removed the step's objects; `s3` still says which ranks were there.
-        self.s3_removed = False
-        #: Each rank's verified copy: header digest and size (`RankDigests`; zero: none yet).
-        #: Empty for a step known by its record alone (its digests stay in the KV as they are).
-        self.digests = bytearray()
-        self.sizes = bytearray()
-
-    def note_copy(self, rank: int, digest: str, nbytes: int) -> bool:
-        """Record `rank`'s verified copy; whether that changed anything."""
-        if not self.sizes:
-            self.digests = bytearray(DIGEST_BYTES * self.world_size)
-            self.sizes = bytearray(SIZE_BYTES * self.world_size)
-        d = slice(rank * DIGEST_BYTES, (rank + 1) * DIGEST_BYTES)
-        z = slice(rank * SIZE_BYTES, (rank + 1) * SIZE_BYTES)
-        new_d, new_z = bytes.fromhex(digest), nbytes.to_bytes(SIZE_BYTES, "little")
-        if self.digests[d] == new_d and self.sizes[z] == new_z:
-            return False
-        self.digests[d], self.sizes[z] = new_d, new_z
-        return True
-
-    def rank_digests(self, step: int, chunk: int) -> RankDigests:
-        lo, hi = chunk * RANKS_PER_CHUNK, min((chunk + 1) * RANKS_PER_CHUNK, self.world_size)
-        return RankDigests(
-            step=step,
-            first=lo,
-            digests=bytes(self.digests[lo * DIGEST_BYTES : hi * DIGEST_BYTES]),
-            sizes=bytes(self.sizes[lo * SIZE_BYTES : hi * SIZE_BYTES]),
-        )
-
-    @classmethod
-    def of(cls, rec: StepRecord) -> _Step:
-        s = cls(rec.world_size, rec.epoch)
-        s.s3_removed = rec.s3_removed
-        for tier in _TIERS:
-            for rank in ranks_of(getattr(rec, tier)):
-                if rank < rec.world_size:
-                    s.set(tier, rank, True)
-        return s
-
-    def set(self, tier: Tier, rank: int, on: bool) -> bool:
-        """Set or clear `rank` on `tier`; whether that changed anything."""
-        bits = self.bits[tier]
-        i, mask = rank >> 3, 1 << (rank & 7)
-        if bool(bits[i] & mask) == on:
-            return False
-        bits[i] ^= mask
-        self.count[tier] += 1 if on else -1
-        other = self.bits["s3" if tier == "nvme" else "nvme"]
-        if not other[i] & mask:  # (the rank's copy on either tier came, or went, with this)
-            self.either += 1 if on else -1
-        return True
-
-    def unflushed(self) -> bool:
-        """Some rank has a verified NVMe copy that never reached object storage."""
-        return any(n & ~m for n, m in zip(self.bits["nvme"], self.bits["s3"], strict=True))
-
-    def status(self) -> tuple[bool, bool, bool]:
-        """Complete on NVMe, in object storage, on one or the other."""
-        return self.complete("nvme"), self.complete("s3"), self.complete(None)
-
-    def complete(self, tier: Tier | None) -> bool:
-        """Every rank has a copy on `tier` (None: on one tier or the other)."""
-        if self.s3_removed and tier != "nvme":
-            return tier is None and self.count["nvme"] == self.world_size
-        return (self.either if tier is None else self.count[tier]) == self.world_size
-
-    def record(self, step: int) -> StepRecord:
-        return StepRecord(
-            step=step,
-            world_size=self.world_size,
-            epoch=self.epoch,
-            nvme=bytes(self.bits["nvme"]),
-            s3=bytes(self.bits["s3"]),
-            s3_removed=self.s3_removed,
-        )
-
-
-class _Copy:
-    """One copy of a shard on one tier of one node (what `tierpipe.control.catalog.Copy` says of it
-    that the state needs)."""
-
-    __slots__ = (
-        "corrupt", "epoch", "evicted", "header_digest", "location", "nbytes", "superseded",
-        "verified",
-    )  # fmt: skip
-
-    def __init__(
-        self, location: str, nbytes: int, digest: str, epoch: int, *, verified: bool = False
-    ) -> None:
-        self.location, self.nbytes, self.header_digest = location, nbytes, digest
-        self.epoch, self.verified = epoch, verified
-        self.corrupt = self.evicted = self.superseded = False
-
-
-class _Shard:
-    __slots__ = ("copies", "rank", "step", "world_size")
-
-    def __init__(self, step: int, rank: int, world_size: int) -> None:
-        self.step, self.rank, self.world_size = step, rank, world_size
-        #: (tier, node) -> the copy; node "" for object storage.
-        self.copies: dict[tuple[str, str], _Copy] = {}
-
-
-class _Ledger:
-    """The copies of the steps still folded from their events, with the evidence rules of
-    `tierpipe.control.catalog.Catalog` (its docstring says them; the property tests hold the two
-    together): a `verified` counts only after a matching `written` of the same node, a
-    `flushed` only if it matches a verified NVMe copy (or was reindexed), only evidence marks a
-    copy corrupt, and a rank's rewind supersedes its older epochs' copies of later steps."""
-
-    def __init__(self) -> None:
-        self._steps: dict[int, dict[int, _Shard]] = {}
-        self._by_rank: dict[int, list[_Shard]] = {}
-        #: rank -> its rewinds: (epoch, rewind_to).
-        self._rewinds: dict[int, set[tuple[int, int]]] = {}
-
-    def shard(self, step: int, rank: int) -> _Shard | None:
-        ranks = self._steps.get(step)
-        return None if ranks is None else ranks.get(rank)
-
-    def steps(self) -> list[int]:
-        """The steps with a copy in the ledger."""
-        return sorted(self._steps)
-
-    def forget(self, step: int) -> None:
-        for shard in self._steps.pop(step, {}).values():
-            self._by_rank[shard.rank].remove(shard)
-
-    def apply(self, f: Fact) -> _Shard | None:
-        """Fold one fact of this job (a batch's facts one by one, by the caller); the shard it
-        is about, if it names one."""
-        if isinstance(f, WrittenFact):
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            key = ("nvme", f.node)
-            nvme = shard.copies.get(key)
-            if nvme is not None and nvme.epoch > f.epoch:
-                return shard  # (a `written` of an older epoch)
-            if nvme is None or not _same_file(nvme, f.path, f.nbytes, f.header_digest):
-                nvme = shard.copies[key] = _Copy(f.path, f.nbytes, f.header_digest, f.epoch)
-            self._mark(shard, nvme)
-            return shard
-        if isinstance(f, VerifiedFact):
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            nvme = shard.copies.get(("nvme", f.node))
-            if nvme is not None and _same_file(nvme, f.path, f.nbytes, f.header_digest):
-                nvme.verified, nvme.evicted, nvme.corrupt = True, False, False
-            return shard
-        if isinstance(f, FlushedFact):
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            backed = f.origin == "reindex"
-            if not backed:
-                for (tier, _), c in shard.copies.items():
-                    if (
-                        tier == "nvme"
-                        and c.verified
-                        and c.header_digest == f.header_digest
-                        and c.nbytes == f.nbytes
-                    ):
-                        backed = True
-                        break
-            known = shard.copies.get(("s3", ""))
-            if backed and (known is None or known.epoch <= f.epoch):
-                copy = _Copy("", f.nbytes, f.header_digest, f.epoch, verified=True)
-                shard.copies[("s3", "")] = self._mark(shard, copy)
-            return shard
-        if isinstance(f, EvictedFact):
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            found = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
-            if found is not None and found.epoch <= f.epoch:
-                found.evicted = True
-            return shard
-        if isinstance(f, StagedFact):
-            shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
-            ram = shard.copies.get(("ram", f.node))
-            if ram is None or ram.epoch < f.epoch:
-                copy = _Copy(f.staging_path, f.nbytes, "", f.epoch)
-                shard.copies[("ram", f.node)] = self._mark(shard, copy)
-            return shard
-        if isinstance(f, FailedFact):
-            return self._failed(f)
-        if isinstance(f, RestoreFact):
-            return self._loaded(f)
-        return None
-
-    def _failed(self, f: FailedFact) -> _Shard | None:
-        if f.step is None or f.rank is None:
-            return None
-        shard = self._shard(f.step, f.rank, f.world_size or 0)
-        bad = f.tier or ("nvme" if f.stage == "verify" else None)
-        copy = shard.copies.get((bad, "" if bad == "s3" else f.node)) if bad else None
-        # Only evidence marks a copy corrupt (see `tierpipe.control.catalog.Catalog._failed`).
-        proof = f.error in EVIDENCE_ERRORS or f.stage == "verify"
-        if copy is not None and not f.retryable and proof:
-            copy.corrupt = True
-        return shard
-
-    def _loaded(self, f: RestoreFact) -> _Shard | None:
-        """A restore loaded this copy, every digest checked: it is good after all."""
-        if f.phase != "loaded" or f.step is None or f.tier is None:
-            return None
-        shard = self.shard(f.step, f.rank)
-        copy = None
-        if shard is not None:
-            copy = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
-        if copy is not None and copy.verified:
-            copy.corrupt = False
-        return shard
-
-    def rewind(self, rank: int, epoch: int, rewind_to: int) -> None:
-        """Record a rewind of `rank` and supersede the copies it abandons."""
-        known = self._rewinds.setdefault(rank, set())
-        if (epoch, rewind_to) in known:
-            return
-        known.add((epoch, rewind_to))
-        for shard in self._by_rank.get(rank, []):
-            if shard.step > rewind_to:
-                for copy in shard.copies.values():
-                    if copy.epoch < epoch:
-                        copy.superseded = True
-
-    def _mark(self, shard: _Shard, copy: _Copy) -> _Copy:
-        """`copy`, marked superseded if a known rewind of its rank abandoned it."""
-        rewinds = self._rewinds.get(shard.rank)
-        copy.superseded = bool(rewinds) and any(
-            copy.epoch < epoch and shard.step > rewind_to for epoch, rewind_to in rewinds or ()
-        )
-        return copy
-
-    def _shard(
-        self, step: int, rank: int, world_size: int, epoch: int = 0, rewind_to: int | None = None
-    ) -> _Shard:
-        """The shard, made if new; a shard event's rewind is recorded first."""
-        if rewind_to is not None:
-            self.rewind(rank, epoch, rewind_to)
-        ranks = self._steps.get(step)
-        if ranks is None:
-            ranks = self._steps[step] = {}
-        shard = ranks.get(rank)
-        if shard is None:
-            shard = ranks[rank] = _Shard(step, rank, world_size)
-            self._by_rank.setdefault(rank, []).append(shard)
-        elif world_size and not shard.world_size:
-            shard.world_size = world_size
-        return shard
-
-
-def _same_file(copy: _Copy, path: str, nbytes: int, digest: str) -> bool:
-    """The fact names this very NVMe copy (same path, size and header digest)."""
-    return copy.location == path and copy.nbytes == nbytes and copy.header_digest == digest
+__all__ = ("Changes", "JobState")
 
 
 @dataclass
@@ -360,9 +64,8 @@ class Changes:
     digests: set[tuple[int, int]] = field(default_factory=set)
     digests_deleted: dict[int, int] = field(default_factory=dict)
     #: Steps that became complete in object storage (every rank's object confirmed): the
-    #: coordinator writes their COMMIT manifest. Not the steps complete when a fold starts from
-    #: the stored state (committed by whoever folded them), but again for one that completes
-    #: again (a rewound run's newer save of it; the manifest is created once per timeline).
+    #: coordinator writes their COMMIT manifest. Not those complete when the fold started (whoever
+    #: folded them committed them); again for one a rewound run completes again (once per timeline).
     committed: set[int] = field(default_factory=set)
     head: bool = False
     floors: bool = False
@@ -384,8 +87,7 @@ class JobState:
 
     Args:
         head, floors, records: what the KV holds (a coordinator taking over). Records of steps
-            from `head.window` on are not loaded: folding the events from `head.resume_seq` on
-            again rebuilds them, evidence and all.
+            from `head.window` on are not loaded: the events from `head.resume_seq` rebuild them.
     """
 
     def __init__(
@@ -399,10 +101,10 @@ class JobState:
     ) -> None:
         self.job = job
         self.keep = keep
-        self._ledger = _Ledger()
+        self._ledger = Ledger()
         self.seq = head.seq if head else 0
         window = head.window if head else 0
-        self._steps = {t: _Step.of(r) for t, r in records.items() if t < window}
+        self._steps = {t: StepBits.of(r) for t, r in records.items() if t < window}
         #: Steps known by their records alone (older than the window when this fold started).
         self._record_only = set(self._steps)
         #: step -> the stream sequence of the first of its events this fold saw.
@@ -480,7 +182,7 @@ class JobState:
         still in flight then never completes: its evidence went with the old stream, and a newer
         step will). The fold goes on from the new stream's first event."""
         self.seq = 0
-        self._ledger = _Ledger()
+        self._ledger = Ledger()
         self._record_only = set(self._steps)
         self._first_seq.clear()
         self._resume = (0, max(self._steps, default=-1) + 1)
@@ -502,7 +204,7 @@ class JobState:
             self._move_floors()
 
     def _refresh(
-        self, step: int, rank: int, world_size: int | None, shard: _Shard | None = None
+        self, step: int, rank: int, world_size: int | None, shard: LedgerShard | None = None
     ) -> None:
         """Recompute `rank`'s bits in `step` from the ledger (`shard`: its entry there, if the
         caller has it at hand)."""
@@ -510,7 +212,7 @@ class JobState:
         if s is None:
             if not world_size or self._gone(step):
                 return
-            s = self._steps[step] = _Step(world_size)
+            s = self._steps[step] = StepBits(world_size)
             if step >= max(self._steps):
                 self._world_size = world_size
             self._changes.put.add(step)
@@ -580,7 +282,7 @@ class JobState:
             and (f.error in EVIDENCE_ERRORS or f.stage == "verify")
         ):
             tier = f.tier or ("nvme" if f.stage == "verify" else None)
-        if tier in _TIERS and rank < s.world_size and not (tier == "s3" and s.s3_removed):
+        if tier in TIERS and rank < s.world_size and not (tier == "s3" and s.s3_removed):
             before = s.status()
             self._clear(step, [rank], (tier,))
             if s.status() != before:
@@ -594,7 +296,7 @@ class JobState:
                 self._refresh(step, rank, None)
             elif self._steps[step].epoch < epoch:
                 before = self._steps[step].status()
-                self._clear(step, [rank], _TIERS)
+                self._clear(step, [rank], TIERS)
                 if self._steps[step].status() != before:
                     self._recount()
 

@@ -19,10 +19,9 @@ from tierpipe.bus.client import Bus
 from tierpipe.errors import DuplicateEventError, TierpipeError
 from tierpipe.names import msg_id
 from tierpipe.settings import Settings
-from tierpipe.stages.snapshot import stage_image, staged_event
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.shard import Head
-from tierpipe.storage.staging import Slot, SlotPool
+from tierpipe.storage.staging import Slot, SlotPool, stage_image, staged_event
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `Loader.settle` starts it
 

@@ -45,7 +45,7 @@ from nats.aio.msg import Msg
 
 from tierpipe.bus.client import Bus
 from tierpipe.bus.history import Stored, Watch
-from tierpipe.control.jobstate import has_rank, ranks_of
+from tierpipe.control.bitmap import has_rank, ranks_of
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     BusUnavailableError,

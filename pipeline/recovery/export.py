@@ -26,7 +26,7 @@ import anyio
 import structlog
 import torch
 
-from tierpipe.control.jobstate import has_rank
+from tierpipe.control.bitmap import has_rank
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.names import shard_relpath

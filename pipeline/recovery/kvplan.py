@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierpipe.control.jobstate import ranks_of
+from tierpipe.control.bitmap import ranks_of
 from tierpipe.errors import NoCheckpointError
 from tierpipe.schemas.jobstate import StepRecord
 

@@ -15,8 +15,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
+from tierpipe.control.bitmap import bitmap
 from tierpipe.control.catalog import Catalog, Copy, Shard
-from tierpipe.control.jobstate import bitmap
 from tierpipe.errors import ConfigError, NoCheckpointError, WorldSizeMismatchError
 from tierpipe.schemas import SourceRef
 

@@ -52,7 +52,8 @@ from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3.commit import check_objects, read_commits
-from tierpipe.storage.s3.store import S3Store, ShardKey
+from tierpipe.storage.s3.keys import ShardKey
+from tierpipe.storage.s3.store import S3Store
 
 __all__ = ("Reindexed", "nvme_events", "reindex")
 

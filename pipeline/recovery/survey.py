@@ -25,8 +25,8 @@ import msgspec
 import structlog
 
 from tierpipe.bus.client import Bus
+from tierpipe.control.bitmap import has_rank
 from tierpipe.control.coordinator import Coordinator
-from tierpipe.control.jobstate import has_rank
 from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from tierpipe.control.jobstate import has_rank
+from tierpipe.control.bitmap import has_rank
 from tierpipe.control.kvstate import JobStore
 from tierpipe.schemas.jobstate import Floors, Keep, StepRecord
 

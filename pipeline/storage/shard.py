@@ -26,7 +26,6 @@ __all__ = (
     "PREFIX_NBYTES",
     "Head",
     "align_up",
-    "digest_hex",
     "encode_head",
     "file_nbytes",
     "parse_head",
@@ -80,10 +79,6 @@ _decoder = msgspec.msgpack.Decoder(ShardHeader)
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
-
-
-def digest_hex(digest: bytes) -> str:
-    return digest.hex()
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import structlog
 
@@ -40,8 +41,10 @@ from tierpipe.errors import (
     SlotTimeoutError,
 )
 from tierpipe.names import validate_token
+from tierpipe.schemas import ShardHeader, ShardStaged, shard_event
 from tierpipe.storage.shard import (
     GENERATION_OFFSET,
+    Head,
     set_slot_generation,
     slot_generation,
 )
@@ -53,6 +56,8 @@ __all__ = (
     "marker_path",
     "markers",
     "rank_dir",
+    "stage_image",
+    "staged_event",
     "stale_markers",
     "try_lock",
 )
@@ -335,3 +340,52 @@ class NodeSlots:
                     os.close(fd)  # drops the lock
                 return
             time.sleep(poll_s)
+
+
+def staged_event(
+    header: ShardHeader,
+    slot: Slot,
+    *,
+    node: str,
+    nbytes: int,
+    stall_s: float = 0.0,
+    blocking: bool = True,
+    origin: Literal["save", "restore"] = "save",
+    rewind_to: int | None = None,
+) -> ShardStaged:
+    """The `staged` event of the image in `slot` (whose header is `header`), as `node`'s.
+
+    The shard's identity and timeline come from the image's own header, so the event cannot
+    disagree with the bytes the agent will read.
+    """
+    return shard_event(
+        ShardStaged,
+        header,
+        node=node,
+        staging_path=str(slot.path),
+        slot=slot.index,
+        nbytes=nbytes,
+        tensors=len(header.tensors),
+        stall_s=round(stall_s, 6),
+        blocking=blocking,
+        origin=origin,
+        generation=slot.generation,
+        rewind_to=rewind_to,
+    )
+
+
+def stage_image(pool: SlotPool, image: mmap.mmap, head: Head, *, timeout_s: float) -> Slot | None:
+    """Copy a sealed shard image into a staging slot (waiting for a free one) and mark it.
+
+    Raises:
+        SlotTimeoutError: no slot freed up within `timeout_s`.
+    """
+    slot = pool.acquire(wait=True, timeout_s=timeout_s)
+    if slot is None:
+        return None
+    mm = slot.ensure(head.file_nbytes)
+    with memoryview(image) as src:
+        slot.begin(src[: head.data_offset])  # the generation first, as for every save
+        mm[head.data_offset : head.file_nbytes] = src[head.data_offset : head.file_nbytes]
+    pool.mark(slot, head.header.step)
+    return slot

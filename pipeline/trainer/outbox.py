@@ -12,7 +12,6 @@ thread: the event, or the error that ended the window.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -41,7 +40,7 @@ class Outbox:
     def __init__(self, portal: BusPortal, *, publish_timeout_s: float) -> None:
         self._portal = portal
         self._publish_timeout_s = publish_timeout_s
-        self._order: asyncio.Lock | None = None  # (made on the bus thread's loop)
+        self._order: anyio.Lock | None = None  # (made on the bus thread's loop)
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future[Outcome]] = set()
         #: Why the publish under way failed last ("": none failed), for the waits' warnings.
@@ -80,7 +79,7 @@ class Outbox:
         self, event: ShardStaged, deadline: float, done: Callable[[Outcome], None]
     ) -> Outcome:
         if self._order is None:
-            self._order = asyncio.Lock()
+            self._order = anyio.Lock()
         async with self._order:  # (FIFO: in the order `put` was called)
             outcome = await self._publish(event, deadline)
             done(outcome)

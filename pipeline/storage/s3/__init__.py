@@ -12,6 +12,7 @@ S3-compatible store.
 - `errors`: botocore's errors translated into the error tree.
 """
 
-from tierpipe.storage.s3.store import S3Store, ShardKey, Uploaded, object_key, parse_object_key
+from tierpipe.storage.s3.keys import ShardKey, object_key, parse_object_key
+from tierpipe.storage.s3.store import S3Store, Uploaded
 
 __all__ = ("S3Store", "ShardKey", "Uploaded", "object_key", "parse_object_key")

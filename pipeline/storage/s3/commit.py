@@ -9,11 +9,11 @@ one prefix sees a trivial request rate.
 The coordinator creates a manifest with `IfNoneMatch="*"` (SeaweedFS honours it on PutObject, as
 S3 does: 412 on an existing key): it is never overwritten, but by a newer timeline's manifest of
 the same step (a rewound run saved the step again; its objects replaced the old ones the same
-way, see `s3_once`; the epoch is in the object's metadata too), and then only with `IfMatch` on
+way, see `once`; the epoch is in the object's metadata too), and then only with `IfMatch` on
 the old one's ETag. Retention removes a step's COMMIT before its objects, so a manifest never
 outlives an object it names but by a failure in between, which `check_objects` (a HEAD of each
 object) catches when it is read.
-Every request goes through the store's `Requests` (`s3_retry`).
+Every request goes through the store's `Requests` (`retry`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Retention's coordinator removes a step's objects with `delete_many` (DeleteObjects, 1,000 keys
 a request); `delete_owned` is the careful single removal the `ShardStore` contract's `delete`
 makes (a HEAD of the object's metadata, then a delete conditional on its ETag). Each request
-goes through the store's `Requests` (`s3_retry`).
+goes through the store's `Requests` (`retry`).
 """
 
 from __future__ import annotations

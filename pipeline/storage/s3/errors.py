@@ -5,7 +5,7 @@ is `StorageAuthError` (permanent), no credential at all its leaf `MissingCredent
 store was never asked: not an outage), a failed write-once condition `StorageConflictError`, a
 request the store does not implement `StorageUnsupportedError`, an outage or timeout
 `StorageUnavailableError` (retryable), each with botocore's exception kept as the cause; a
-throttling reply (503 `SlowDown` and kin) is its subclass `Throttled`, which `s3_retry` backs off
+throttling reply (503 `SlowDown` and kin) is its subclass `Throttled`, which `retry` backs off
 from. A missing object is `NotFound`, which the store turns into its own answer (None, False,
 `ShardMissingError`) and which never leaves it. Concurrent part transfers fail as exception
 groups; `first_error` and `download_error` pick the one error a caller sees.
@@ -69,7 +69,7 @@ class NotFound(Exception):
 
 
 class Throttled(StorageUnavailableError):
-    """The store asked for fewer requests: `s3_retry` backs off and lowers its concurrency;
+    """The store asked for fewer requests: `retry` backs off and lowers its concurrency;
     callers see it (as the outage it is) only once those retries ran out."""
 
 

@@ -6,7 +6,7 @@ cache stays clean) into one of a few reused aligned buffers, and its CRC32C comp
 arrival. The part then goes out as a `PacedBody`, ~1 MiB pieces each let through by the shared
 `Throttle`. `composite_checksum` is the checksum S3 reports for the whole object, to compare
 after completion. `download_parts` fetches an object with parallel ranged GETs into one
-page-aligned buffer. Each request goes through the store's `Requests` (`s3_retry`).
+page-aligned buffer. Each request goes through the store's `Requests` (`retry`).
 """
 
 from __future__ import annotations

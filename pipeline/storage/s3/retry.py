@@ -121,7 +121,7 @@ class Requests:
 
     async def __call__(self, key: str, request: Callable[[], Awaitable[T]]) -> T:
         """Run `request` (one S3 request, its reply body read too) with botocore's exceptions
-        translated (see `s3_errors`); `key` names it in errors and logs.
+        translated (see `errors`); `key` names it in errors and logs.
 
         Raises:
             StorageUnavailableError: still throttled after `s3_throttle_retries` retries, or

@@ -1,19 +1,18 @@
 """The object-storage tier: shard files uploaded to any S3-compatible store, write-once.
 
-A shard's key is `<prefix>/<hh>/<job>/step-<n>/rank-<r>-of-<w>.shard` (`object_key`, the one
-place keys are made; `parse_object_key` the one place they are read): the two hex digits `hh`
-hash the job and rank, so a step's objects spread over 256 prefixes.
+A shard's key is made and read in one place (`tierpipe.storage.s3.keys`): a step's objects
+spread over 256 hash prefixes.
 
 One long-lived aioboto3 client per process. An upload is a multipart upload streamed from the
 NVMe file: each part is read with O_DIRECT (the page cache stays clean), its CRC32C computed
 (awscrt, ~16 GB/s, off the event loop) and sent with that checksum, which the store verifies;
-the bytes go out in ~1 MiB pieces through the shared `Throttle` (see `s3_parts`). The final key
+the bytes go out in ~1 MiB pieces through the shared `Throttle` (see `parts`). The final key
 is write-once (`IfNoneMatch="*"`); an object already there with the same size and header digest
 counts as done, and only an abandoned timeline's object (a rewound run's older epoch) may be
-replaced (see `s3_once`). Size and checksum are confirmed with a HEAD after completion. Objects
+replaced (see `once`). Size and checksum are confirmed with a HEAD after completion. Objects
 record which node uploaded them, and retention deletes only its own node's (`delete_owned`).
-Every request goes through `Requests` (`s3_retry`): a throttled one backs off with jitter and
-shrinks the store's concurrency limit. botocore's exceptions stop here (see `s3_errors`): callers
+Every request goes through `Requests` (`retry`): a throttled one backs off with jitter and
+shrinks the store's concurrency limit. botocore's exceptions stop here (see `errors`): callers
 see `StorageUnavailableError` (retryable) or `StorageAuthError` / `StorageConflictError` /
 `IntegrityError` (permanent).
 """
@@ -22,17 +21,15 @@ from __future__ import annotations
 
 import base64
 import mmap
-import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 import structlog
-import xxhash
 from aiobotocore.config import AioConfig
 
 from tierpipe.errors import (
@@ -40,15 +37,15 @@ from tierpipe.errors import (
     ShardMissingError,
     StorageAuthError,
     StorageConflictError,
-    TierpipeError,
 )
-from tierpipe.names import node_name, shard_relpath, validate_token
+from tierpipe.names import node_name, validate_token
 from tierpipe.settings import Settings
 from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.reader import check_image, deliver_image, image_head
 from tierpipe.storage.resources import translated
 from tierpipe.storage.s3 import delete as s3_delete
 from tierpipe.storage.s3.errors import NotFound, first_error
+from tierpipe.storage.s3.keys import HASH_PREFIXES, ShardKey, object_key, parse_object_key
 from tierpipe.storage.s3.once import Save, confirm, existing
 from tierpipe.storage.s3.parts import composite_checksum, download_parts, upload_parts
 from tierpipe.storage.s3.retry import ConcurrencyLimit, Requests
@@ -56,58 +53,12 @@ from tierpipe.storage.s3.uploads import abort, abort_earlier, abort_orphans
 from tierpipe.storage.store import BlobSink, ReadBack, SealedFile, VerifyResult
 from tierpipe.throttle import Throttle
 
-__all__ = ("S3Store", "ShardKey", "Uploaded", "object_key", "parse_object_key")
+__all__ = ("S3Store", "Uploaded")
 
 log = structlog.get_logger(__name__)
 
 #: Listings of one job's hash prefixes in flight at once.
 _LIST_LANES = 16
-#: A shard key below the prefix: `<hh>/<job>/step-<step>/rank-<rank>-of-<world>.shard`.
-_SHARD_KEY = re.compile(
-    r"([0-9a-f]{2})/([A-Za-z0-9_-]{1,64})/step-(\d{12})/rank-(\d{5})-of-(\d{5})\.shard"
-)
-#: Every hash prefix a key can have (the low byte of a 64-bit hash, as two hex digits).
-HASH_PREFIXES = tuple(f"{b:02x}" for b in range(256))
-
-
-class ShardKey(NamedTuple):
-    """The shard an object key names."""
-
-    job: str
-    step: int
-    rank: int
-    world_size: int
-
-
-def object_key(prefix: str, job: str, step: int, rank: int, world_size: int) -> str:
-    """The object key of a shard: `<prefix>/<hh>/<job>/step-<n>/rank-<r>-of-<w>.shard`.
-
-    The one place a key is made. `hh` is the low byte of xxh3_64 of `<job>/<rank>` as two hex
-    digits, so one step's objects spread over 256 key prefixes (S3 scales request rates per
-    prefix) while anyone can still derive a key from the job, step, rank and world size alone.
-
-    Raises:
-        InvalidNameError: `job` is not a valid job name.
-        ValueError: step or rank out of range.
-    """
-    relpath = shard_relpath(job, step, rank, world_size)
-    spread = f"{xxhash.xxh3_64_intdigest(f'{job}/{rank}'.encode()) & 0xFF:02x}"
-    return "/".join(p for p in (prefix, spread, str(relpath)) if p)
-
-
-def parse_object_key(prefix: str, key: str) -> ShardKey | None:
-    """The shard that `key` is the object of, or None: not under `prefix`, not a shard key, or
-    a hash that does not match its job and rank (a forged or misplaced object is no shard)."""
-    if prefix and not key.startswith(prefix + "/"):
-        return None
-    m = _SHARD_KEY.fullmatch(key[len(prefix) + 1 :] if prefix else key)
-    if m is None:
-        return None
-    shard = ShardKey(m.group(2), int(m.group(3)), int(m.group(4)), int(m.group(5)))
-    try:
-        return shard if object_key(prefix, *shard) == key else None
-    except (TierpipeError, ValueError):  # a reserved job name, a rank outside its world
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +101,7 @@ class S3Store:
         self.prefix = settings.s3_prefix.strip("/")
         self.throttle = throttle or Throttle(None)
         self.read_slot = read_slot
-        #: How many requests may be in flight now (lowered by throttling, see `s3_retry`).
+        #: How many requests may be in flight now (lowered by throttling, see `retry`).
         self.limit = ConcurrencyLimit(settings.s3_max_concurrent_requests)
         self.client: Any = None
         self._requests: Requests | None = None
@@ -191,7 +142,7 @@ class S3Store:
 
     @property
     def requests(self) -> Requests:
-        """Where every request of this store goes (see `s3_retry`)."""
+        """Where every request of this store goes (see `retry`)."""
         if self._requests is None:
             raise RuntimeError("S3Store used outside `async with`")
         return self._requests
@@ -274,7 +225,7 @@ class S3Store:
 
         The object's metadata records the shard's header digest, the uploading node and the
         save's epoch: eviction deletes only objects this node uploaded, and a rewound run may
-        replace an abandoned timeline's object (see `s3_once.existing`).
+        replace an abandoned timeline's object (see `once.existing`).
 
         Args:
             node: the uploading node (default: this node's name from the settings).

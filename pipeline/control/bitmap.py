@@ -1,0 +1,133 @@
+"""Rank bitmaps: which ranks of a step hold a copy, one bit per rank, as the job state stores
+them (`tierpipe.schemas.jobstate.StepRecord`), and `StepBits`, one step's bitmaps per tier as the
+fold (`tierpipe.control.jobstate.JobState`) keeps them while it changes them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tierpipe.schemas import Tier
+from tierpipe.schemas.jobstate import (
+    DIGEST_BYTES,
+    RANKS_PER_CHUNK,
+    SIZE_BYTES,
+    RankDigests,
+    StepRecord,
+)
+
+__all__ = ("TIERS", "StepBits", "bitmap", "has_rank", "is_full", "ranks_of")
+
+#: The tiers a step's bitmaps cover (a copy in RAM is not kept state).
+TIERS: tuple[Tier, Tier] = ("nvme", "s3")
+
+
+def bitmap(ranks: Iterable[int], world_size: int) -> bytes:
+    """Rank r in bit `r % 8` of byte `r // 8`; `world_size` bits, rounded up to whole bytes."""
+    out = bytearray((world_size + 7) // 8)
+    for r in ranks:
+        out[r >> 3] |= 1 << (r & 7)
+    return bytes(out)
+
+
+def has_rank(bits: bytes | bytearray, rank: int) -> bool:
+    i = rank >> 3
+    return i < len(bits) and bool(bits[i] >> (rank & 7) & 1)
+
+
+def ranks_of(bits: bytes | bytearray) -> list[int]:
+    return [i * 8 + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
+
+
+def is_full(bits: bytes | bytearray, world_size: int) -> bool:
+    """`bits` holds every rank below `world_size`, and no other."""
+    return len(bits) == (world_size + 7) // 8 and sum(b.bit_count() for b in bits) == world_size
+
+
+class StepBits:
+    """One step's bitmaps, mutable, with their counts."""
+
+    __slots__ = ("bits", "count", "digests", "either", "epoch", "s3_removed", "sizes", "world_size")
+
+    def __init__(self, world_size: int, epoch: int = 0) -> None:
+        self.world_size = world_size
+        self.epoch = epoch
+        size = (world_size + 7) // 8
+        self.bits: dict[Tier, bytearray] = {"nvme": bytearray(size), "s3": bytearray(size)}
+        self.count: dict[Tier, int] = {"nvme": 0, "s3": 0}
+        #: Ranks with a copy on either tier.
+        self.either = 0
+        #: Retention removed the step's objects; `s3` still says which ranks were there.
+        self.s3_removed = False
+        #: Each rank's verified copy: header digest and size (`RankDigests`; zero: none yet).
+        #: Empty for a step known by its record alone (its digests stay in the KV as they are).
+        self.digests = bytearray()
+        self.sizes = bytearray()
+
+    def note_copy(self, rank: int, digest: str, nbytes: int) -> bool:
+        """Record `rank`'s verified copy; whether that changed anything."""
+        if not self.sizes:
+            self.digests = bytearray(DIGEST_BYTES * self.world_size)
+            self.sizes = bytearray(SIZE_BYTES * self.world_size)
+        d = slice(rank * DIGEST_BYTES, (rank + 1) * DIGEST_BYTES)
+        z = slice(rank * SIZE_BYTES, (rank + 1) * SIZE_BYTES)
+        new_d, new_z = bytes.fromhex(digest), nbytes.to_bytes(SIZE_BYTES, "little")
+        if self.digests[d] == new_d and self.sizes[z] == new_z:
+            return False
+        self.digests[d], self.sizes[z] = new_d, new_z
+        return True
+
+    def rank_digests(self, step: int, chunk: int) -> RankDigests:
+        lo, hi = chunk * RANKS_PER_CHUNK, min((chunk + 1) * RANKS_PER_CHUNK, self.world_size)
+        return RankDigests(
+            step=step,
+            first=lo,
+            digests=bytes(self.digests[lo * DIGEST_BYTES : hi * DIGEST_BYTES]),
+            sizes=bytes(self.sizes[lo * SIZE_BYTES : hi * SIZE_BYTES]),
+        )
+
+    @classmethod
+    def of(cls, rec: StepRecord) -> StepBits:
+        s = cls(rec.world_size, rec.epoch)
+        s.s3_removed = rec.s3_removed
+        for tier in TIERS:
+            for rank in ranks_of(getattr(rec, tier)):
+                if rank < rec.world_size:
+                    s.set(tier, rank, True)
+        return s
+
+    def set(self, tier: Tier, rank: int, on: bool) -> bool:
+        """Set or clear `rank` on `tier`; whether that changed anything."""
+        bits = self.bits[tier]
+        i, mask = rank >> 3, 1 << (rank & 7)
+        if bool(bits[i] & mask) == on:
+            return False
+        bits[i] ^= mask
+        self.count[tier] += 1 if on else -1
+        other = self.bits["s3" if tier == "nvme" else "nvme"]
+        if not other[i] & mask:  # (the rank's copy on either tier came, or went, with this)
+            self.either += 1 if on else -1
+        return True
+
+    def unflushed(self) -> bool:
+        """Some rank has a verified NVMe copy that never reached object storage."""
+        return any(n & ~m for n, m in zip(self.bits["nvme"], self.bits["s3"], strict=True))
+
+    def status(self) -> tuple[bool, bool, bool]:
+        """Complete on NVMe, in object storage, on one or the other."""
+        return self.complete("nvme"), self.complete("s3"), self.complete(None)
+
+    def complete(self, tier: Tier | None) -> bool:
+        """Every rank has a copy on `tier` (None: on one tier or the other)."""
+        if self.s3_removed and tier != "nvme":
+            return tier is None and self.count["nvme"] == self.world_size
+        return (self.either if tier is None else self.count[tier]) == self.world_size
+
+    def record(self, step: int) -> StepRecord:
+        return StepRecord(
+            step=step,
+            world_size=self.world_size,
+            epoch=self.epoch,
+            nvme=bytes(self.bits["nvme"]),
+            s3=bytes(self.bits["s3"]),
+            s3_removed=self.s3_removed,
+        )
