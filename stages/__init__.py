@@ -1,12 +1,12 @@
-"""The pipeline's stages, one module each: snapshot (in the trainer), then the node agent's
-nvme_write, verify, flush and evict workers.
+"""The node agent's stages, one module each, in pipeline order: nvme_write, verify, flush and
+evict. (The first stage, the snapshot, runs in the trainer: `tierpipe.trainer.snapshot`.)
 
 An agent stage module is its contract (`tierpipe.runner.Stage`): `STAGE` (its name), `KINDS`
 (the events it consumes), an optional `open(settings, bus)` (an async context manager that opens
 its resources and yields its context) and `handle(ctx, event, attempt)`, which returns the
 event(s) to publish. The runner does the rest: consumer, acks, retries, heartbeats, logging.
-Stages never import each other, and this package imports none of them: a trainer importing
-`stages.snapshot` does not load the agent's stages (and their object-storage client).
+Stages never import each other, nothing outside this package imports one (the agent finds them
+by name here: `agent_stage`), and this package imports none of them until asked.
 """
 
 from __future__ import annotations

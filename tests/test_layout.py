@@ -27,8 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 #: (rule, offender) pairs that are allowed for now. Each names a module that other work is
-#: rewriting (issue 9); remove the entry with the change that fixes it (the tests fail until then).
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
+#: rewriting (issue 21); remove the entry with the change that fixes it (the tests fail until then).
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("max-lines", "tierpipe.dev.demo"),
+        ("max-lines", "tierpipe.recovery.agree"),
+        ("nats-in-bus", "tierpipe.control.advert"),
+        ("nats-in-bus", "tierpipe.control.kvstate"),
+        ("nats-in-bus", "tierpipe.recovery.agree"),
+    }
+)
 
 #: Folder names that are import packages only under `tierpipe` (never importable bare).
 BARE_NAMES = frozenset({"pipeline", "stages", "schemas"})
@@ -236,6 +244,9 @@ def test_the_graph_sees_the_package() -> None:
                  "tierpipe.schemas.events", "tierpipe.storage.s3.store"):  # fmt: skip
         assert name in mods, name
     assert "tierpipe.dev.demo" in _edges()["tierpipe.cli.ops"]  # imported inside a function
+    # importing tierpipe.bus.consumer runs tierpipe.bus's __init__ first
+    assert "tierpipe.bus" not in _edges()["tierpipe.trainer.handle"]
+    assert "tierpipe.bus" in _edges(packages=True)["tierpipe.trainer.handle"]
     assert _cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}}) == [["a", "b", "a"]]
 
 
@@ -331,3 +342,68 @@ def test_every_public_name_imports(name: str) -> None:
     module = importlib.import_module(name)
     missing = [n for n in module.__all__ if not hasattr(module, n)]
     assert missing == [], f"{name}.__all__ lists names it does not have: {missing}"
+
+
+# --- size and boundaries
+
+#: The longest a module may be (lines, docstring included): past it, cut it on a seam.
+MAX_LINES = 450
+#: The most modules a package folder may hold directly (its `__init__` not counted).
+MAX_MODULES = 15
+#: Where `nats` may be imported: the NATS boundary, and the dev harness (its embedded server).
+NATS_HOMES = ("tierpipe.bus", "tierpipe.dev")
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_no_module_is_too_long() -> None:
+    """No module of the package is over `MAX_LINES` lines."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for name, mod in modules().items():
+        lines = len(mod.path.read_text().splitlines())
+        if lines > MAX_LINES:
+            found[name].append(f"{mod.path.relative_to(ROOT)}: {lines} lines (> {MAX_LINES})")
+    _violations("max-lines", found)
+
+
+def test_no_folder_holds_too_many_modules() -> None:
+    """No package folder holds more than `MAX_MODULES` modules directly (its `__init__` and
+    `__main__` and its subfolders not counted): a folder that grows past it wants a subfolder
+    per subsystem."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for name, mod in modules().items():
+        if not mod.is_package:
+            continue
+        folder = mod.path.parent
+        count = sum(1 for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+        if count > MAX_MODULES:
+            found[name].append(f"{folder.relative_to(ROOT)}/: {count} modules (> {MAX_MODULES})")
+    _violations("max-modules", found)
+
+
+def test_only_the_bus_imports_nats() -> None:
+    """nats-py is imported only inside `tierpipe.bus` (and the dev harness, which runs a
+    server): everything else reaches NATS through `Bus` and the job store."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for name, mod in modules().items():
+        if any(_within(name, home) for home in NATS_HOMES):
+            continue
+        for i in mod.imports:
+            if i.top == "nats":
+                found[name].append(f"{mod.where(i)}: {name} imports nats")
+    _violations("nats-in-bus", found)
+
+
+def test_nothing_outside_the_stages_imports_a_stage() -> None:
+    """No module outside `tierpipe.stages` imports a stage module (the package's registry,
+    `tierpipe.stages`, is how the agent finds them): what stages share lives below them."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for name, mod in modules().items():
+        if _within(name, "tierpipe.stages"):
+            continue
+        for i in mod.imports:
+            if (i.module or "").startswith("tierpipe.stages."):
+                found[name].append(f"{mod.where(i)}: {name} imports {i.module}")
+    _violations("stages-below", found)

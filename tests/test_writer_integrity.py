@@ -39,13 +39,13 @@ from tierpipe.schemas import (
     StageFailed,
 )
 from tierpipe.settings import Settings
-from tierpipe.stages.snapshot import Snapshot
 from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.staged_image import StagedImage, open_image, release
 from tierpipe.storage.staging import SlotPool
 from tierpipe.trainer.checkpointer import Checkpointer
+from tierpipe.trainer.snapshot import Snapshot
 
 JOB = "j"
 

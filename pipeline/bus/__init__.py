@@ -15,7 +15,8 @@ nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest o
 """
 
 from tierpipe.bus.client import Bus, Published, redact_url
+from tierpipe.bus.consumer import Msg
 from tierpipe.bus.history import Raw, Stored, Watch
 from tierpipe.bus.portal import BusPortal
 
-__all__ = ("Bus", "BusPortal", "Published", "Raw", "Stored", "Watch", "redact_url")
+__all__ = ("Bus", "BusPortal", "Msg", "Published", "Raw", "Stored", "Watch", "redact_url")

@@ -20,7 +20,7 @@ import anyio
 import nats.errors
 import nats.js.errors
 import structlog
-from nats.aio.msg import Msg
+from nats.aio.msg import Msg  # the bus's message type (re-exported: `Msg`)
 from nats.js import JetStreamContext, api
 
 from tierpipe.bus.client import Bus
@@ -33,6 +33,7 @@ from tierpipe.settings import Settings
 __all__ = (
     "Drain",
     "Missing",
+    "Msg",
     "StageConsumer",
     "backoff",
     "ensure_consumer",

@@ -2,7 +2,7 @@
 
 Once a restore from object storage is over, the sealed image the rank downloaded is copied into
 one of its staging slots and announced with `staged` (`origin="restore"`, the restored save's
-own epoch), both by the snapshot stage (`tierpipe.stages.snapshot`), as a save is; the node agent
+own epoch), both by the snapshot stage (`tierpipe.trainer.snapshot`), as a save is; the node agent
 then writes and verifies it as it does every save. A write-back that fails is logged and
 dropped: the restore itself already succeeded.
 """

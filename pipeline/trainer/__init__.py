@@ -1,6 +1,8 @@
 """The trainer's side: what training code calls and what runs in its process.
 
 - `checkpointer`: `Checkpointer`, the API training code uses (save, restore, wait).
+- `snapshot`: the pipeline's first stage, run in the trainer: a slot, the copy, the `staged`
+  event (also a restore's write-back).
 - `saving`: a Checkpointer's saves: staging slots, the copy, the hand-off to the outbox.
 - `handle`: `SaveHandle`, the fate of one save as its events arrive.
 - `outbox`: each save's `staged` event, published off the training loop.

@@ -1,6 +1,6 @@
 """`Checkpointer`: the API training code uses.
 
-`save()` has the snapshot stage (`tierpipe.stages.snapshot`) copy the state into a staging slot
+`save()` has the snapshot stage (`tierpipe.trainer.snapshot`) copy the state into a staging slot
 in shared memory and publishes the `staged` event it returns; the node agent takes it from there,
 and `Saves` (`tierpipe.trainer.handle`) hands this rank's progress events to the save's handle. The
 trainer's only background activity is one small NATS client on its own event-loop thread

@@ -16,8 +16,8 @@ from typing import Literal
 
 import msgspec
 import structlog
-from nats.aio.msg import Msg
 
+from tierpipe.bus.consumer import Msg
 from tierpipe.errors import ShardFailedError, TierpipeError
 from tierpipe.schemas import Event, ShardEvent, ShardStaged, StageFailed, decode_event
 

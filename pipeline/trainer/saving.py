@@ -27,11 +27,11 @@ from tierpipe.errors import SlotTimeoutError, StaleStepError, TierpipeError
 from tierpipe.names import shard_subject
 from tierpipe.schemas import ShardStaged, StageFailed
 from tierpipe.settings import Settings
-from tierpipe.stages.snapshot import Snapshot, newest_staged_step, reclaim_slots
 from tierpipe.state import plan_state
 from tierpipe.storage.staging import Slot, SlotPool
 from tierpipe.trainer.handle import SaveHandle, Saves
 from tierpipe.trainer.outbox import Outbox, Outcome
+from tierpipe.trainer.snapshot import Snapshot, newest_staged_step, reclaim_slots
 from tierpipe.waits import Reminder, slot_wait_reason
 
 __all__ = ("Saver",)
