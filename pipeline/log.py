@@ -15,11 +15,18 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import structlog
 from structlog.contextvars import bind_contextvars, clear_contextvars, get_contextvars
+from structlog.typing import (
+    EventDict,
+    ExceptionRenderer,
+    Processor,
+    ProcessorReturnValue,
+    WrappedLogger,
+)
 
 if TYPE_CHECKING:
     from tierpipe.settings import Settings
@@ -77,10 +84,12 @@ def _forms(values: Iterable[str | None]) -> set[str]:
 class _Scrubbed:
     """The renderer, then the scrubber: the last processor, so it sees the finished line."""
 
-    def __init__(self, renderer: Any) -> None:
+    def __init__(self, renderer: Processor) -> None:
         self.renderer = renderer
 
-    def __call__(self, logger: Any, name: str, event_dict: Any) -> Any:
+    def __call__(
+        self, logger: WrappedLogger, name: str, event_dict: EventDict
+    ) -> ProcessorReturnValue:
         rendered = self.renderer(logger, name, event_dict)
         if isinstance(rendered, bytes):
             return scrub(rendered.decode("utf-8", "replace")).encode()
@@ -111,8 +120,10 @@ def configure_logging(
         raise ValueError(f"unknown log level {level!r}")
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     if console:
-        tracebacks: Any = structlog.dev.set_exc_info
-        renderer: Any = structlog.dev.ConsoleRenderer(exception_formatter=_console_tracebacks())
+        tracebacks: Processor = structlog.dev.set_exc_info
+        renderer: Processor = structlog.dev.ConsoleRenderer(
+            exception_formatter=_console_tracebacks()
+        )
     else:
         # Frame locals off: a traceback must not print the password a frame was holding.
         tracebacks = structlog.processors.ExceptionRenderer(
@@ -147,12 +158,12 @@ def unit_of_work(**fields: object) -> Iterator[None]:
         bind_contextvars(**outer)
 
 
-def bind_io(nbytes: int, seconds: float, **fields: Any) -> None:
+def bind_io(nbytes: int, seconds: float, **fields: object) -> None:
     """Bind what a unit of work moved (bytes, MiB/s and `fields`) to its canonical line."""
     bind_contextvars(nbytes=nbytes, mib_s=round(nbytes / 2**20 / max(seconds, 1e-9), 1), **fields)
 
 
-def _console_tracebacks() -> Any:
+def _console_tracebacks() -> ExceptionRenderer:
     """rich's traceback (when installed) without locals, and only each frame's own line as
     the plain one shows it: the lines around it may hold literals, and the traceback is
     rendered after the secrets were masked."""
