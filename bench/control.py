@@ -1124,9 +1124,9 @@ def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> d
     the plan message every rank receives."""
     import msgspec
 
-    from tierpipe.control.catalog import Catalog
+    from tests.oracle_catalog import Catalog
+    from tests.oracle_plan import plan_recovery
     from tierpipe.control.jobstate import bitmap
-    from tierpipe.recovery.plan import plan_recovery
     from tierpipe.schemas import RecoveryPlanned, encode_event
 
     t0 = time.perf_counter()

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.oracle_catalog import Catalog
 from tierpipe.control import jobstate
-from tierpipe.control.catalog import Catalog
 from tierpipe.control.jobstate import JobState, bitmap, has_rank, is_full, ranks_of
 from tierpipe.schemas import (
     Event,

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.js import api
 
+from tests.oracle_catalog import Catalog
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus.client import Bus
-from tierpipe.control.catalog import Catalog
 from tierpipe.control.jobstate import JobState, ranks_of
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer

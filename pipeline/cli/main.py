@@ -26,7 +26,6 @@ from tierpipe.cli.render import (
     EVENT_KINDS,
     JobRow,
     JobView,
-    KvPlan,
     event_json_line,
     event_line,
     jobs_table,
@@ -37,8 +36,7 @@ from tierpipe.cli.render import (
     step_json,
     step_table,
 )
-from tierpipe.control.catalog import Catalog
-from tierpipe.control.confirm import confirmed_list, confirmed_plan, confirmed_steps
+from tierpipe.control.confirm import confirmed_list, confirmed_steps
 from tierpipe.control.folded import folded_head, newest_seq
 from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
@@ -59,6 +57,7 @@ from tierpipe.names import (
     validate_token,
 )
 from tierpipe.progress import bar
+from tierpipe.recovery.kvplan import KvPlan, plan_now
 from tierpipe.schemas import FlushAction, FlushControl, StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -70,7 +69,7 @@ from tierpipe.schemas.jobstate import (
 )
 from tierpipe.settings import Settings, load_settings
 
-__all__ = ("main", "parse_rate", "replay_catalog")
+__all__ = ("main", "parse_rate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
         "candidates (newest first), rejected (step -> why), unconfirmed (step -> why the "
         "job state does not back what its head says of it: no record, or no rank digests; "
-        "never planned), assumes (nvme_kept or nvme_lost), folded_seq and stream_seq (the job "
+        "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
+        "with --lost-node), folded_seq and stream_seq (the job "
         "state lags the stream when the first is lower). Exits non-zero when no candidate is "
         "confirmed and restorable.",
     )
@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         "--nvme-lost",
         action="store_true",
         help="plan as if every NVMe copy were lost (every rank reads object storage)",
+    )
+    plan.add_argument(
+        "--lost-node",
+        action="append",
+        metavar="NODE",
+        help="plan as if NODE were lost with its NVMe (replaced by an empty node): the ranks "
+        "it saved (its `verified` events say which) read object storage; repeatable",
     )
     # Gone: the job state does not record which node holds a rank's NVMe copy.
     plan.add_argument("--alive", help=argparse.SUPPRESS)
@@ -328,7 +335,13 @@ def _run(args: argparse.Namespace) -> int:
                     "every NVMe copy were lost"
                 )
             job = validate_token("job", args.job)
-            return _plan(settings, job, args.step, nvme_lost=args.nvme_lost, as_json=args.json)
+            lost = [validate_token("node", n) for n in args.lost_node or []]
+            if lost and args.nvme_lost:
+                raise ConfigError("--lost-node and --nvme-lost: give one (--nvme-lost: all nodes)")
+            return _plan(
+                settings, job, args.step, nvme_lost=args.nvme_lost, lost_nodes=lost,
+                as_json=args.json,
+            )  # fmt: skip
         case "reindex":
             return _reindex(settings, validate_token("job", args.job), args)
         case "budget":
@@ -459,12 +472,6 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     for e in group.exceptions:
         out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
     return out
-
-
-async def replay_catalog(settings: Settings, job: str) -> Catalog:
-    """Fold every stored event of `job` into a catalog."""
-    async with Bus(settings, name="tierpipe-cli") as bus:
-        return await Catalog.replay(bus, job)
 
 
 def parse_rate(text: str) -> int:
@@ -711,21 +718,21 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
             raise BusUnavailableError(f"looking up job {job!r}: {e or type(e).__name__}") from e
 
 
-def _plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
+def _plan(
+    settings: Settings,
+    job: str,
+    step: int | None,
+    *,
+    nvme_lost: bool,
+    lost_nodes: list[str],
+    as_json: bool,
+) -> int:
     async def read() -> tuple[JobHead, int, KvPlan]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore(bus.js, settings).open()
-            head, stream_seq = await folded_head(bus, store, job)
-            records = await store.records(job, head.candidates(step))
-            if step is not None and step not in records:
-                kept = ", ".join(map(str, head.steps)) or "none"
-                raise NoCheckpointError(
-                    f"step {step} of job {job!r} has no record in its job state (the steps it "
-                    f"keeps: {kept})"
-                )
-            # (steps the rest of the job state does not back are passed over, shown as such)
-            plan = await confirmed_plan(store, job, head, records, step=step, nvme_lost=nvme_lost)
-            return head, stream_seq, plan
+            return await plan_now(
+                bus, store, job, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes
+            )
 
     head, stream_seq, plan = anyio.run(read)
     if as_json:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tierpipe.control.catalog import EVIDENCE_ERRORS
+from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
     BaseFact,

@@ -26,12 +26,11 @@ import structlog
 
 from tierpipe.bus.client import Bus
 from tierpipe.control.coordinator import Coordinator
-from tierpipe.control.jobstate import has_rank
 from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
-from tierpipe.recovery.plan import Source
+from tierpipe.recovery.plan import Source, counts, unusable
 from tierpipe.schemas import decode_event
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
@@ -223,16 +222,14 @@ async def survey(
     found = {r: Survey(list(steps)) for r in ranks}
     records = await asyncio.gather(*(reads.record(s) for s in steps))
     for i, (s, rec) in enumerate(zip(steps, records, strict=True)):
-        if rec is None:
-            _all_missing(found, s, "no record of the step in the job state (retention removed it?)")
-            continue
-        if rec.world_size != world_size:
-            if i == 0:
+        why = unusable(rec, world_size)  # (as `tierpipe plan` reads the record)
+        if why or rec is None:
+            if i == 0 and rec is not None:
                 raise WorldSizeMismatchError(
                     f"step {s} of job {reads.job!r} was saved by {rec.world_size} ranks, this run "
                     f"has {world_size}; restore needs the same world size (no resharding yet)"
                 )
-            _all_missing(found, s, f"saved with world size {rec.world_size}")
+            _all_missing(found, s, why)
             continue
         for rank in ranks:
             await _check(found[rank], reads, rec, rank=rank, node=node, locate_nvme=locate_nvme)
@@ -250,12 +247,13 @@ async def _check(
     """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
-    if has_rank(rec.nvme, rank):  # (a copy proven bad, or evicted, stays out)
+    nvme, s3 = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    if nvme:  # (a copy proven bad, or evicted, stays out)
         path = locate_nvme(reads.job, s, rank, world)
         local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)
         if not local_why:
             local_why = await _check_local(found, reads, rec, rank, node, path)
-    if has_rank(rec.s3, rank) and not rec.s3_removed:
+    if s3:
         found.remote.add(s)
     elif s not in found.local:
         removed = " (removed)" if rec.s3_removed else ""
