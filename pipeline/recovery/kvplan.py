@@ -21,7 +21,7 @@ from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
 from tierpipe.names import shard_subject
 from tierpipe.recovery.plan import choose, recorded
-from tierpipe.schemas import ShardVerified
+from tierpipe.schemas import ShardEvent
 from tierpipe.schemas.jobstate import JobHead, StepRecord
 
 __all__ = (
@@ -31,8 +31,8 @@ __all__ = (
     "PlanJson",
     "confirmed_plan",
     "kv_plan",
+    "node_ranks",
     "plan_now",
-    "saved_by",
 )
 
 #: Ranks named in a rejection reason (the rest are counted).
@@ -217,7 +217,7 @@ async def plan_now(
     """What a restore of `job` would pick now (`tierpipe plan`, the demo): the job's head once
     folded (`folded_head`), its candidates' records, and `confirmed_plan` over them, with NVMe
     assumed kept, lost (`nvme_lost`), or lost on `lost_nodes` (the ranks those nodes saved,
-    `saved_by`). Returns (head, the stream seq of the job's newest event, the plan).
+    `node_ranks`). Returns (head, the stream seq of the job's newest event, the plan).
 
     Raises:
         ConfigError: the job has no state in KV.
@@ -232,7 +232,9 @@ async def plan_now(
             f"step {step} of job {job!r} has no record in its job state (the steps it keeps: "
             f"{kept})"
         )
-    lost_ranks = await saved_by(bus, job, lost_nodes) if lost_nodes else set()
+    # (the ranks those nodes ran at the world size of the newest step with a record)
+    world = next((records[s].world_size for s in head.candidates(step) if s in records), 0)
+    lost_ranks = await node_ranks(bus, job, lost_nodes, world) if lost_nodes else []
     # (steps the rest of the job state does not back are passed over, shown as such)
     plan = await confirmed_plan(
         store, job, head, records, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes,
@@ -241,19 +243,20 @@ async def plan_now(
     return head, stream_seq, plan
 
 
-async def saved_by(bus: Bus, job: str, nodes: Iterable[str]) -> set[int]:
-    """The ranks whose NVMe copies `nodes` hold: those of the nodes' `verified` events (the
-    newest per rank, one message per rank; the job state does not record nodes).
+async def node_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) -> list[int]:
+    """The ranks of `job` at `world_size` that `nodes` ran (those of the nodes' events: the
+    newest on each subject, a kind per rank, not the history; the job state does not record
+    nodes), ascending.
 
     Raises:
         BusUnavailableError, BusError: NATS could not be read.
     """
     ranks: set[int] = set()
     for node in nodes:
-        for _, event in await bus.latest(shard_subject(job, "verified", node, "*")):
-            if isinstance(event, ShardVerified):
+        for _, event in await bus.latest(shard_subject(job, "*", node, "*")):
+            if isinstance(event, ShardEvent) and event.world_size == world_size:
                 ranks.add(event.rank)
-    return ranks
+    return sorted(ranks)
 
 
 def _named(ranks: Sequence[int]) -> str:
