@@ -891,11 +891,11 @@ def _timed_restorer() -> type:
         counts: Counter[str]
         before_plan: Counter[str]
 
-        async def _load_planned(self, plan: Any, round_: int) -> Any:
+        async def load_planned(self, plan: Any, round_: int) -> Any:
             if not self.planned:
                 self.before_plan.update(self.counts)
             self.planned.setdefault(self.rank, time.monotonic())
-            return await super()._load_planned(plan, round_)
+            return await super().load_planned(plan, round_)
 
     return Timed
 

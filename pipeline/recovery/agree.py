@@ -247,10 +247,10 @@ class Restorer:
             if self.rank == 0:
                 try:
                     choice = plan(self.job, reports, self.world_size, step, excluded, round_)
-                    planned = self.planned(round_, choice, final=False)
+                    planned = self.plan_event(round_, choice, final=False)
                 except (NoCheckpointError, ConfigError) as e:
                     planned, error = (
-                        self.planned(round_, None, final=True, error=f"{type(e).__name__}: {e}"),
+                        self.plan_event(round_, None, final=True, error=f"{type(e).__name__}: {e}"),
                         e,
                     )
                 await self.bus.publish(planned)
@@ -341,7 +341,7 @@ class Restorer:
             "crashed, another job name or world size) holds the others until the timeout",
         )  # fmt: skip
 
-    def planned(
+    def plan_event(
         self, round_: int, plan: Choice | None, *, final: bool, error: str = ""
     ) -> RecoveryPlanned:
         """The event for `plan`; without one, the final word that rank 0 gave up (`error`)."""

@@ -60,7 +60,7 @@ class Leader(Protocol):
     @property
     def deadline(self) -> float: ...
     async def load_planned(self, plan: RecoveryPlanned, round_: int) -> Load: ...
-    def planned(
+    def plan_event(
         self, round_: int, plan: Choice | None, *, final: bool, error: str = ""
     ) -> RecoveryPlanned: ...
     def still_waiting(
@@ -116,10 +116,10 @@ async def lead(
             choice = plan(r.job, reports, r.world_size, step, excluded, round_)
         except (NoCheckpointError, ConfigError) as e:  # tell the other ranks, then give up
             await r.bus.publish(
-                r.planned(round_, None, final=True, error=f"{type(e).__name__}: {e}")
+                r.plan_event(round_, None, final=True, error=f"{type(e).__name__}: {e}")
             )
             raise
-        planned = r.planned(round_, choice, final=False)
+        planned = r.plan_event(round_, choice, final=False)
         published = await r.bus.publish(planned)
         mine, _ = await r.load_planned(planned, round_)
         answers = await await_reports(
@@ -143,7 +143,7 @@ async def stop_if_short(r: Leader, failed: list[RestoreReport], round_: int) -> 
         return
     if r.rank == 0:
         error = f"{type(short).__name__}: {short.where}: {short.resource}"
-        await r.bus.publish(r.planned(round_, None, final=True, error=error))
+        await r.bus.publish(r.plan_event(round_, None, final=True, error=error))
     raise short
 
 
