@@ -891,11 +891,11 @@ def _timed_restorer() -> type:
         counts: Counter[str]
         before_plan: Counter[str]
 
-        async def _load_planned(self, plan: Any, round_: int) -> Any:
+        async def load_planned(self, plan: Any, round_: int) -> Any:
             if not self.planned:
                 self.before_plan.update(self.counts)
             self.planned.setdefault(self.rank, time.monotonic())
-            return await super()._load_planned(plan, round_)
+            return await super().load_planned(plan, round_)
 
     return Timed
 
@@ -1124,9 +1124,9 @@ def _old_restore(d: Driver, stored: list[tuple[int, Event]], read_s: float) -> d
     the plan message every rank receives."""
     import msgspec
 
+    from tests.oracle_catalog import Catalog
+    from tests.oracle_plan import plan_recovery
     from tierpipe.control.bitmap import bitmap
-    from tierpipe.control.catalog import Catalog
-    from tierpipe.recovery.plan import plan_recovery
     from tierpipe.schemas import RecoveryPlanned, encode_event
 
     t0 = time.perf_counter()

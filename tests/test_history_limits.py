@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from nats.js import api
 
+from tests.oracle_catalog import Catalog
 from tierpipe.bus.client import Bus
-from tierpipe.control.catalog import Catalog
 from tierpipe.dev import NatsServer
 from tierpipe.names import SUBJECT_ROOT
 from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified, ShardWritten

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.oracle_catalog import Catalog
 from tierpipe.control import jobstate
 from tierpipe.control.bitmap import bitmap, has_rank, is_full, ranks_of
-from tierpipe.control.catalog import Catalog
 from tierpipe.control.jobstate import JobState
 from tierpipe.schemas import (
     Event,

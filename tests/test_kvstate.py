@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.js import api
 
+from tests.oracle_catalog import Catalog
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus.client import Bus
 from tierpipe.control.bitmap import ranks_of
-from tierpipe.control.catalog import Catalog
 from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer

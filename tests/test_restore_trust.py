@@ -21,16 +21,16 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
+from tests.oracle_catalog import Catalog
+from tests.oracle_plan import plan_recovery
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
-from tierpipe.control.catalog import Catalog
 from tierpipe.control.coordinator import RestorePins
 from tierpipe.control.jobstate import JobState
 from tierpipe.dev import S3Server
 from tierpipe.errors import IntegrityError, NoCheckpointError, ShardMissingError
 from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected, load_into
-from tierpipe.recovery.plan import plan_recovery
 from tierpipe.schemas import (
     Event,
     RecoveryPlanned,

@@ -60,7 +60,13 @@ def _run(args: argparse.Namespace) -> int:
                     "every NVMe copy were lost"
                 )
             job = validate_token("job", args.job)
-            return views.plan(settings, job, args.step, nvme_lost=args.nvme_lost, as_json=args.json)
+            lost = [validate_token("node", n) for n in args.lost_node or []]
+            if lost and args.nvme_lost:
+                raise ConfigError("--lost-node and --nvme-lost: give one (--nvme-lost: all nodes)")
+            return views.plan(
+                settings, job, args.step, nvme_lost=args.nvme_lost, lost_nodes=lost,
+                as_json=args.json,
+            )  # fmt: skip
         case "reindex":
             job = validate_token("job", args.job)
             return ops.reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3)

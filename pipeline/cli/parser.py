@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
         "candidates (newest first), rejected (step -> why), unconfirmed (step -> why the "
         "job state does not back what its head says of it: no record, or no rank digests; "
-        "never planned), assumes (nvme_kept or nvme_lost), folded_seq and stream_seq (the job "
+        "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
+        "with --lost-node), folded_seq and stream_seq (the job "
         "state lags the stream when the first is lower). Exits non-zero when no candidate is "
         "confirmed and restorable.",
     )
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nvme-lost",
         action="store_true",
         help="plan as if every NVMe copy were lost (every rank reads object storage)",
+    )
+    plan.add_argument(
+        "--lost-node",
+        action="append",
+        metavar="NODE",
+        help="plan as if NODE were lost with its NVMe (replaced by an empty node): the ranks "
+        "it saved (its `verified` events say which) read object storage; repeatable",
     )
     # Gone: the job state does not record which node holds a rank's NVMe copy.
     plan.add_argument("--alive", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
-"""What `tierpipe status` and `tierpipe plan` print, rendered from a job's state in KV (and the
-demo's shard table, rendered from a catalog folded from the event stream). The plan itself is
-`tierpipe.recovery.kvplan`'s (re-exported here).
+"""What `tierpipe status`, `ls` and `events` print, rendered from a job's state in KV and its
+stream. What `tierpipe plan` prints is the plan's own (`tierpipe.recovery.kvplan.KvPlan`: the
+restore planner's answer, said for operators).
 
 Pure functions of the values the caller read (`JobView`, `RankDetail`): the CLI reads the KV, so
 this module does no I/O and prints nothing. A job of any size prints one line per kept step by
@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 from tierpipe.bus.history import Raw
 from tierpipe.control.bitmap import has_rank
-from tierpipe.control.catalog import Shard
-from tierpipe.recovery.kvplan import ASSUME_NVME_KEPT, ASSUME_NVME_LOST, KvPlan, kv_plan
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -32,24 +30,19 @@ from tierpipe.schemas.jobstate import (
 )
 
 __all__ = (
-    "ASSUME_NVME_KEPT",
-    "ASSUME_NVME_LOST",
     "EVENT_KINDS",
     "JobRow",
     "JobView",
-    "KvPlan",
     "RankDetail",
     "event_json_line",
     "event_line",
     "jobs_table",
-    "kv_plan",
     "lag_note",
     "newest_confirmed",
     "newest_shown",
     "rank_details",
     "rank_json",
     "rank_table",
-    "shard_table",
     "step_json",
     "step_table",
 )
@@ -373,33 +366,3 @@ def rank_json(job: str, rec: StepRecord, d: RankDetail) -> dict[str, Any]:
         "nvme_path": d.nvme_path,
         "object_key": d.object_key,
     }
-
-
-# --- the demo's summary (from a catalog)
-
-
-def shard_table(shards: list[Shard]) -> str:
-    """A human-readable table of shards and where their copies are (the demo's summary)."""
-    rows = [("STEP", "RANK", "RAM", "NVME", "VERIFIED", "S3", "NVME PATH")]
-    for s in shards:
-        ram = next((c for (t, _), c in s.copies.items() if t == "ram"), None)
-        nvme = next((c for (t, _), c in s.copies.items() if t == "nvme"), None)
-        obj = s.copy("s3")
-        rows.append(
-            (
-                str(s.step),
-                f"{s.rank}/{s.world_size}",
-                "-" if ram is None else "released" if ram.evicted else "staged",
-                "-" if nvme is None else "evicted" if nvme.evicted else nvme.node,
-                "-"
-                if nvme is None
-                else "CORRUPT"
-                if nvme.corrupt
-                else "yes"
-                if nvme.verified
-                else "no",
-                "-" if obj is None else "evicted" if obj.evicted else "flushed",
-                "" if nvme is None or nvme.evicted else nvme.location,
-            )
-        )
-    return _table(rows)

@@ -12,7 +12,6 @@ from tierpipe.bus.client import Bus
 from tierpipe.cli.render import (
     JobRow,
     JobView,
-    KvPlan,
     event_json_line,
     event_line,
     jobs_table,
@@ -23,10 +22,10 @@ from tierpipe.cli.render import (
     step_json,
     step_table,
 )
-from tierpipe.control.confirm import confirmed_plan, confirmed_steps
+from tierpipe.control.confirm import confirmed_steps
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.errors import ConfigError
 from tierpipe.names import (
     batch_subject,
     job_subjects,
@@ -36,6 +35,7 @@ from tierpipe.names import (
     state_subjects,
     stream_name,
 )
+from tierpipe.recovery.kvplan import KvPlan, plan_now
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
@@ -115,21 +115,21 @@ async def _read_view(settings: Settings, job: str) -> JobView:
         )
 
 
-def plan(settings: Settings, job: str, step: int | None, *, nvme_lost: bool, as_json: bool) -> int:
+def plan(
+    settings: Settings,
+    job: str,
+    step: int | None,
+    *,
+    nvme_lost: bool,
+    lost_nodes: list[str],
+    as_json: bool,
+) -> int:
     async def read() -> tuple[JobHead, int, KvPlan]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore.opened(bus)
-            head, stream_seq = await folded_head(bus, store, job)
-            records = await store.records(job, head.candidates(step))
-            if step is not None and step not in records:
-                kept = ", ".join(map(str, head.steps)) or "none"
-                raise NoCheckpointError(
-                    f"step {step} of job {job!r} has no record in its job state (the steps it "
-                    f"keeps: {kept})"
-                )
-            # (steps the rest of the job state does not back are passed over, shown as such)
-            plan = await confirmed_plan(store, job, head, records, step=step, nvme_lost=nvme_lost)
-            return head, stream_seq, plan
+            return await plan_now(
+                bus, store, job, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes
+            )
 
     head, stream_seq, plan = anyio.run(read)
     if as_json:

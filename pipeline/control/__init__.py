@@ -6,7 +6,6 @@ and the one coordinator per job that writes it.
 - `bitmap`: rank bitmaps, one bit per rank of a step, and `StepBits`, a step's bitmaps per tier.
 - `kvstate`: `JobStore`, the job state in KV: reading it, and writing it as its one writer.
 - `coordinator`: `Coordinator`, one per job, elected with a lease: folds, retention, shares.
-- `catalog`: events folded into job -> step -> rank -> copies (the operator's full view).
 - `confirm`: which steps a job's head names that the rest of its job state backs.
 - `folded`: a job's head once its coordinator folded the newest event a reader could see.
 - `location`: the object-store location bound to a job.

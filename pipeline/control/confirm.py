@@ -7,7 +7,8 @@ step, is complete on a tier the head says it is complete on (or, for a step the 
 without a claim, on some tier), and holds the rank digests of the ranks asked about (every rank
 by default: those a restore checks each copy against). What does not confirm is shown as
 unconfirmed, with why. A restore never needed this: it reads each copy it uses against those
-digests; listings and plans now read what a restore would.
+digests; listings and plans (`tierpipe.recovery.kvplan.confirmed_plan`) now read what a
+restore would.
 
 What KV write permission can forge consistently (a record and digests as well), only a
 restore's digest checks against the files and objects themselves catch.
@@ -15,7 +16,7 @@ restore's digest checks against the files and objects themselves catch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,7 +24,6 @@ import structlog
 
 from tierpipe.control.bitmap import is_full
 from tierpipe.control.kvstate import JobStore, digests_key
-from tierpipe.recovery.kvplan import KvPlan, kv_plan
 from tierpipe.schemas import Tier
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 
@@ -32,7 +32,6 @@ __all__ = (
     "check_step",
     "claims",
     "confirmed_list",
-    "confirmed_plan",
     "confirmed_steps",
 )
 
@@ -149,35 +148,3 @@ async def confirmed_list(
     for step, why in found.unconfirmed.items():
         log.warning("step_unconfirmed", job=job, step=step, reason=why)
     return found.steps
-
-
-async def confirmed_plan(
-    store: JobStore,
-    job: str,
-    head: JobHead,
-    records: Mapping[int, StepRecord],
-    *,
-    step: int | None = None,
-    nvme_lost: bool = False,
-) -> KvPlan:
-    """`kv_plan` over `head`'s candidates (`records`: theirs, as read), each step it would pick
-    confirmed first (`check_step`: every rank's digest, which a restore reads each copy
-    against): one that is not is passed over, shown as unconfirmed, and the next planned. So is
-    a step the head claims complete that has no record. `tierpipe plan`.
-
-    Raises:
-        NoCheckpointError: no candidate is confirmed and restorable (says why, per step).
-        BusUnavailableError, BusError: the KV could not be read.
-    """
-    candidates = head.candidates(step)
-    unconfirmed = {
-        s: "the head says it is complete, but the step has no record (removed since?)"
-        for s in candidates
-        if s not in records and claims(head, s)
-    }
-    while True:
-        plan = kv_plan(job, candidates, records, nvme_lost=nvme_lost, unconfirmed=unconfirmed)
-        why = await check_step(store, job, records[plan.step], plan.step, tiers=None)
-        if not why:
-            return plan
-        unconfirmed[plan.step] = why

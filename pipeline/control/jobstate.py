@@ -4,9 +4,9 @@ ranks have a good copy; the newest complete steps; the retention floors.
 The retention coordinator (`tierpipe.control.coordinator`) feeds it the job's events (or their
 facts, `tierpipe.schemas.facts`) and stores what changed in JetStream KV
 (`tierpipe.control.kvstate`); restarts, retention and operators read the KV, never the history.
-Pure (no I/O), so property tests hold it against a fold of the whole history
-(`tierpipe.control.catalog.Catalog`). Copies go into a ledger (`tierpipe.control.ledger`), each
-rank's usable ones into its step's bitmaps (`tierpipe.control.bitmap.StepBits`).
+Pure (no I/O), so property tests hold it against a fold of the whole history (the test
+oracle `Catalog`, tests/oracle_catalog.py). Copies go into a ledger (`tierpipe.control.ledger`),
+each rank's usable ones into its step's bitmaps (`tierpipe.control.bitmap.StepBits`).
 
 Memory stays bounded by what is kept: steps in the window (the NVMe retention window and what
 is in flight) are folded from their events; older kept steps are known by their records alone,
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tierpipe.control.bitmap import TIERS, StepBits
-from tierpipe.control.catalog import EVIDENCE_ERRORS
 from tierpipe.control.ledger import Ledger, LedgerShard
+from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
     BaseFact,

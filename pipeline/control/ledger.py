@@ -1,11 +1,11 @@
 """The ledger: the copies of the steps the job state still folds from their events, one entry
-per copy of a shard on a tier of a node, with the evidence rules of the catalog
-(`tierpipe.control.catalog.Catalog`), kept lean: a few slots per copy, no history of failures
-or doubts. The fold (`tierpipe.control.jobstate.JobState`) reads a rank's usable copies from it."""
+per copy of a shard on a tier of a node, with the evidence rules of the test oracle's catalog
+(`Catalog`, tests/oracle_catalog.py), kept lean: a few slots per copy, no history of failures or
+doubts. The fold (`tierpipe.control.jobstate.JobState`) reads a rank's usable copies from it."""
 
 from __future__ import annotations
 
-from tierpipe.control.catalog import EVIDENCE_ERRORS
+from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.schemas.facts import (
     EvictedFact,
     Fact,
@@ -21,7 +21,7 @@ __all__ = ("Ledger", "LedgerCopy", "LedgerShard")
 
 
 class LedgerCopy:
-    """One copy of a shard on one tier of one node (what `tierpipe.control.catalog.Copy` says of it
+    """One copy of a shard on one tier of one node (what the test oracle's `Copy` says of it
     that the state needs)."""
 
     __slots__ = (
@@ -48,10 +48,11 @@ class LedgerShard:
 
 class Ledger:
     """The copies of the steps still folded from their events, with the evidence rules of
-    `tierpipe.control.catalog.Catalog` (its docstring says them; the property tests hold the two
-    together): a `verified` counts only after a matching `written` of the same node, a
-    `flushed` only if it matches a verified NVMe copy (or was reindexed), only evidence marks a
-    copy corrupt, and a rank's rewind supersedes its older epochs' copies of later steps."""
+    the test oracle's `Catalog` (tests/oracle_catalog.py: its docstring says them; the property
+    tests hold the two together): a `verified` counts only after a matching `written` of the
+    same node, a `flushed` only if it matches a verified NVMe copy (or was reindexed), only
+    evidence marks a copy corrupt, and a rank's rewind supersedes its older epochs' copies of
+    later steps."""
 
     def __init__(self) -> None:
         self._steps: dict[int, dict[int, LedgerShard]] = {}
@@ -133,7 +134,7 @@ class Ledger:
         shard = self._shard(f.step, f.rank, f.world_size or 0)
         bad = f.tier or ("nvme" if f.stage == "verify" else None)
         copy = shard.copies.get((bad, "" if bad == "s3" else f.node)) if bad else None
-        # Only evidence marks a copy corrupt (see `tierpipe.control.catalog.Catalog._failed`).
+        # Only evidence marks a copy corrupt (see `Catalog._failed` in tests/oracle_catalog.py).
         proof = f.error in EVIDENCE_ERRORS or f.stage == "verify"
         if copy is not None and not f.retryable and proof:
             copy.corrupt = True

@@ -1,5 +1,6 @@
 """The dev harness: embedded servers (a nats-server and a SeaweedFS S3 store on loopback) and
-`tierpipe demo`, for the tests, the benchmarks and trying tierpipe on one machine.
+`tierpipe demo` (`demo`; its simulated nodes and rank launches in `cluster`), for the tests,
+the benchmarks and trying tierpipe on one machine.
 
 Nothing in the library imports this package; only the CLI does (for `tierpipe demo`).
 """

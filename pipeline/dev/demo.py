@@ -19,35 +19,28 @@ renders the timeline of events per tier to a PNG.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import secrets
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from tierpipe.bus.client import Bus
-from tierpipe.control.catalog import Catalog
+from tierpipe.control.kvstate import JobStore
+from tierpipe.dev.cluster import Attempt, Node, launch
 from tierpipe.dev.nats import NatsServer
-from tierpipe.dev.process import free_ports, own_session, start_agent, terminate
 from tierpipe.dev.s3 import S3Server
 from tierpipe.dev.trainer import JOB
-from tierpipe.errors import ConfigError
+from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.names import job_subjects, msg_id
 from tierpipe.progress import Bar, bar
+from tierpipe.recovery.kvplan import KvPlan, plan_now
 from tierpipe.schemas import (
     Event,
     NodeBatch,
@@ -63,76 +56,6 @@ __all__ = ("run_demo",)
 
 #: Where the story's moments happen: (seconds since the start, what).
 Moments = list[tuple[float, str]]
-
-
-@dataclass
-class _Node:
-    name: str
-    nvme: Path
-    staging: Path
-    agent: subprocess.Popen[bytes] | None = None
-
-    def env(self, base: dict[str, str]) -> dict[str, str]:
-        return {**base, "TIERPIPE_NODE": self.name, "TIERPIPE_NVME_ROOT": str(self.nvme),
-                "TIERPIPE_STAGING_ROOT": str(self.staging)}  # fmt: skip
-
-    def start(self, base: dict[str, str], log: Path) -> _Node:
-        self.staging.mkdir(parents=True, exist_ok=True)
-        self.agent = start_agent(self.env(base), ["all"], log)
-        return self
-
-    def lose(self) -> None:
-        """SIGKILL the agent and wipe the node's disks: the node is gone."""
-        if self.agent is not None:
-            self.agent.kill()
-            self.agent.wait()
-        shutil.rmtree(self.nvme, ignore_errors=True)
-        shutil.rmtree(self.staging, ignore_errors=True)
-
-    def stop(self) -> None:
-        if self.agent is not None:
-            terminate(self.agent, 30)
-
-
-@dataclass
-class _Attempt:
-    """One launch of every rank (what torchrun does per attempt), with their JSON lines."""
-
-    procs: dict[int, subprocess.Popen[str]]
-    lines: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
-    seen: list[dict[str, Any]] = field(default_factory=list)
-
-    def drain(self, timeout_s: float) -> Iterator[dict[str, Any]]:
-        """Lines that arrived within `timeout_s` (all that are there, then waits)."""
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            return
-        while True:
-            self.seen.append(line)
-            yield line
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                return
-
-    def of(self, event: str) -> list[dict[str, Any]]:
-        return [x for x in self.seen if x["event"] == event]
-
-    def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs.values()) or not self.lines.empty()
-
-    def signal(self, sig: int, ranks: list[int] | None = None) -> None:
-        for r in self.procs if ranks is None else ranks:
-            p = self.procs[r]
-            if p.poll() is None:
-                p.send_signal(sig)
-
-    def kill(self, ranks: list[int], sig: int) -> None:
-        self.signal(sig, ranks)
-        self.signal(signal.SIGCONT, ranks)  # (a paused process acts on SIGTERM only now)
-        for r in ranks:
-            self.procs[r].wait(30)
 
 
 def run_demo(
@@ -160,7 +83,7 @@ def run_demo(
             "LOCAL_WORLD_SIZE": str(per_node),
         }
         bus_settings = settings.replace(nats_url=base["TIERPIPE_NATS_URL"])
-        nodes = {n: _Node(n, root / "nvme" / n, shm / n) for n in ("node-a", "node-b", "node-c")}
+        nodes = {n: Node(n, root / "nvme" / n, shm / n) for n in ("node-a", "node-b", "node-c")}
         print(f"tierpipe demo: {ranks} ranks on 2 nodes, {steps} steps, a save every {every}")
         print(f"  NATS {base['TIERPIPE_NATS_URL']}   S3 {base['TIERPIPE_S3_ENDPOINT']}"
               f" bucket {base['TIERPIPE_S3_BUCKET']}   data {root}")  # fmt: skip
@@ -170,8 +93,8 @@ def run_demo(
             stack.callback(nodes[n].start(base, root / "logs" / f"agent-{n}.log").stop)
         placement = {r: "node-a" if r < per_node else "node-b" for r in range(ranks)}
         show = stack.enter_context(bar("starting", total=steps, stderr=False))
-        first = _launch(base, nodes, placement, steps, every, root, attempt=1)
-        stack.callback(_Attempt.kill, first, list(range(ranks)), signal.SIGKILL)
+        first = launch(base, nodes, placement, steps, every, root, attempt=1)
+        stack.callback(Attempt.kill, first, list(range(ranks)), signal.SIGKILL)
         lost_after = _train_until_flushed(
             first, bus_settings, at=steps * 3 // 5, every=every, show=show
         )
@@ -194,8 +117,8 @@ def run_demo(
         restart = time.time()
         moments.append((restart - t0, "restart with node-c"))
         print("!! the job restarts: node-b's ranks on node-c (a replacement, its NVMe empty)")
-        second = _launch(base, nodes, placement, steps, every, root, attempt=2)
-        stack.callback(_Attempt.kill, second, list(range(ranks)), signal.SIGKILL)
+        second = launch(base, nodes, placement, steps, every, root, attempt=2)
+        stack.callback(Attempt.kill, second, list(range(ranks)), signal.SIGKILL)
         while second.running():
             for line in second.drain(0.5):
                 if line["event"] == "step" and line["rank"] == 0:
@@ -207,56 +130,13 @@ def run_demo(
         codes = {r: p.wait() for r, p in second.procs.items()}
         if restored := second.of("restored"):
             moments.append((max(x["t"] for x in restored) - t0, "every rank restored"))
-        events = anyio.run(_settled, bus_settings, steps)
-    return _report(first, second, codes, events, placement, every, t0, restart, moments, plot)
-
-
-def _launch(
-    base: dict[str, str],
-    nodes: dict[str, _Node],
-    placement: dict[int, str],
-    steps: int,
-    every: int,
-    root: Path,
-    *,
-    attempt: int,
-) -> _Attempt:
-    """Start every rank (`tierpipe demo --rank R`) on its node, with a fresh rendezvous."""
-    (port,) = free_ports(1)
-    ranks = len(placement)
-    per_node = int(base["LOCAL_WORLD_SIZE"])
-    procs = {}
-    for rank, node in placement.items():
-        env = nodes[node].env(base)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank % per_node))  # fmt: skip
-        log = open(root / "logs" / f"rank-{rank}-attempt-{attempt}.log", "ab")  # noqa: SIM115
-        procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "tierpipe.cli", "demo", "--rank", str(rank), "--ranks",
-             str(ranks), "--steps", str(steps), "--every", str(every)],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-            preexec_fn=own_session,
-        )  # fmt: skip
-        log.close()
-    attempt_ = _Attempt(procs)
-    for p in procs.values():
-        threading.Thread(target=_read_lines, args=(p, attempt_.lines), daemon=True).start()
-    return attempt_
-
-
-def _read_lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]]) -> None:
-    assert proc.stdout is not None
-    for text in proc.stdout:
-        try:
-            line = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(line, dict) and "event" in line:
-            out.put(line)
+        events, in_s3 = anyio.run(_settled, bus_settings, steps)
+    return _report(first, second, codes, (events, in_s3), placement, every, t0, restart, moments,
+                   plot)  # fmt: skip
 
 
 def _train_until_flushed(
-    attempt: _Attempt, settings: Settings, *, at: int, every: int, show: Bar
+    attempt: Attempt, settings: Settings, *, at: int, every: int, show: Bar
 ) -> int | None:
     """Let the first run train past step `at`, then pause its trainers (SIGSTOP) until the
     newest step every rank had saved by then is complete in S3, so that the replacement has a
@@ -285,24 +165,36 @@ def _train_until_flushed(
     show(trained, what=f"trainers paused until step {target} is in S3")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if target in anyio.run(_catalog, settings).complete_steps(JOB, ("s3",)):
+        # (the restore planner's answer if node-b were lost: `tierpipe plan --lost-node node-b`)
+        plan = anyio.run(_plan, settings, False, ("node-b",))
+        if plan is not None and plan.step >= target:
             for line in attempt.drain(0.2):  # (what they said before they stopped)
                 if line["event"] == "step":
                     trained = max(trained, line["step"])
             print(f"   (trainers paused at step {trained} until step {target} was in S3)")
+            print(f"   tierpipe plan --lost-node node-b: {plan.describe().splitlines()[0]}")
             return trained
         time.sleep(0.3)
     return None
 
 
-async def _catalog(settings: Settings) -> Catalog:
+async def _plan(settings: Settings, nvme_lost: bool, lost_nodes: tuple[str, ...]) -> KvPlan | None:
+    """What `tierpipe plan` says now (None: no step is restorable yet)."""
     async with Bus(settings, name="tierpipe-demo") as bus:
-        return await Catalog.replay(bus, JOB)
+        store = await JobStore(bus.js, settings).open()
+        try:
+            _, _, plan = await plan_now(bus, store, JOB, nvme_lost=nvme_lost, lost_nodes=lost_nodes)
+        except (NoCheckpointError, ConfigError):
+            return None
+        return plan
 
 
-async def _settled(settings: Settings, last: int, timeout_s: float = 60.0) -> list[Event]:
+async def _settled(
+    settings: Settings, last: int, timeout_s: float = 60.0
+) -> tuple[list[Event], bool]:
     """The job's events, each fact once (per rank; a node's batch repeats them), once the last
-    step reached S3 on every rank (or `timeout_s` passed)."""
+    step reached S3 on every rank (or `timeout_s` passed), and whether it did (the restore
+    planner, NVMe assumed lost, picks it)."""
     deadline = time.monotonic() + timeout_s
     async with Bus(settings, name="tierpipe-demo") as bus:
         while True:
@@ -313,11 +205,10 @@ async def _settled(settings: Settings, last: int, timeout_s: float = 60.0) -> li
                 if isinstance(b, NodeBatch):
                     events += [e for e in b.events if msg_id(e) not in seen]
                     seen.update(msg_id(e) for e in b.events)
-            catalog = Catalog()
-            for e in events:
-                catalog.apply(e)
-            if last in catalog.complete_steps(JOB, ("s3",)) or time.monotonic() > deadline:
-                return events
+            plan = await _plan(settings, True, ())
+            in_s3 = plan is not None and plan.step >= last
+            if in_s3 or time.monotonic() > deadline:
+                return events, in_s3
             await anyio.sleep(0.3)
 
 
@@ -348,10 +239,10 @@ def _services(stack: ExitStack, root: Path) -> dict[str, str]:
 
 
 def _report(
-    first: _Attempt,
-    second: _Attempt,
+    first: Attempt,
+    second: Attempt,
     codes: dict[int, int],
-    events: list[Event],
+    settled: tuple[list[Event], bool],
     placement: dict[int, str],
     every: int,
     t0: float,
@@ -359,7 +250,9 @@ def _report(
     moments: Moments,
     plot: str | None,
 ) -> int:
-    """Print the story's table; 0 when it held."""
+    """Print the story's table; 0 when it held. `settled`: the job's events, and whether the
+    last step is in S3 (`_settled`)."""
+    events, in_s3 = settled
     done = {x["rank"]: x for x in second.of("done")}
     restored = {x["rank"]: x for x in second.of("restored")}
     if len(done) < len(placement) or len(restored) < len(placement):
@@ -377,9 +270,6 @@ def _report(
     torch_save = statistics.median(x["torch_save_s"] for x in done.values())
     step_s = statistics.median(x["step_s"] for x in done.values() if x["step_s"] is not None)
     first_steps = [min(x["t"] for x in second.of("step") if x["rank"] == r) for r in done]
-    catalog = Catalog()
-    for e in events:
-        catalog.apply(e)
     last = max(x["step"] for x in done.values())
     tiers_ok = all(
         restored[r]["tier"] == ("s3" if node == "node-c" else "nvme")
@@ -391,7 +281,7 @@ def _report(
         and bool(twice)
         and tiers_ok
         and all(x["bitwise_equal"] for x in done.values())
-        and last in catalog.complete_steps(JOB, ("s3",))
+        and in_s3
     )
     print("\nwhat a save cost the trainer")
     print(f"  stall per save (median of {len(stalls)})      {stall * 1e3:9.2f} ms")
@@ -422,7 +312,7 @@ def _report(
           f"identical to the bit: {same and bool(twice)}")  # fmt: skip
     print(f"  every rank's final checkpoint (step {last}) reloads bitwise: "
           f"{all(x['bitwise_equal'] for x in done.values())}; it is in S3: "
-          f"{last in catalog.complete_steps(JOB, ('s3',))}")  # fmt: skip
+          f"{in_s3}")  # fmt: skip
     if plot:
         from tierpipe.dev.timeline import render
 

@@ -1,21 +1,39 @@
-"""What a restore would pick now, from the job state in KV alone (`tierpipe plan`).
+"""The plan an operator is shown: what a restore would pick now, from the job state in KV alone.
 
-A pure function of the head's candidate steps and their records (`kv_plan`), with the steps the
-rest of the job state does not confirm passed over and shown as such (`tierpipe.control.confirm`,
-`confirmed_plan`, reads the digests and calls it).
+`kv_plan` is the restore planner (`tierpipe.recovery.plan.choose`, what rank 0 of a restart
+calls) over the head's candidate steps and their records, with an assumption about NVMe in place
+of the look at each rank's disk a restart takes; `KvPlan` says the result for `tierpipe plan`
+(text and `--json`), `tierpipe status` and the demo. The steps the rest of the job state does not
+confirm are passed over and shown as such (`confirmed_plan` reads the digests and calls
+`kv_plan`); `plan_now` reads the job state and plans, as `tierpipe plan` and the demo do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from tierpipe.bus.client import Bus
 from tierpipe.control.bitmap import ranks_of
+from tierpipe.control.confirm import check_step, claims
+from tierpipe.control.folded import folded_head
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
-from tierpipe.schemas.jobstate import StepRecord
+from tierpipe.names import shard_subject
+from tierpipe.recovery.plan import choose, recorded
+from tierpipe.schemas import ShardEvent
+from tierpipe.schemas.jobstate import JobHead, StepRecord
 
-__all__ = ("ASSUME_NVME_KEPT", "ASSUME_NVME_LOST", "KvPlan", "kv_plan")
+__all__ = (
+    "ASSUME_NVME_KEPT",
+    "ASSUME_NVME_LOST",
+    "KvPlan",
+    "PlanJson",
+    "confirmed_plan",
+    "kv_plan",
+    "node_ranks",
+    "plan_now",
+)
 
 #: Ranks named in a rejection reason (the rest are counted).
 _NAMED_RANKS = 8
@@ -26,6 +44,14 @@ ASSUME_NVME_KEPT = (
     "object storage"
 )
 ASSUME_NVME_LOST = "assumes every NVMe copy is lost (--nvme-lost): every rank reads object storage"
+ASSUME_NODES_LOST = (
+    "assumes the NVMe copies of the ranks {nodes} saved are lost (--lost-node): those ranks read "
+    "object storage, the others their own node's NVMe copy (a restart also checks each file on "
+    "its disk)"
+)
+
+#: `tierpipe plan --json`: one JSON object (see `KvPlan.to_json`).
+PlanJson = dict[str, int | str | list[int] | list[str] | dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +70,8 @@ class KvPlan:
     nvme_lost: bool = False
     #: newer candidate step -> why the job state does not back what its head says of it.
     unconfirmed: dict[int, str] = field(default_factory=dict)
+    #: The nodes assumed lost with their NVMe (`--lost-node`).
+    lost_nodes: tuple[str, ...] = ()
 
     @property
     def from_nvme(self) -> int:
@@ -62,10 +90,19 @@ class KvPlan:
         for step, why in sorted(self.rejected.items(), reverse=True):
             lines.append(f"  step {step} rejected: {why}")
         lines.append(f"  candidates: {', '.join(map(str, self.candidates))}")
-        lines.append(f"  note: {ASSUME_NVME_LOST if self.nvme_lost else ASSUME_NVME_KEPT}")
+        lines.append(f"  note: {self.assumption}")
         return "\n".join(lines)
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def assumption(self) -> str:
+        """What the plan assumes of NVMe, for operators."""
+        if self.nvme_lost:
+            return ASSUME_NVME_LOST
+        if self.lost_nodes:
+            return ASSUME_NODES_LOST.format(nodes=" and ".join(self.lost_nodes))
+        return ASSUME_NVME_KEPT
+
+    def to_json(self) -> PlanJson:
         """`tierpipe plan --json`."""
         return {
             "job": self.job,
@@ -77,7 +114,12 @@ class KvPlan:
             "candidates": self.candidates,
             "rejected": {str(s): why for s, why in self.rejected.items()},
             "unconfirmed": {str(s): why for s, why in self.unconfirmed.items()},
-            "assumes": "nvme_lost" if self.nvme_lost else "nvme_kept",
+            "assumes": "nvme_lost"
+            if self.nvme_lost
+            else "nodes_lost"
+            if self.lost_nodes
+            else "nvme_kept",
+            "lost_nodes": list(self.lost_nodes),
         }
 
 
@@ -87,14 +129,17 @@ def kv_plan(
     records: Mapping[int, StepRecord],
     *,
     nvme_lost: bool = False,
+    lost_nodes: Sequence[str] = (),
+    lost_ranks: Collection[int] = (),
     unconfirmed: Mapping[int, str] | None = None,
 ) -> KvPlan:
-    """The newest of `candidates` (newest first, as a restart considers them) on which every
-    rank has a copy on some tier, as the records say: each rank reads NVMe where the record has
-    its copy there (unless `nvme_lost`), else object storage. The world size is the newest
-    candidate's (a restart of another size would be refused); steps of another size are
-    rejected. `unconfirmed` (step -> why): candidates passed over, whatever their records say
-    (the job state does not back them: `tierpipe.control.confirm`).
+    """What a restart would pick among `candidates` (newest first, as a restart considers
+    them), from their `records` alone: `choose` over every rank's steps as the records say
+    them (`recorded`), NVMe assumed kept, lost (`nvme_lost`), or lost for `lost_ranks` (the
+    ranks whose NVMe copies were on `lost_nodes`). The world size is the newest candidate's (a
+    restart of another size would be refused); steps of another size are rejected.
+    `unconfirmed` (step -> why): candidates passed over, whatever their records say (the job
+    state does not back them: `tierpipe.control.confirm`).
 
     Raises:
         NoCheckpointError: no candidate has a copy of every rank (says why, per step).
@@ -109,39 +154,109 @@ def kv_plan(
             + (f" ({'; '.join(why)})" if why else "")
         )
     world = newest.world_size
-    everyone = (1 << world) - 1
-    rejected: dict[int, str] = {}
     passed = {s: w for s, w in doubted.items() if s in candidates}
-    for s in candidates:
-        if s in passed:
-            continue
-        rec = records.get(s)
-        if rec is None:
-            rejected[s] = "no record of the step in the job state (retention removed it?)"
-            continue
-        if rec.world_size != world:
-            rejected[s] = f"saved with world size {rec.world_size}"
-            continue
-        nvme = 0 if nvme_lost else int.from_bytes(rec.nvme, "little") & everyone
-        s3 = 0 if rec.s3_removed else int.from_bytes(rec.s3, "little") & everyone
-        lacking = everyone & ~(nvme | s3)
-        if not lacking:
-            return KvPlan(job, s, world, _ranks(everyone & ~nvme), list(candidates), rejected,
-                          nvme_lost, passed)  # fmt: skip
-        missing = _ranks(lacking)
-        rejected[s] = f"{len(missing)} of {world} ranks have no copy ({_named(missing)})" + (
-            " (objects removed by retention)" if rec.s3_removed else ""
+    considered = [s for s in candidates if s not in passed]
+    lost: bool | Collection[int] = True if nvme_lost else lost_ranks
+    reports, bad, notes = recorded(considered, records, world, nvme_lost=lost)
+    choice = choose(
+        job, reports, world, candidates=considered, unusable=bad, notes=notes,
+        passed={s: f"unconfirmed: {w}" for s, w in passed.items()},
+    )  # fmt: skip
+    return KvPlan(
+        job, choice.step, world, ranks_of(choice.from_s3), list(candidates), choice.rejected,
+        nvme_lost, passed, tuple(lost_nodes),
+    )  # fmt: skip
+
+
+async def confirmed_plan(
+    store: JobStore,
+    job: str,
+    head: JobHead,
+    records: Mapping[int, StepRecord],
+    *,
+    step: int | None = None,
+    nvme_lost: bool = False,
+    lost_nodes: Sequence[str] = (),
+    lost_ranks: Collection[int] = (),
+) -> KvPlan:
+    """`kv_plan` over `head`'s candidates (`records`: theirs, as read), each step it would pick
+    confirmed first (`check_step`: every rank's digest, which a restore reads each copy
+    against): one that is not is passed over, shown as unconfirmed, and the next planned. So is
+    a step the head claims complete that has no record.
+
+    Raises:
+        NoCheckpointError: no candidate is confirmed and restorable (says why, per step).
+        BusUnavailableError, BusError: the KV could not be read.
+    """
+    candidates = head.candidates(step)
+    unconfirmed = {
+        s: "the head says it is complete, but the step has no record (removed since?)"
+        for s in candidates
+        if s not in records and claims(head, s)
+    }
+    while True:
+        plan = kv_plan(
+            job, candidates, records, nvme_lost=nvme_lost, lost_nodes=lost_nodes,
+            lost_ranks=lost_ranks, unconfirmed=unconfirmed,
+        )  # fmt: skip
+        why = await check_step(store, job, records[plan.step], plan.step, tiers=None)
+        if not why:
+            return plan
+        unconfirmed[plan.step] = why
+
+
+async def plan_now(
+    bus: Bus,
+    store: JobStore,
+    job: str,
+    *,
+    step: int | None = None,
+    nvme_lost: bool = False,
+    lost_nodes: Sequence[str] = (),
+) -> tuple[JobHead, int, KvPlan]:
+    """What a restore of `job` would pick now (`tierpipe plan`, the demo): the job's head once
+    folded (`folded_head`), its candidates' records, and `confirmed_plan` over them, with NVMe
+    assumed kept, lost (`nvme_lost`), or lost on `lost_nodes` (the ranks those nodes saved,
+    `node_ranks`). Returns (head, the stream seq of the job's newest event, the plan).
+
+    Raises:
+        ConfigError: the job has no state in KV.
+        NoCheckpointError: `step` has no record, or no candidate is confirmed and restorable.
+        BusUnavailableError, BusError: NATS or the KV could not be read.
+    """
+    head, stream_seq = await folded_head(bus, store, job)
+    records = await store.records(job, head.candidates(step))
+    if step is not None and step not in records:
+        kept = ", ".join(map(str, head.steps)) or "none"
+        raise NoCheckpointError(
+            f"step {step} of job {job!r} has no record in its job state (the steps it keeps: "
+            f"{kept})"
         )
-    detail = "; ".join(
-        [f"step {s}: unconfirmed: {why}" for s, why in passed.items()]
-        + [f"step {s}: {why}" for s, why in rejected.items()]
-    )
-    raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
+    # (the ranks those nodes ran at the world size of the newest step with a record)
+    world = next((records[s].world_size for s in head.candidates(step) if s in records), 0)
+    lost_ranks = await node_ranks(bus, job, lost_nodes, world) if lost_nodes else []
+    # (steps the rest of the job state does not back are passed over, shown as such)
+    plan = await confirmed_plan(
+        store, job, head, records, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes,
+        lost_ranks=lost_ranks,
+    )  # fmt: skip
+    return head, stream_seq, plan
 
 
-def _ranks(bits: int) -> list[int]:
-    """The ranks set in a bitmap read as one little-endian integer, ascending."""
-    return ranks_of(bits.to_bytes((bits.bit_length() + 7) // 8, "little"))
+async def node_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) -> list[int]:
+    """The ranks of `job` at `world_size` that `nodes` ran (those of the nodes' events: the
+    newest on each subject, a kind per rank, not the history; the job state does not record
+    nodes), ascending.
+
+    Raises:
+        BusUnavailableError, BusError: NATS could not be read.
+    """
+    ranks: set[int] = set()
+    for node in nodes:
+        for _, event in await bus.latest(shard_subject(job, "*", node, "*")):
+            if isinstance(event, ShardEvent) and event.world_size == world_size:
+                ranks.add(event.rank)
+    return sorted(ranks)
 
 
 def _named(ranks: Sequence[int]) -> str:

@@ -25,9 +25,9 @@ import anyio
 import structlog
 
 from tierpipe.bus.client import Bus
-from tierpipe.control.catalog import EVIDENCE_ERRORS
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
+    EVIDENCE_ERRORS,
     IntegrityError,
     ResourceExhaustedError,
     ShardMissingError,

@@ -1,26 +1,29 @@
-"""Recovery planning: which step to restore, and where each rank reads its shard from.
+"""The restore planner: which step a restore picks, and which ranks read it from object storage.
 
-`plan_recovery` is a pure function of the catalog, the new run's world size, the nodes that
-survived and the new run's rank -> node map (no I/O: `tierpipe plan` and rank 0 of a restart
-both call it). It picks the newest step for which every rank has a verified copy it can reach:
-its own node's NVMe copy if that node survived and still holds it, else the object-storage copy.
-Each rank gets its sources in order of preference, so a copy that turns out bad at load time
-falls back to the next one; every newer step that could not be used is listed with the reason,
-for operators.
+One pure function, `choose`, over per rank the candidate steps it can read from its own node's
+NVMe and from object storage (`Steps`): the newest step every rank has a copy of, each rank
+reading its NVMe copy where it has one. Its inputs come from the job state in KV, two ways:
+- a restart: every node's local leader reads the candidates' records and checks each of its
+  ranks' NVMe files on disk (`tierpipe.recovery.survey`), and rank 0 calls `choose` with every
+  rank's `ready` report;
+- `tierpipe plan`, `tierpipe status` and the demo: `recorded` reads the same records with an
+  assumption about NVMe (every copy kept, every copy lost, or those of given ranks lost) instead
+  of a look at the disks, and `tierpipe.recovery.kvplan.kv_plan` calls `choose` with them.
+`unusable` and `counts` are what both read of a step's record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
-from tierpipe.control.bitmap import bitmap
-from tierpipe.control.catalog import Catalog, Copy, Shard
-from tierpipe.errors import ConfigError, NoCheckpointError, WorldSizeMismatchError
-from tierpipe.schemas import SourceRef
+from tierpipe.control.bitmap import bitmap, has_rank, ranks_of
+from tierpipe.errors import NoCheckpointError
+from tierpipe.schemas import RankSteps, SourceRef
+from tierpipe.schemas.jobstate import StepRecord
 
-__all__ = ("Choice", "Plan", "Source", "Steps", "choose", "plan_recovery")
+__all__ = ("Choice", "Source", "Steps", "choose", "counts", "recorded", "unusable")
 
 #: Ranks named in a rejection reason (the rest are counted).
 _NAMED_RANKS = 8
@@ -28,36 +31,12 @@ _NAMED_RANKS = 8
 #: Where one rank reads its shard from (a tier, a node, a location; see `SourceRef`).
 Source: TypeAlias = SourceRef
 
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The step to restore and every rank's sources; `describe()` says it for operators."""
-
-    job: str
-    step: int
-    world_size: int
-    #: rank -> copies to try, best first.
-    sources: dict[int, list[Source]]
-    #: newer step -> why it could not be used.
-    rejected: dict[int, str] = field(default_factory=dict)
-    #: What operators should know about the chosen step (copies skipped as corrupt, ...).
-    notes: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        lines = [f"restore step {self.step} of job {self.job!r} ({self.world_size} ranks)"]
-        for rank, srcs in sorted(self.sources.items()):
-            first = srcs[0]
-            where = f"NVMe on {first.node}" if first.tier == "nvme" else "object storage"
-            more = f" (then {len(srcs) - 1} fallback)" if len(srcs) > 1 else ""
-            lines.append(f"  rank {rank}: {where}: {first.location}{more}")
-        for step, why in sorted(self.rejected.items(), reverse=True):
-            lines.append(f"  step {step} rejected: {why}")
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
+#: Why no rank can use a step whose record is gone.
+NO_RECORD = "no record of the step in the job state (retention removed it?)"
 
 
 class Steps(Protocol):
-    """What one rank reported it can restore (`RankSteps`, or a `RestoreReport` of its own)."""
+    """What one rank can restore (`RankSteps`, or a `RestoreReport` of its own)."""
 
     @property
     def local_steps(self) -> list[int]: ...
@@ -69,8 +48,8 @@ class Steps(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """Rank 0's pick from every rank's `ready` report: the step, and which ranks read it from
-    object storage (bitmap, as `RecoveryPlanned.from_s3`)."""
+    """The planner's pick: the step, and which ranks read it from object storage (bitmap, as
+    `RecoveryPlanned.from_s3`)."""
 
     step: int
     from_s3: bytes
@@ -84,20 +63,39 @@ def choose(
     world_size: int,
     *,
     step: int | None = None,
+    candidates: Sequence[int] | None = None,
     exclude: Mapping[int, str] = {},
+    unusable: Mapping[int, str] = {},
+    notes: Mapping[int, str] = {},
+    passed: Mapping[int, str] = {},
 ) -> Choice:
     """The newest step every rank has a copy of (or exactly `step`): each rank reads its own
-    NVMe copy where it reported one, else the object (a pure function of the reports: a few
+    NVMe copy where it has one, else the object (a pure function of the reports: a few
     candidate steps per rank, whatever the job's size).
+
+    Args:
+        candidates: the steps to consider (default: every step some rank has).
+        exclude: steps a rank found no loadable copy of in this restore (step -> its words).
+        unusable: steps no rank can use (step -> why: no record, another world size).
+        notes: step -> what to add to its rejection (its objects were removed, ...).
+        passed: steps passed over before planning (step -> why), named when none is left.
 
     Raises:
         NoCheckpointError: no candidate step has a copy for every rank (says why, per step).
     """
     local = {r: set(rep.local_steps) for r, rep in reports.items()}
     anywhere = {r: local[r] | set(rep.s3_steps) for r, rep in reports.items()}
-    steps = set().union(*anywhere.values()) if step is None else {step}
+    if step is not None:
+        steps: Collection[int] = [step]
+    elif candidates is not None:
+        steps = candidates
+    else:
+        steps = set().union(*anywhere.values())
     rejected: dict[int, str] = {}
     for s in sorted(steps, reverse=True):
+        if s in unusable:
+            rejected[s] = unusable[s]
+            continue
         if s in exclude:
             rejected[s] = f"a rank found no loadable copy in this restore ({exclude[s]})"
             continue
@@ -105,17 +103,20 @@ def choose(
         if not lacking:
             s3 = [r for r in range(world_size) if s not in local[r]]
             return Choice(s, bitmap(s3, world_size), rejected)
-        rejected[s] = _lacking(lacking, reports, s, world_size)
-    if not rejected:
+        rejected[s] = _lacking(lacking, reports, world_size) + notes.get(s, "")
+    if not rejected and not passed:
         raise NoCheckpointError(
             f"job {job!r} has no checkpoints in its job state (never saved, or the state was "
             f"lost: `tierpipe reindex --job {job}` rebuilds it)"
         )
-    detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
+    detail = "; ".join(
+        [f"step {s}: {why}" for s, why in passed.items()]
+        + [f"step {s}: {why}" for s, why in rejected.items()]
+    )
     raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
 
 
-def _lacking(ranks: list[int], reports: Mapping[int, Steps], step: int, world_size: int) -> str:
+def _lacking(ranks: list[int], reports: Mapping[int, Steps], world_size: int) -> str:
     named = ", ".join(
         f"rank {r}" + (f" [{reports[r].error}]" if r in reports and reports[r].error else "")
         for r in ranks[:_NAMED_RANKS]
@@ -124,154 +125,66 @@ def _lacking(ranks: list[int], reports: Mapping[int, Steps], step: int, world_si
     return f"{len(ranks)} of {world_size} ranks have no copy ({named}{more})"
 
 
-def plan_recovery(
-    catalog: Catalog,
-    job: str,
-    *,
+def unusable(rec: StepRecord | None, world_size: int) -> str:
+    """Why no rank of a restart of `world_size` ranks can use the step `rec` records ("" if
+    they may: see `counts` for each rank)."""
+    if rec is None:
+        return NO_RECORD
+    if rec.world_size != world_size:
+        return f"saved with world size {rec.world_size}"
+    return ""
+
+
+def counts(rec: StepRecord, rank: int) -> tuple[bool, bool]:
+    """Whether the job state counts `rank`'s copy of `rec`'s step (NVMe: verified, not evicted
+    or proven bad; object storage: confirmed by the store, not removed by retention)."""
+    return has_rank(rec.nvme, rank), has_rank(rec.s3, rank) and not rec.s3_removed
+
+
+def recorded(
+    candidates: Sequence[int],
+    records: Mapping[int, StepRecord],
     world_size: int,
-    alive: Collection[str],
-    rank_nodes: Mapping[int, str],
-    step: int | None = None,
-    exclude: Collection[int] | Mapping[int, str] = (),
-    local_steps: Mapping[int, Collection[int]] | None = None,
-) -> Plan:
-    """The newest restorable step (or exactly `step`) and every rank's sources.
-
-    Args:
-        alive: nodes that survived with their NVMe (a replaced node is not alive).
-        rank_nodes: the new run's node for each rank.
-        step: restore this step rather than the newest possible one.
-        exclude: steps already found unusable in this restart (a rank had no loadable copy);
-            a mapping gives the reason for each.
-        local_steps: per rank, the steps whose NVMe copy that rank found on its node (checked on
-            disk); when given, an NVMe copy counts only if it is listed.
-
-    Raises:
-        WorldSizeMismatchError: the newest checkpoint has another world size.
-        NoCheckpointError: nothing restorable (the message says why for each step).
-    """
-    missing = set(range(world_size)) - set(rank_nodes)
-    if missing:
-        raise ConfigError(f"rank -> node map lacks ranks {sorted(missing)}")
-    steps = catalog.steps(job)
-    if not steps:
-        raise NoCheckpointError(f"job {job!r} has no checkpoints in the event stream")
-    if step is not None and step not in steps:
-        raise NoCheckpointError(
-            f"step {step} of job {job!r} was never saved; {_newest_saved(catalog, job)}"
-        )
-    rejected: dict[int, str] = {}
-    candidates = sorted((s for s in steps if step is None or s == step), reverse=True)
-    for s in candidates:
-        shards = steps[s]
-        if s in exclude:
-            why = exclude[s] if isinstance(exclude, Mapping) else ""
-            rejected[s] = f"a rank found no loadable copy in this restore ({why or 'see its log'})"
+    *,
+    nvme_lost: bool | Collection[int] = False,
+) -> tuple[dict[int, RankSteps], dict[int, str], dict[int, str]]:
+    """Every rank's steps among `candidates` as the job state records them, with no look at
+    any disk: each rank can read NVMe where the record counts its copy (`counts`), unless its
+    NVMe copies are lost (`nvme_lost`: True for every rank, else the ranks whose node is gone),
+    and object storage where the record counts its object. Returns (reports, unusable, notes)
+    for `choose`: by rank, and step -> why no rank can use it (`unusable`) or what to add to
+    its rejection (its objects were removed by retention)."""
+    everyone = (1 << world_size) - 1
+    lost = (
+        everyone
+        if nvme_lost is True
+        else int.from_bytes(bitmap([r for r in (nvme_lost or ()) if r < world_size], world_size),
+                            "little")
+    )  # fmt: skip
+    local: dict[int, list[int]] = {r: [] for r in range(world_size)}
+    remote: dict[int, list[int]] = {r: [] for r in range(world_size)}
+    bad: dict[int, str] = {}
+    notes: dict[int, str] = {}
+    for s in sorted(candidates, reverse=True):
+        rec = records.get(s)
+        why = unusable(rec, world_size)
+        if why or rec is None:
+            bad[s] = why
             continue
-        # Only shards with a verified copy say which world size saved the step: a bogus event
-        # must not turn into a world-size error.
-        backed = [sh for sh in shards if any(c.usable for c in sh.copies.values())]
-        if not backed:
-            rejected[s] = "; ".join(_why_not(sh, sh.rank, "", alive) for sh in shards)
-            continue
-        saved_world = backed[0].world_size
-        if saved_world != world_size:
-            if not rejected and s == candidates[0]:
-                raise WorldSizeMismatchError(
-                    f"step {s} of job {job!r} was saved by {saved_world} ranks, this run has "
-                    f"{world_size}; restore needs the same world size (no resharding yet)"
-                )
-            rejected[s] = f"saved with world size {saved_world}"
-            continue
-        by_rank = {sh.rank: sh for sh in shards if sh.world_size == world_size}
-        sources: dict[int, list[Source]] = {}
-        problems = []
-        for rank in range(world_size):
-            here = None if local_steps is None else s in local_steps.get(rank, ())
-            found = _sources(by_rank.get(rank), rank_nodes[rank], alive, here)
-            if found:
-                sources[rank] = found
-            else:
-                problems.append(_why_not(by_rank.get(rank), rank, rank_nodes[rank], alive))
-        if not problems:
-            return Plan(job, s, world_size, sources, rejected, _notes(by_rank.values(), job))
-        rejected[s] = "; ".join(problems)
-    detail = "; ".join(f"step {s}: {why}" for s, why in rejected.items())
-    raise NoCheckpointError(f"no restorable step of job {job!r} ({detail})")
+        nvme = int.from_bytes(rec.nvme, "little") & everyone & ~lost
+        s3 = 0 if rec.s3_removed else int.from_bytes(rec.s3, "little") & everyone
+        for r in _ranks(nvme):
+            local[r].append(s)
+        for r in _ranks(s3):
+            remote[r].append(s)
+        if rec.s3_removed:
+            notes[s] = " (objects removed by retention)"
+    reports = {
+        r: RankSteps(rank=r, local_steps=local[r], s3_steps=remote[r]) for r in range(world_size)
+    }
+    return reports, bad, notes
 
 
-def _newest_saved(catalog: Catalog, job: str, count: int = 5) -> str:
-    done = catalog.complete_steps(job, ("nvme", "s3"))
-    if not done:
-        return "no step of it is complete on any tier"
-    newest = ", ".join(map(str, reversed(done[-count:])))
-    return f"the newest complete steps are {newest}"
-
-
-def _sources(
-    shard: Shard | None, node: str, alive: Collection[str], on_disk: bool | None
-) -> list[Source]:
-    if shard is None:
-        return []
-    out = []
-    nvme = shard.copy("nvme", node)
-    if nvme is not None and nvme.usable and node in alive and on_disk is not False:
-        out.append(_ref(nvme, node))
-    obj = shard.copy("s3")
-    if obj is not None and obj.usable:
-        out.append(_ref(obj, ""))
-    return out
-
-
-def _ref(copy: Copy, node: str) -> Source:
-    return Source(
-        tier=copy.tier,
-        node=node,
-        location=copy.location,
-        nbytes=copy.nbytes,
-        header_digest=copy.header_digest or "0" * 32,
-    )
-
-
-def _why_not(shard: Shard | None, rank: int, node: str, alive: Collection[str]) -> str:
-    if shard is None:
-        return f"rank {rank} never saved it"
-    held = [
-        f"{c.tier} on {c.node}" + (" (node gone)" if c.node not in alive else "")
-        for (tier, _), c in shard.copies.items()
-        if tier == "nvme" and c.usable
-    ]
-    states = [
-        f"{c.tier}{'@' + c.node if c.node else ''}: "
-        + (
-            "superseded (a later run went back past it)"
-            if c.superseded
-            else "evicted"
-            if c.evicted
-            else _corrupt(c, shard.job)
-            if c.corrupt
-            else "unverified"
-        )
-        for c in shard.copies.values()
-        if c.tier != "ram" and not c.usable
-    ]
-    reason = ", ".join(held + states + shard.doubts) or "no copy beyond RAM"
-    where = f" (on {node})" if node else ""
-    return f"rank {rank}{where} has no reachable verified copy [{reason}]"
-
-
-def _corrupt(copy: Copy, job: str) -> str:
-    why = copy.corrupt_reason or "a failed check"
-    if len(why) > 160:
-        why = why[:157] + "..."
-    return f"marked corrupt ({why}; `tierpipe reindex --job {job}` re-checks it)"
-
-
-def _notes(shards: Iterable[Shard], job: str) -> list[str]:
-    """Copies of the chosen step the plan skipped as corrupt (a fallback took their place)."""
-    return [
-        f"rank {sh.rank}: {c.tier}{'@' + c.node if c.node else ''} skipped: {_corrupt(c, job)}"
-        for sh in shards
-        for c in sh.copies.values()
-        if c.corrupt and not c.evicted
-    ]
+def _ranks(bits: int) -> list[int]:
+    """The ranks set in a bitmap read as one little-endian integer, ascending."""
+    return ranks_of(bits.to_bytes((bits.bit_length() + 7) // 8, "little"))

@@ -24,10 +24,10 @@ from tierpipe.bus.client import Bus
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import ConfigError, NoCheckpointError, ResourceExhaustedError
-from tierpipe.names import node_name, shard_relpath, shard_subject
+from tierpipe.names import node_name, shard_relpath
 from tierpipe.progress import Progress, Ticker
+from tierpipe.recovery.kvplan import node_ranks
 from tierpipe.recovery.reindex import nvme_events
-from tierpipe.schemas import ShardEvent
 from tierpipe.settings import Settings
 from tierpipe.storage.durable import fsync_dir, makedirs_durable, unlink_quietly
 from tierpipe.storage.lock import temp_path
@@ -72,11 +72,7 @@ async def prefetch(
         rec = None if step is None else await store.record(job, step)
         if step is None or rec is None or rec.s3_removed:
             raise NoCheckpointError(f"job {job!r} has no step {step or ''} in object storage")
-        # (the newest event on each of the node's subjects: a kind per rank, not its history)
-        ranks = sorted({
-            e.rank for _, e in await bus.latest(shard_subject(job, "*", source, "*"))
-            if isinstance(e, ShardEvent) and e.world_size == rec.world_size
-        })  # fmt: skip
+        ranks = await node_ranks(bus, job, [source], rec.world_size)
         if not ranks:
             raise ConfigError(
                 f"node {source!r} has no events of job {job!r} at world size {rec.world_size}: "

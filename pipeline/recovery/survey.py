@@ -13,25 +13,23 @@ either reaches a tensor.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 import msgspec
 import structlog
 
 from tierpipe.bus.client import Bus
-from tierpipe.control.bitmap import has_rank
 from tierpipe.control.coordinator import Coordinator
 from tierpipe.control.kvstate import JobStore, digests_key
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
-from tierpipe.recovery.plan import Source
+from tierpipe.recovery.plan import Source, counts, unusable
 from tierpipe.schemas import decode_event
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
@@ -45,6 +43,7 @@ log = structlog.get_logger(__name__)
 Locate = Callable[[str, int, int, int], str]
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +68,8 @@ class Reads:
 
     def __init__(self, store: JobStore, job: str) -> None:
         self.store, self.job = store, job
-        self._records: dict[int, asyncio.Future[StepRecord | None]] = {}
-        self._chunks: dict[tuple[int, int], asyncio.Future[RankDigests | None]] = {}
+        self._records: dict[int, _Shared[StepRecord | None]] = {}
+        self._chunks: dict[tuple[int, int], _Shared[RankDigests | None]] = {}
 
     def add(self, head: JobHead) -> None:
         """Take the records `head` carries (`JobHead.records`): no read of their keys.
@@ -79,9 +78,7 @@ class Reads:
             msgspec.ValidationError: a record the head carries is garbled.
         """
         for stored in head.records:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(stored.record())
-            self._records[stored.step] = done
+            self._records[stored.step] = _Shared.of(stored.record())
 
     async def record(self, step: int) -> StepRecord | None:
         """`step`'s record, or None."""
@@ -98,13 +95,43 @@ class Reads:
         return None if value is None else msgspec.json.decode(value, type=RankDigests)
 
 
-async def _once(
-    cache: dict[Any, asyncio.Future[T]], key: Any, read: Callable[[], Coroutine[Any, Any, T]]
-) -> T:
-    task = cache.get(key)
-    if task is None or (task.done() and task.exception() is not None):  # (a failed read: again)
-        task = cache[key] = asyncio.ensure_future(read())
-    return await asyncio.shield(task)
+class _Shared(Generic[T]):
+    """One read's outcome, for every reader of its key: set once the read ended."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.value: T | None = None
+        self.failed: BaseException | None = None
+
+    @classmethod
+    def of(cls, value: T) -> _Shared[T]:
+        shared = cls()
+        shared.value = value
+        shared.done.set()
+        return shared
+
+
+async def _once(cache: dict[K, _Shared[T]], key: K, read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`'s value, read once for `key` by the first to ask (the others wait for it); a
+    read that failed, or whose reader was cancelled, is read again by the next to ask."""
+    while True:
+        shared = cache.get(key)
+        if shared is None or (shared.done.is_set() and shared.failed is not None):
+            shared = cache[key] = _Shared()
+            try:
+                shared.value = await read()
+            except BaseException as e:
+                shared.failed = e
+                raise
+            finally:
+                shared.done.set()
+            return shared.value
+        await shared.done.wait()
+        if shared.failed is None:
+            return shared.value  # type: ignore[return-value]  # (set with done)
+        if not isinstance(shared.failed, anyio.get_cancelled_exc_class()):
+            raise shared.failed
+        # (its reader was cancelled, not this one: read again)
 
 
 async def current_head(
@@ -221,18 +248,23 @@ async def survey(
         WorldSizeMismatchError: the newest candidate was saved by another number of ranks.
     """
     found = {r: Survey(list(steps)) for r in ranks}
-    records = await asyncio.gather(*(reads.record(s) for s in steps))
+    records: list[StepRecord | None] = [None] * len(steps)
+
+    async def read(i: int, step: int) -> None:
+        records[i] = await reads.record(step)
+
+    async with anyio.create_task_group() as tg:  # (the candidates' records, at once)
+        for i, s in enumerate(steps):
+            tg.start_soon(read, i, s)
     for i, (s, rec) in enumerate(zip(steps, records, strict=True)):
-        if rec is None:
-            _all_missing(found, s, "no record of the step in the job state (retention removed it?)")
-            continue
-        if rec.world_size != world_size:
-            if i == 0:
+        why = unusable(rec, world_size)  # (as `tierpipe plan` reads the record)
+        if why or rec is None:
+            if i == 0 and rec is not None:
                 raise WorldSizeMismatchError(
                     f"step {s} of job {reads.job!r} was saved by {rec.world_size} ranks, this run "
                     f"has {world_size}; restore needs the same world size (no resharding yet)"
                 )
-            _all_missing(found, s, f"saved with world size {rec.world_size}")
+            _all_missing(found, s, why)
             continue
         for rank in ranks:
             await _check(found[rank], reads, rec, rank=rank, node=node, locate_nvme=locate_nvme)
@@ -250,12 +282,13 @@ async def _check(
     """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
-    if has_rank(rec.nvme, rank):  # (a copy proven bad, or evicted, stays out)
+    nvme, s3 = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    if nvme:  # (a copy proven bad, or evicted, stays out)
         path = locate_nvme(reads.job, s, rank, world)
         local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)
         if not local_why:
             local_why = await _check_local(found, reads, rec, rank, node, path)
-    if has_rank(rec.s3, rank) and not rec.s3_removed:
+    if s3:
         found.remote.add(s)
     elif s not in found.local:
         removed = " (removed)" if rec.s3_removed else ""

@@ -1,8 +1,9 @@
-"""The catalog: events folded into job -> step -> rank -> copies on each tier.
+"""A test oracle: events folded into job -> step -> rank -> copies on each tier, from the whole
+history (not in the wheel: the product reads the job state in KV, `tierpipe.control.jobstate`).
 
-One fold serves every reader of the stream (`status`, eviction and recovery); `Catalog.replay`
-folds a job's stored history. Applying the same event twice changes nothing, so replays and
-redeliveries are harmless.
+The property tests hold the job state against it, and `oracle_plan` plans over it;
+`Catalog.replay` folds a job's stored history. Applying the same event twice changes nothing,
+so replays and redeliveries are harmless.
 
 A copy counts only with the evidence its tier needs, so one schema-valid but bogus event cannot
 make a step restorable:
@@ -31,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.names import job_subjects
 from tierpipe.schemas import (
     Event,
@@ -50,10 +52,7 @@ from tierpipe.schemas import (
 if TYPE_CHECKING:
     from tierpipe.bus.client import Bus
 
-__all__ = ("EVIDENCE_ERRORS", "Catalog", "Copy", "Shard")
-
-#: Error classes that prove a copy bad (as opposed to unreachable, missing or refused).
-EVIDENCE_ERRORS = frozenset({"IntegrityError", "ShardFormatError"})
+__all__ = ("Catalog", "Copy", "Shard")
 
 
 @dataclass(slots=True)
