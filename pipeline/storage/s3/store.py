@@ -23,10 +23,9 @@ import base64
 import mmap
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, AsyncExitStack
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
 
 import anyio
 import structlog
@@ -54,29 +53,18 @@ from tierpipe.storage.s3.client import (
 from tierpipe.storage.s3.errors import NotFound, first_error
 from tierpipe.storage.s3.keys import HASH_PREFIXES, ShardKey, object_key, parse_object_key
 from tierpipe.storage.s3.once import Save, confirm, existing
-from tierpipe.storage.s3.parts import composite_checksum, download_parts, upload_parts
+from tierpipe.storage.s3.parts import Hold, composite_checksum, download_parts, upload_parts
 from tierpipe.storage.s3.retry import ConcurrencyLimit, Requests
 from tierpipe.storage.s3.uploads import abort, abort_earlier, abort_orphans
 from tierpipe.storage.store import BlobSink, ReadBack, SealedFile, VerifyResult
 from tierpipe.throttle import Throttle
 
-__all__ = ("S3Store", "Uploaded", "UploadedFields")
+__all__ = ("S3Store", "Uploaded")
 
 log = structlog.get_logger(__name__)
 
 #: Listings of one job's hash prefixes in flight at once.
 _LIST_LANES = 16
-
-
-class UploadedFields(TypedDict):
-    """What a `flushed` event says of an uploaded object (`Uploaded.fields`)."""
-
-    bucket: str
-    key: str
-    etag: str
-    checksum: str
-    nbytes: int
-    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +82,7 @@ class Uploaded:
     def location(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
 
-    def fields(self) -> UploadedFields:
+    def fields(self) -> dict[str, str | int | float]:
         """What a `flushed` event says of the object."""
         return {
             "bucket": self.bucket, "key": self.key, "etag": self.etag,
@@ -110,7 +98,7 @@ class S3Store:
         settings: Settings,
         *,
         throttle: Throttle | None = None,
-        read_slot: Callable[[], AbstractContextManager[object]] | None = None,
+        read_slot: Hold | None = None,
     ) -> None:
         """`throttle` paces uploads; `read_slot` is held around each GET of `read_into` (the
         per-node cap on concurrent reads during a restart), entered in a worker thread."""
@@ -371,13 +359,7 @@ class S3Store:
         prefix = self.prefix + "/" if self.prefix else ""
         return await abort_orphans(self.requests, self.bucket, prefix, owned, max_age_s=max_age_s)
 
-    async def download(
-        self,
-        key: str,
-        nbytes: int,
-        *,
-        hold: Callable[[], AbstractContextManager[object]] | None = None,
-    ) -> mmap.mmap:
+    async def download(self, key: str, nbytes: int, *, hold: Hold | None = None) -> mmap.mmap:
         """Fetch an object with parallel ranged GETs into a page-aligned buffer.
 
         Args:
