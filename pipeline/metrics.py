@@ -14,13 +14,16 @@ on without metrics: checkpoints matter more than their statistics.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+import anyio
 import structlog
+from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -51,6 +54,11 @@ if TYPE_CHECKING:
 __all__ = ("METRICS", "Metrics", "serve")
 
 log = structlog.get_logger(__name__)
+
+#: How long a client may take to send its request's head.
+_REQUEST_TIMEOUT_S = 10
+#: The longest request head read (asyncio's stream limit, as before).
+_MAX_REQUEST_BYTES = 1 << 16
 
 
 class Metrics:
@@ -158,9 +166,12 @@ async def serve(settings: Settings, bus: Bus, store: JobStore | None = None) -> 
     if settings.metrics_port < 0:
         return
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(client: SocketStream) -> None:
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            with anyio.fail_after(_REQUEST_TIMEOUT_S):
+                request = await BufferedByteReceiveStream(client).receive_until(
+                    b"\r\n\r\n", _MAX_REQUEST_BYTES
+                )
             method, path, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             path = path.split("?", 1)[0]
             if method != "GET":
@@ -181,26 +192,53 @@ async def serve(settings: Settings, bus: Bus, store: JobStore | None = None) -> 
                 }).encode()  # fmt: skip
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"/metrics or /healthz\n"
-            writer.write(
+            # (`send` returns once the bytes are with the kernel, so closing loses none)
+            await client.send(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n".encode()
                 + body
             )
-            await writer.drain()
         except Exception as e:  # a bad request must not stop the server
             log.debug("metrics_request_failed", error=str(e) or type(e).__name__)
         finally:
-            writer.close()
+            await client.aclose()
 
     try:
-        server = await asyncio.start_server(answer, settings.metrics_host, settings.metrics_port)
+        # ("": every interface, as `asyncio.start_server` took it)
+        listener = await anyio.create_tcp_listener(
+            local_host=settings.metrics_host or None, local_port=settings.metrics_port, backlog=100
+        )
     except OSError as e:
         log.warning(
             "metrics_unavailable", host=settings.metrics_host, port=settings.metrics_port,
             error=str(e), hint="set metrics_port (0: any free port, -1: off)",
         )  # fmt: skip
         return
-    port = server.sockets[0].getsockname()[1]
+    port = listener.extra(SocketAttribute.local_port)  # noqa: S610 (anyio's, not Django's)
     log.info("metrics_serving", host=settings.metrics_host, port=port)
-    async with server:
-        await server.serve_forever()
+    # (a listener per address of `metrics_host`, each a `SocketListener`: anyio makes them so)
+    sockets = [cast(SocketListener, one) for one in listener.listeners]
+    async with listener, anyio.create_task_group() as tg:
+        for one in sockets:
+            tg.start_soon(_accept, one, answer, tg)
+
+
+async def _accept(
+    listener: SocketListener,
+    answer: Callable[[SocketStream], Coroutine[object, object, None]],
+    tg: TaskGroup,
+) -> None:
+    """Hand each connection to `answer` in `tg`, until cancelled. A failed accept (out of file
+    descriptors, a connection reset before it was taken) stops only that connection: the
+    listener goes on (after a second, unless the client just went away), as asyncio's server
+    did, where anyio's `serve` would end and take the agent with it."""
+    while True:
+        try:
+            client = await listener.accept()
+        except ConnectionAbortedError:
+            continue
+        except OSError as e:
+            log.warning("metrics_accept_failed", error=str(e) or type(e).__name__)
+            await anyio.sleep(1)
+            continue
+        tg.start_soon(answer, client)

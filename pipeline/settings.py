@@ -14,7 +14,7 @@ import re
 import tomllib
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -279,7 +279,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             found += [parts.password, parts.username if parts.password is None else None]
         return sorted({v for v in found if v and len(v) >= 4}, key=len, reverse=True)
 
-    def replace(self, **changes: Any) -> Settings:
+    def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed (validated)."""
         return load_settings(path=None, env={}, base=self, **changes)
 
@@ -314,7 +314,7 @@ def load_settings(
     *,
     env: dict[str, str] | None = None,
     base: Settings | None = None,
-    **overrides: Any,
+    **overrides: object,
 ) -> Settings:
     """Build the settings.
 
@@ -328,7 +328,7 @@ def load_settings(
         ConfigError: unknown key, wrong type or invalid value (the message names the key).
     """
     env = dict(os.environ) if env is None else env
-    values: dict[str, Any] = msgspec.structs.asdict(base) if base is not None else {}
+    values: dict[str, object] = msgspec.structs.asdict(base) if base is not None else {}
     explicit = set(explicit_fields(base)) if base is not None else set()
     path = path if path is not None else env.get("TIERPIPE_CONFIG")
     if path:
@@ -377,7 +377,7 @@ def explicit_fields(settings: Settings) -> frozenset[str]:
     )
 
 
-def _from_env(name: str, raw: str) -> Any:
+def _from_env(name: str, raw: str) -> str | None:
     # Optional fields take "" as None, so `TIERPIPE_NODE=` means "use the host name".
     default = Settings.__struct_defaults__[Settings.__struct_fields__.index(name)]
     if raw == "" and default is None:

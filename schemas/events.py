@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -30,6 +31,7 @@ __all__ = (
     "ShardEvent",
     "ShardEvicted",
     "ShardFlushed",
+    "ShardIdentity",
     "ShardStaged",
     "ShardVerified",
     "ShardWritten",
@@ -83,17 +85,33 @@ class ShardEvent(_Event, frozen=True, kw_only=True):
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
 
-    def follow(self, kind: type[E], *, node: str, **fields: Any) -> E:
+    def follow(self, kind: type[E], *, node: str, **fields: object) -> E:
         """The next event about the same shard (what a stage publishes for its input)."""
         if issubclass(kind, ShardEvent):
             fields = {"rewind_to": self.rewind_to, **fields}
         return shard_event(kind, self, node=node, **fields)
 
 
-def shard_event(kind: type[E], of: Any, *, node: str, **fields: Any) -> E:
+class ShardIdentity(Protocol):
+    """A shard and its save's timeline, as `shard_event` reads them off anything that has them
+    (an event, a shard header, a copy on NVMe)."""
+
+    @property
+    def job(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+
+
+def shard_event(kind: type[E], of: ShardIdentity, *, node: str, **fields: object) -> E:
     """A `kind` event, published by `node` now, about the shard `of` names: anything with `job`,
     `step`, `rank`, `world_size` and `epoch` (an event, a shard header, a retention decision)."""
-    make: Any = kind  # (mypy sees only the base's fields)
+    make: Callable[..., E] = kind  # (mypy sees only the base's fields)
     event: E = make(
         job=of.job,
         node=node,

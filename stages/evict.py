@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -34,6 +34,7 @@ import structlog
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
+from tierpipe.bus.consumer import Msg
 from tierpipe.control.coordinator import Coordinator, RestorePins
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.errors import ShardFormatError, TierpipeError
@@ -158,7 +159,7 @@ class Evict:
             assert isinstance(event, StageFailed)
             await self._release_slot(failed, generation=event.generation)
 
-    async def on_plan(self, msg: Any) -> None:
+    async def on_plan(self, msg: Msg) -> None:
         with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
             self.pins.note(decode_event(msg.data))
 
@@ -166,7 +167,7 @@ class Evict:
         """Note this node's `flushed` events from now on (`flushed_here`)."""
         await self.bus.subscribe(shard_subject("*", "flushed", self.node, "*"), self._on_flushed)
 
-    async def _on_flushed(self, msg: Any) -> None:
+    async def _on_flushed(self, msg: Msg) -> None:
         with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
             e = decode_event(msg.data)
             if isinstance(e, ShardFlushed) and e.node == self.node:
@@ -374,6 +375,16 @@ def floor_verdict(step: int, floors: Floors, keep: Keep) -> Verdict:
     return "unflushed" if keep.evict_unflushed else "if-flushed"
 
 
+class _FailedShard(NamedTuple):
+    """The shard of a failed save, whose `StageFailed` has it (its fields are optional there)."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    epoch: int
+
+
 def _failed_save(event: Event, node: str) -> ShardEvicted | None:
     """The slot release due when `event` ends a save of this node for good (a permanent
     nvme-write or verify failure: nothing will need the staging copy again), else None."""
@@ -388,9 +399,10 @@ def _failed_save(event: Event, node: str) -> ShardEvicted | None:
     ):
         return None
     try:
+        shard = _FailedShard(event.job, event.step, event.rank, event.world_size, event.epoch)
         return shard_event(
             ShardEvicted,
-            event,
+            shard,
             node=node,
             tier="ram",
             location="",

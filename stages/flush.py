@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -166,7 +165,7 @@ async def _upload_while_kept(
     done: Uploaded | None = None
     cancelled = False
 
-    async def watch(scope: Any) -> None:
+    async def watch(scope: anyio.CancelScope) -> None:
         nonlocal cancelled
         while True:
             await anyio.sleep(KEPT_RECHECK_S)

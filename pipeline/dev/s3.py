@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from tierpipe.dev.process import (
     Server,
@@ -70,7 +70,7 @@ class S3Server(Server):
         self.endpoint = ""
         self._sockets: set[Path] = set()
 
-    def client_kwargs(self) -> dict[str, Any]:
+    def client_kwargs(self) -> dict[str, str]:
         """Keyword arguments for `boto3.client("s3", ...)` / `aioboto3.Session().client(...)`."""
         return {
             "endpoint_url": self.endpoint,
@@ -266,7 +266,21 @@ def _seaweed_sockets(pid: int) -> set[Path]:
     return found
 
 
-def _s3_client(server: S3Server) -> Any:
+class _SyncClient(Protocol):
+    """The calls the harness makes on botocore's synchronous S3 client (botocore is untyped)."""
+
+    def head_bucket(self, *, Bucket: str) -> object: ...
+
+    def create_bucket(self, *, Bucket: str) -> object: ...
+
+    def put_object(self, *, Bucket: str, Key: str, Body: bytes) -> object: ...
+
+    def delete_object(self, *, Bucket: str, Key: str) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def _s3_client(server: S3Server) -> _SyncClient:
     """A synchronous botocore S3 client that fails fast (one attempt, short timeouts)."""
     import botocore.config  # here: only S3Server needs botocore
     import botocore.session
@@ -277,12 +291,13 @@ def _s3_client(server: S3Server) -> Any:
         retries={"total_max_attempts": 1, "mode": "standard"},
         s3={"addressing_style": "path"},
     )
-    return botocore.session.get_session().create_client(
+    client: _SyncClient = botocore.session.get_session().create_client(
         "s3", **server.client_kwargs(), config=config
     )
+    return client
 
 
-def _bucket_ready(client: Any, bucket: str) -> bool:
+def _bucket_ready(client: _SyncClient, bucket: str) -> bool:
     """Whether `bucket` answers HEAD; creates it when it is missing."""
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -305,7 +320,7 @@ def _bucket_ready(client: Any, bucket: str) -> bool:
     return False  # HEAD again
 
 
-def _writable(client: Any, bucket: str) -> bool:
+def _writable(client: _SyncClient, bucket: str) -> bool:
     """Whether a small object can be written and removed. After a restart, reads can work
     a few seconds before writes do (new writes wait for volume assignment)."""
     from botocore.exceptions import BotoCoreError, ClientError

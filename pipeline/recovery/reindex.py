@@ -27,7 +27,6 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
@@ -51,6 +50,7 @@ from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.s3.client import ObjectHead
 from tierpipe.storage.s3.commit import check_objects, read_commits
 from tierpipe.storage.s3.keys import ShardKey
 from tierpipe.storage.s3.store import S3Store
@@ -210,8 +210,10 @@ async def _s3_event(
     if shard is None or shard.job != job:
         return None
     head = await objects.head(key)
-    digest = (head or {}).get("Metadata", {}).get("tp-header-digest", "")
-    if head is None or not re.fullmatch(r"[0-9a-f]{32}", digest):
+    if head is None:
+        return None
+    digest = head.get("Metadata", {}).get("tp-header-digest", "")
+    if not re.fullmatch(r"[0-9a-f]{32}", digest):
         return None
     return _flushed(objects, key, shard, head, digest, size, node)
 
@@ -220,7 +222,7 @@ def _flushed(
     objects: S3Store,
     key: str,
     shard: ShardKey,
-    head: dict[str, Any],
+    head: ObjectHead,
     digest: str,
     size: int,
     node: str,

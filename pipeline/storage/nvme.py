@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 import anyio
 import structlog
@@ -403,7 +402,8 @@ def _blob_digests(image: memoryview, head: Head) -> list[bytes]:
     ]
 
 
-def _wait_all(futures: list[Future[Any]]) -> None:
+def _wait_all(futures: list[Future[None] | Future[list[bytes]]]) -> None:
+    """Wait for every write and the hashing; then raise the first failure, if any."""
     error: BaseException | None = None
     for f in futures:
         try:

@@ -8,6 +8,7 @@ S3-compatible store.
 - `commit`: the per-step commit objects that say a step is whole in the bucket.
 - `uploads`: earlier and orphaned multipart uploads, aborted.
 - `delete`: removals, only of what this job owns.
+- `client`: the S3 client as the store calls it (`S3Client`), and its replies' types.
 - `retry`: request pacing, concurrency limits and jittered retries.
 - `errors`: botocore's errors translated into the error tree.
 """

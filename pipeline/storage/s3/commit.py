@@ -19,7 +19,6 @@ Every request goes through the store's `Requests` (`retry`).
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import anyio
 import msgspec
@@ -28,6 +27,7 @@ import structlog
 from tierpipe.errors import StorageConflictError
 from tierpipe.names import validate_token
 from tierpipe.schemas.commit import CommitManifest, decode_commit, encode_commit
+from tierpipe.storage.s3.client import Condition, ObjectHead
 from tierpipe.storage.s3.errors import NotFound, first_error
 from tierpipe.storage.s3.store import S3Store
 
@@ -101,9 +101,7 @@ async def put_commit(store: S3Store, manifest: CommitManifest) -> bool:
     return True
 
 
-async def _put(
-    store: S3Store, key: str, body: bytes, epoch: int, condition: dict[str, str]
-) -> None:
+async def _put(store: S3Store, key: str, body: bytes, epoch: int, condition: Condition) -> None:
     requests = store.requests
     await requests(
         key,
@@ -165,7 +163,7 @@ async def remove_commit(store: S3Store, job: str, step: int) -> None:
 
 async def check_objects(
     store: S3Store, manifest: CommitManifest
-) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+) -> tuple[dict[int, ObjectHead], dict[int, str]]:
     """HEAD each object the manifest names (no download).
 
     Returns:
@@ -176,7 +174,7 @@ async def check_objects(
     Raises:
         StorageUnavailableError, StorageAuthError: as for any request.
     """
-    good: dict[int, dict[str, Any]] = {}
+    good: dict[int, ObjectHead] = {}
     bad: dict[int, str] = {}
     ranks = iter(range(manifest.world_size))
 
@@ -188,7 +186,7 @@ async def check_objects(
         expected = manifest.of(rank)
         key = store.key(manifest.job, manifest.step, rank, manifest.world_size)
         head = await store.head(key)
-        theirs = (head or {}).get("Metadata", {}).get("tp-header-digest")
+        theirs = head.get("Metadata", {}).get("tp-header-digest") if head is not None else None
         if expected is None:
             bad[rank] = "no digest in the COMMIT"
         elif head is None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
 
 import structlog
 
 from tierpipe.errors import StorageConflictError, StorageUnavailableError, StorageUnsupportedError
+from tierpipe.storage.s3.client import DeletedObjects, ObjectHead
 from tierpipe.storage.s3.errors import NotFound
 from tierpipe.storage.s3.retry import Requests
 
@@ -36,7 +36,7 @@ async def delete_owned(
     requests: Requests,
     bucket: str,
     key: str,
-    head: dict[str, Any] | None,
+    head: ObjectHead | None,
     node: str,
     header_digest: str,
 ) -> bool:
@@ -94,9 +94,8 @@ async def delete_many(requests: Requests, bucket: str, keys: list[str]) -> None:
             )
 
 
-async def _delete_objects(requests: Requests, bucket: str, keys: list[str]) -> dict[str, Any]:
+async def _delete_objects(requests: Requests, bucket: str, keys: list[str]) -> DeletedObjects:
     """One DeleteObjects request."""
-    reply: dict[str, Any] = await requests.client.delete_objects(
+    return await requests.client.delete_objects(
         Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
     )
-    return reply

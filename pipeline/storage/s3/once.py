@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from tierpipe.errors import IntegrityError, StorageConflictError, StorageUnavailableError
+from tierpipe.storage.s3.client import ObjectHead
 
 __all__ = ("Found", "Save", "confirm", "existing")
 
@@ -41,7 +41,7 @@ class Found:
     superseded: bool
 
 
-def existing(head: dict[str, Any] | None, save: Save, location: str) -> Found | None:
+def existing(head: ObjectHead | None, save: Save, location: str) -> Found | None:
     """The object whose HEAD is `head`: this very shard (`superseded` False), or a save of an
     abandoned timeline that this save may replace (`superseded` True); None if there is none.
 
@@ -81,7 +81,7 @@ def existing(head: dict[str, Any] | None, save: Save, location: str) -> Found | 
     )
 
 
-def confirm(head: dict[str, Any] | None, nbytes: int, expected: str, location: str) -> str:
+def confirm(head: ObjectHead | None, nbytes: int, expected: str, location: str) -> str:
     """The checksum of the object just uploaded to `location`, whose HEAD is `head`.
 
     Args:
@@ -93,7 +93,7 @@ def confirm(head: dict[str, Any] | None, nbytes: int, expected: str, location: s
     """
     if head is None:
         raise StorageUnavailableError(f"{location} missing right after upload")
-    actual: str = head.get("ChecksumCRC32C", "")
+    actual = head.get("ChecksumCRC32C", "")
     if head["ContentLength"] != nbytes:
         raise IntegrityError(location, "size", str(nbytes), str(head["ContentLength"]))
     if actual and actual != expected:

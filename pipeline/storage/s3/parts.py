@@ -31,6 +31,7 @@ from tierpipe.storage.s3.retry import Requests
 from tierpipe.throttle import Throttle
 
 __all__ = (
+    "Hold",
     "PacedBody",
     "close_buffers",
     "composite_checksum",
@@ -41,6 +42,10 @@ __all__ = (
 
 #: What one throttle acquisition lets through.
 _PIECE = 1 << 20
+
+#: A context manager factory taken around each ranged GET (the per-node cap on concurrent reads
+#: during a restart), entered in a worker thread.
+Hold = Callable[[], AbstractContextManager[object]]
 
 
 def read_part(fd: int, buf: mmap.mmap, offset: int, size: int, path: Path) -> str:
@@ -181,7 +186,7 @@ async def download_parts(
     *,
     part_size_bytes: int,
     concurrency: int,
-    hold: Callable[[], AbstractContextManager[object]] | None = None,
+    hold: Hold | None = None,
 ) -> mmap.mmap:
     """Fetch object `key` with ranged GETs of `part_size_bytes`, at most `concurrency` at a time,
     into a page-aligned buffer, through the store's `requests`.

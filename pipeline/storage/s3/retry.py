@@ -21,13 +21,14 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import structlog
 
 from tierpipe.errors import StorageUnavailableError
 from tierpipe.settings import Settings
+from tierpipe.storage.s3.client import S3Client
 from tierpipe.storage.s3.errors import Throttled, translate_errors
 
 __all__ = ("ConcurrencyLimit", "Requests", "full_jitter")
@@ -111,7 +112,7 @@ class ConcurrencyLimit:
 class Requests:
     """Every request of one S3 store: admitted by its limit, retried as the module says."""
 
-    def __init__(self, client: Any, limit: ConcurrencyLimit, settings: Settings) -> None:
+    def __init__(self, client: S3Client, limit: ConcurrencyLimit, settings: Settings) -> None:
         #: The store's aioboto3 S3 client.
         self.client = client
         self.limit = limit

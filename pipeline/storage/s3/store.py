@@ -23,10 +23,9 @@ import base64
 import mmap
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, AsyncExitStack
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
@@ -44,10 +43,17 @@ from tierpipe.storage.aligned import close_quietly
 from tierpipe.storage.reader import check_image, deliver_image, image_head
 from tierpipe.storage.resources import translated
 from tierpipe.storage.s3 import delete as s3_delete
+from tierpipe.storage.s3.client import (
+    CompletedPart,
+    CompletedUpload,
+    Condition,
+    ObjectHead,
+    S3Client,
+)
 from tierpipe.storage.s3.errors import NotFound, first_error
 from tierpipe.storage.s3.keys import HASH_PREFIXES, ShardKey, object_key, parse_object_key
 from tierpipe.storage.s3.once import Save, confirm, existing
-from tierpipe.storage.s3.parts import composite_checksum, download_parts, upload_parts
+from tierpipe.storage.s3.parts import Hold, composite_checksum, download_parts, upload_parts
 from tierpipe.storage.s3.retry import ConcurrencyLimit, Requests
 from tierpipe.storage.s3.uploads import abort, abort_earlier, abort_orphans
 from tierpipe.storage.store import BlobSink, ReadBack, SealedFile, VerifyResult
@@ -76,7 +82,7 @@ class Uploaded:
     def location(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, str | int | float]:
         """What a `flushed` event says of the object."""
         return {
             "bucket": self.bucket, "key": self.key, "etag": self.etag,
@@ -92,7 +98,7 @@ class S3Store:
         settings: Settings,
         *,
         throttle: Throttle | None = None,
-        read_slot: Callable[[], AbstractContextManager[object]] | None = None,
+        read_slot: Hold | None = None,
     ) -> None:
         """`throttle` paces uploads; `read_slot` is held around each GET of `read_into` (the
         per-node cap on concurrent reads during a restart), entered in a worker thread."""
@@ -103,7 +109,8 @@ class S3Store:
         self.read_slot = read_slot
         #: How many requests may be in flight now (lowered by throttling, see `retry`).
         self.limit = ConcurrencyLimit(settings.s3_max_concurrent_requests)
-        self.client: Any = None
+        #: The aiobotocore client while the store is entered.
+        self.client: S3Client | None = None
         self._requests: Requests | None = None
         self._stack = AsyncExitStack()
 
@@ -130,10 +137,12 @@ class S3Store:
             aws_secret_access_key=s.s3_secret_access_key,
             region_name=s.s3_region,
         )
-        self.client = await self._stack.enter_async_context(
+        # aiobotocore is untyped: its client is taken as the `S3Client` it implements.
+        client: S3Client = await self._stack.enter_async_context(
             session.client("s3", endpoint_url=s.s3_endpoint, config=config)
         )
-        self._requests = Requests(self.client, self.limit, s)
+        self.client = client
+        self._requests = Requests(client, self.limit, s)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -256,7 +265,7 @@ class S3Store:
                     time.perf_counter() - t0, True,
                 )  # fmt: skip
             # Write-once, except over the abandoned object seen just now (and only that one).
-            condition = {"IfMatch": f'"{found.etag}"'} if found else {"IfNoneMatch": "*"}
+            condition: Condition = {"IfMatch": f'"{found.etag}"'} if found else {"IfNoneMatch": "*"}
             try:
                 done, parts = await self._put(path, key, nbytes, metadata, condition)
             except StorageConflictError:
@@ -282,8 +291,8 @@ class S3Store:
         raise AssertionError("unreachable")
 
     async def _put(
-        self, path: Path, key: str, nbytes: int, metadata: dict[str, str], condition: dict[str, str]
-    ) -> tuple[dict[str, Any], list[tuple[int, str, str]]]:
+        self, path: Path, key: str, nbytes: int, metadata: dict[str, str], condition: Condition
+    ) -> tuple[CompletedUpload, list[tuple[int, str, str]]]:
         """One conditional multipart upload of `path` to `key` (aborted on any failure).
 
         Raises:
@@ -310,7 +319,9 @@ class S3Store:
                 concurrency=self.settings.part_concurrency,
                 throttle=self.throttle,
             )
-            sent = [{"PartNumber": n, "ETag": e, "ChecksumCRC32C": crc} for n, e, crc in parts]
+            sent: list[CompletedPart] = [
+                {"PartNumber": n, "ETag": e, "ChecksumCRC32C": crc} for n, e, crc in parts
+            ]
             done = await requests(
                 key,
                 lambda: requests.client.complete_multipart_upload(
@@ -327,17 +338,16 @@ class S3Store:
             raise
         return done, parts
 
-    async def head(self, key: str) -> dict[str, Any] | None:
+    async def head(self, key: str) -> ObjectHead | None:
         """The object's HEAD (with its checksum), or None if there is none."""
         requests = self.requests
         try:
-            found: dict[str, Any] = await requests(
+            return await requests(
                 key,
                 lambda: requests.client.head_object(
                     Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
                 ),
             )
-            return found
         except NotFound:
             return None
 
@@ -349,9 +359,7 @@ class S3Store:
         prefix = self.prefix + "/" if self.prefix else ""
         return await abort_orphans(self.requests, self.bucket, prefix, owned, max_age_s=max_age_s)
 
-    async def download(
-        self, key: str, nbytes: int, *, hold: Callable[[], Any] | None = None
-    ) -> mmap.mmap:
+    async def download(self, key: str, nbytes: int, *, hold: Hold | None = None) -> mmap.mmap:
         """Fetch an object with parallel ranged GETs into a page-aligned buffer.
 
         Args:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
 
 import structlog
 
 from tierpipe.errors import TierpipeError
+from tierpipe.storage.s3.client import UploadInfo
 from tierpipe.storage.s3.errors import NotFound
 from tierpipe.storage.s3.retry import Requests
 
@@ -23,11 +23,11 @@ __all__ = ("abort", "abort_earlier", "abort_orphans", "list_uploads")
 log = structlog.get_logger(__name__)
 
 
-async def list_uploads(requests: Requests, bucket: str, prefix: str) -> list[dict[str, Any]]:
+async def list_uploads(requests: Requests, bucket: str, prefix: str) -> list[UploadInfo]:
     """In-progress multipart uploads under `prefix`."""
 
-    async def listing() -> list[dict[str, Any]]:
-        uploads: list[dict[str, Any]] = []
+    async def listing() -> list[UploadInfo]:
+        uploads: list[UploadInfo] = []
         paginator = requests.client.get_paginator("list_multipart_uploads")
         async for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
             uploads += page.get("Uploads", [])
