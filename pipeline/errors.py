@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = (
     "AgentLockedError",
+    "BucketMissingError",
     "BusAuthError",
     "BusError",
     "BusUnavailableError",
@@ -265,6 +266,16 @@ class BusError(TierpipeError):
 
 class BusUnavailableError(UnavailableError):
     """NATS could not be reached or did not answer in time."""
+
+
+class BucketMissingError(BusUnavailableError):
+    """No server answered a read of the KV bucket `bucket`: it does not exist (or none of its
+    servers is up)."""
+
+    def __init__(self, bucket: str, what: str) -> None:
+        self.bucket = bucket
+        self.what = what
+        super().__init__(f"{what}: no server answers for KV bucket {bucket!r} (is it made?)")
 
 
 class BusAuthError(BusError, PermanentError):
