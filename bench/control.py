@@ -113,9 +113,8 @@ from typing import TYPE_CHECKING, Any
 from bench.common import log, scratch_dir
 
 if TYPE_CHECKING:
-    from nats.js.kv import KeyValue
-
     from tierpipe.bus.client import Bus
+    from tierpipe.bus.kv import Bucket
     from tierpipe.control.jobstate import JobState
     from tierpipe.control.kvstate import JobStore
     from tierpipe.schemas import Event
@@ -544,29 +543,29 @@ def _delivered_since(before: dict[str, int], after: dict[str, int]) -> int:
     return sum(n - before.get(name, 0) for name, n in after.items())
 
 
-async def _restart_read(kv: KeyValue, job: str, rank: int = 0) -> tuple[int, int]:
+async def _restart_read(kv: Bucket, job: str, rank: int = 0) -> tuple[int, int]:
     """What one rank reads from KV at restart (`tierpipe.recovery.survey`): the head, then for
     each candidate step the digest chunk holding the rank, and its record unless the head
     carries it. (bytes, records read from their own keys)."""
     import msgspec
-    import nats.js.errors
 
     from tierpipe.control.kvstate import digests_key, head_key, step_key
     from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead
 
     entry = await kv.get(head_key(job))
-    head = msgspec.json.decode(entry.value or b"", type=JobHead)
-    total, records = len(entry.value or b""), 0
+    value = entry.value if entry is not None else b""
+    head = msgspec.json.decode(value, type=JobHead)
+    total, records = len(value), 0
     carried = {r.step for r in head.records}
     for step in head.candidates():
         keys = [digests_key(job, step, rank // RANKS_PER_CHUNK)]
         if step not in carried:
             keys.append(step_key(job, step))
         for key in keys:
-            try:
-                total += len((await kv.get(key)).value or b"")
-            except nats.js.errors.KeyNotFoundError:
+            found = await kv.get(key)
+            if found is None:
                 continue
+            total += len(found.value)
             records += key == step_key(job, step)
     return total, records
 
@@ -848,7 +847,7 @@ IN_FLIGHT_REQUESTS = 256
 
 
 class _Throttled:
-    """`target` (a `Bus` or a `KeyValue`), with at most `IN_FLIGHT_REQUESTS` of the simulated
+    """`target` (a `Bus` or a KV `Bucket`), with at most `IN_FLIGHT_REQUESTS` of the simulated
     ranks' requests in flight (the rest pass through)."""
 
     THROTTLED = frozenset({"get", "last_raw", "publish"})
@@ -1201,21 +1200,24 @@ async def _check_kv(d: Driver, stored: list[tuple[int, Event]], keep: Any) -> li
     prefix = f"{d.job}.step."
     for key in await _keys(kv):
         if key.startswith(prefix) and key[len(prefix) :].isdigit():  # (not `.ranks.<n>`)
-            records[int(key[len(prefix) :])] = (await kv.get(key)).value or b""
-    head = (await kv.get(head_key(d.job))).value or b""
-    floors = (await kv.get(floor_key(d.job))).value or b""
+            records[int(key[len(prefix) :])] = await _value(kv, key)
+    head = await _value(kv, head_key(d.job))
+    floors = await _value(kv, floor_key(d.job))
     return _kv_equals_fold(state, head, floors, records)
 
 
-async def _keys(kv: KeyValue, tries: int = 3) -> list[str]:
+async def _value(kv: Bucket, key: str) -> bytes:
+    entry = await kv.get(key)
+    return entry.value if entry is not None else b""
+
+
+async def _keys(kv: Bucket, tries: int = 3) -> list[str]:
     """The bucket's keys. (nats-py's `keys()` now and then finds none in a bucket that has
     thousands, as the server is loaded at 10,000 nodes: asked again.)"""
-    import nats.js.errors
-
     for _ in range(tries - 1):
-        with contextlib.suppress(nats.js.errors.NoKeysError):
-            return list(await kv.keys())
-    return list(await kv.keys())
+        if keys := await kv.keys():
+            return keys
+    return await kv.keys()
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -1257,8 +1259,7 @@ async def _main(
                 record_bytes = 0
                 head = await d.head()
                 if head is not None and head.steps:
-                    entry = await store.kv.get(f"{d.job}.step.{head.steps[-1]}")
-                    record_bytes = len(entry.value or b"")
+                    record_bytes = len(await _value(store.kv, f"{d.job}.step.{head.steps[-1]}"))
                 stored, read_s = await _replay(d)
                 keep = Keep(nvme_keep_latest_k=KEEP_NVME, s3_keep_latest_k=KEEP_S3)
                 problems = await _check_kv(d, stored, keep)

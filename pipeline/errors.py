@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = (
     "EVIDENCE_ERRORS",
     "AgentLockedError",
+    "BucketMissingError",
     "BusAuthError",
     "BusError",
     "BusUnavailableError",
@@ -270,6 +271,16 @@ class BusError(TierpipeError):
 
 class BusUnavailableError(UnavailableError):
     """NATS could not be reached or did not answer in time."""
+
+
+class BucketMissingError(BusUnavailableError):
+    """No server answered a read of the KV bucket `bucket`: it does not exist (or none of its
+    servers is up)."""
+
+    def __init__(self, bucket: str, what: str) -> None:
+        self.bucket = bucket
+        self.what = what
+        super().__init__(f"{what}: no server answers for KV bucket {bucket!r} (is it made?)")
 
 
 class BusAuthError(BusError, PermanentError):

@@ -15,14 +15,15 @@ from nats.js import api
 from tests.oracle_catalog import Catalog
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus.client import Bus
+from tierpipe.bus.kv import bind_bucket
 from tierpipe.control.bitmap import ranks_of
 from tierpipe.control.jobstate import JobState
-from tierpipe.control.kvstate import JobStore
+from tierpipe.control.kvstate import JobStore, shares_key
 from tierpipe.dev import NatsServer
-from tierpipe.errors import BusUnavailableError, LeaseLostError
+from tierpipe.errors import BucketMissingError, BusUnavailableError, LeaseLostError
 from tierpipe.names import stream_name
 from tierpipe.schemas import Event
-from tierpipe.schemas.jobstate import Keep, StepRecord
+from tierpipe.schemas.jobstate import Keep, Shares, StepRecord
 from tierpipe.settings import Settings, load_settings
 
 KEEP = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
@@ -163,6 +164,43 @@ async def test_one_writer_at_a_time_fenced_by_the_lease(nats_server: NatsServer,
         with pytest.raises(LeaseLostError):
             await a.write(state_a, state_a.take_changes())
         assert (await b.head("j")) == state_b.head()
+
+
+@pytest.mark.anyio
+async def test_a_writer_does_not_bring_back_a_removed_key(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """A writer's compare-and-set of a key whose newest write is a delete (what `tierpipe rm`
+    leaves) is refused as a lost lease: a coordinator that still runs does not write back the
+    state of a job an operator removed."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        first = await JobStore(bus.js, s).open()
+        await first.write_shares("j", Shares(nodes=1))
+        await first.kv.delete(shares_key("j"))
+        store = await JobStore(bus.js, s).open()
+        with pytest.raises(LeaseLostError):
+            await store.write_shares("j", Shares(nodes=2))
+        assert await store.kv.get(shares_key("j")) is None
+
+
+@pytest.mark.anyio
+async def test_the_bucket_answers_in_its_own_terms(nats_server: NatsServer, uid: str) -> None:
+    """A key never written or deleted reads as None, a compare-and-set that lost returns None,
+    and a read of a bucket that does not exist raises `BucketMissingError` naming it."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        kv = (await JobStore(bus.js, s).open()).kv
+        assert await kv.get("j.x") is None and await kv.revision("j.x") == 0
+        rev = await kv.create("j.x", b"1")
+        assert rev is not None and await kv.create("j.x", b"2") is None
+        assert await kv.update("j.x", b"3", last=rev - 1) is None
+        assert await kv.update("j.x", b"3", last=rev) == await kv.revision("j.x")
+        await kv.delete("j.x")
+        assert await kv.get("j.x") is None and await kv.revision("j.x") == 0
+        with pytest.raises(BucketMissingError) as e:
+            await bind_bucket(bus.js, f"none-{uid}").get("k")
+        assert e.value.bucket == f"none-{uid}"
 
 
 def test_a_bound_store_and_a_bus_make_sure_of_what_does_not_answer(tmp_path: Path) -> None:

@@ -28,12 +28,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 #: (rule, offender) pairs that are allowed for now. Each names a module that other work is
 #: rewriting (issue 21); remove the entry with the change that fixes it (the tests fail until then).
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("nats-in-bus", "tierpipe.control.advert"),
-        ("nats-in-bus", "tierpipe.control.kvstate"),
-    }
-)
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 
 #: Folder names that are import packages only under `tierpipe` (never importable bare).
 BARE_NAMES = frozenset({"pipeline", "stages", "schemas"})

@@ -6,7 +6,8 @@ nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest o
   watched while up, closed.
 - `connect`: nats-py connect options from the settings, what a refusal means, which exceptions
   mean an outage.
-- `kv`: the job-state KV bucket's handle (opened or bound) and its watches.
+- `kv`: a KV bucket (`Bucket`; the job states', the node records'): opened or bound, its keys
+  read, written with compare-and-set and watched.
 - `stream`: a job's stream, created or brought up to date in place.
 - `history`: the stream read back: stored history, the newest event, a live view.
 - `consumer`: the stages' durable pull consumers and how a worker stops taking messages.
@@ -17,6 +18,10 @@ nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest o
 from tierpipe.bus.client import Bus, Published, redact_url
 from tierpipe.bus.consumer import Msg
 from tierpipe.bus.history import Raw, Stored, Watch
+from tierpipe.bus.kv import Bucket, BucketConfig, Entry
 from tierpipe.bus.portal import BusPortal
 
-__all__ = ("Bus", "BusPortal", "Msg", "Published", "Raw", "Stored", "Watch", "redact_url")
+__all__ = (
+    "Bucket", "BucketConfig", "Bus", "BusPortal", "Entry", "Msg", "Published", "Raw", "Stored",
+    "Watch", "redact_url",
+)  # fmt: skip

@@ -1,119 +1,275 @@
-"""A JetStream KV bucket's handle: opened (made if missing) or bound without a request, and the
-watches an operator's read or a waiting reader takes of it. What its keys mean is
-`tierpipe.control.kvstate`'s."""
+"""A JetStream KV bucket (`Bucket`): opened (made if missing) or bound without a request, its
+keys read, written (compare-and-set included) and watched.
+
+nats-py's KV errors stop here: a key never written, deleted or purged reads as None; a
+compare-and-set that lost returns None; a read nobody answers (the bucket does not exist)
+raises `BucketMissingError`; the rest as `translate` says (`BusUnavailableError`,
+`BusError`). What the keys mean is the callers' (`tierpipe.control.kvstate`: the job states;
+`tierpipe.control.advert`: the node records)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TypeAlias
 
 import anyio
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from tierpipe.bus.connect import translate
-from tierpipe.settings import Settings
+from tierpipe.errors import BucketMissingError, BusError
 
 __all__ = (
-    "ABSENT", "MAX_VALUE_BYTES", "KeyChanges", "bind_bucket", "changes", "open_bucket", "stored",
+    "Bucket", "BucketConfig", "Entry", "JetStream", "KeyChanges", "KeyWatch", "bind_bucket",
+    "open_bucket",
 )  # fmt: skip
 
-#: What `KeyValue.get` raises for a key never written, or deleted.
-ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+#: A connection's JetStream context (`Connection.js`), which a bucket is opened or bound over.
+JetStream: TypeAlias = JetStreamContext
 
-#: The largest value the bucket takes (a message must stay below 256 KiB at any job size).
-MAX_VALUE_BYTES = 256 * 1024
+#: What `KeyValue.get` raises for a key never written, or deleted (nats-py 2.16 raises the
+#: first for both, with the delete's entry; older ones the second).
+_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+#: The operations of a delete and a purge (nats-py's `KV-Operation` header values).
+_DELETES = ("DEL", "PURGE")
 
 
-async def open_bucket(js: JetStreamContext, settings: Settings) -> KeyValue:
-    """The job-state bucket (`Settings.kv_bucket`), made if missing (idempotent).
+@dataclass(frozen=True, slots=True)
+class BucketConfig:
+    """How a bucket is made when it is missing: one value per key, on file, read by direct get
+    (any replica answers, and a user's permissions can name single keys:
+    `$JS.API.DIRECT.GET.KV_<bucket>.$KV...`)."""
+
+    name: str
+    replicas: int = 1
+    #: The largest value it takes (None: the server's limit).
+    max_value_bytes: int | None = None
+    #: Keys not written for this long leave it (None: never).
+    ttl_s: float | None = None
+    #: Consumers its stream admits, watchers included (None: the server's default, 1,000).
+    max_consumers: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A key as stored: its value (b"": none) and the revision (stream sequence) of its write."""
+
+    key: str
+    value: bytes
+    revision: int
+    #: Whether this write deleted or purged the key (only a watch that keeps deletes sees one).
+    deleted: bool = False
+
+
+def _entry(entry: KeyValue.Entry) -> Entry:
+    return Entry(
+        key=entry.key,
+        value=entry.value or b"",
+        revision=entry.revision or 0,
+        deleted=entry.operation in _DELETES,
+    )
+
+
+async def open_bucket(js: JetStream, config: BucketConfig) -> Bucket:
+    """The bucket `config.name`, made as `config` says if missing (idempotent: of agents
+    racing, each gets the one bucket).
 
     Raises:
         BusUnavailableError: JetStream did not answer.
         BusError: JetStream refused the bucket.
     """
-    s = settings
-    with translate(f"kv bucket {s.kv_bucket}"):
+    name = config.name
+    with _translated(f"kv bucket {name}", name):
         try:
-            return await js.key_value(s.kv_bucket)
+            return Bucket(name, await js.key_value(name))
         except nats.js.errors.BucketNotFoundError:
-            config = api.KeyValueConfig(
-                bucket=s.kv_bucket,
-                history=1,
-                replicas=s.stream_replicas,
-                max_value_size=MAX_VALUE_BYTES,
-                storage=api.StorageType.FILE,
-                # Reads by direct get: any replica answers, and a trainer's permissions
-                # can name its own job's keys (`$JS.API.DIRECT.GET.KV_<bucket>.$KV...`).
-                direct=True,
+            kv = await js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=name,
+                    history=1,
+                    ttl=config.ttl_s,
+                    replicas=config.replicas,
+                    max_value_size=config.max_value_bytes,
+                    storage=api.StorageType.FILE,
+                    direct=True,
+                )
             )
-            kv = await js.create_key_value(config)
-            await _admit_watchers(js, settings)
-            return kv
+            if config.max_consumers is not None:
+                await _admit_watchers(js, f"KV_{name}", config.max_consumers)
+            return Bucket(name, kv)
 
 
-def bind_bucket(js: JetStreamContext, settings: Settings) -> KeyValue:
-    """The job-state bucket as it is, with no JetStream API request (its reads are direct gets)."""
-    b = settings.kv_bucket
-    return KeyValue(name=b, stream=f"KV_{b}", pre=f"$KV.{b}.", js=js, direct=True)
+def bind_bucket(js: JetStream, name: str) -> Bucket:
+    """The bucket `name` as it is, with no JetStream API request (its reads are direct gets;
+    one of a bucket that does not exist raises `BucketMissingError`)."""
+    kv = KeyValue(name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=js, direct=True)
+    return Bucket(name, kv)
 
 
-async def _admit_watchers(js: JetStreamContext, settings: Settings) -> None:
-    """Let the bucket's stream take every agent's watchers (2 each): nats-server admits
-    1,000 consumers a stream unless the stream says otherwise (500 agents)."""
-    stream = f"KV_{settings.kv_bucket}"
+async def _admit_watchers(js: JetStream, stream: str, max_consumers: int) -> None:
+    """Let the bucket's stream take `max_consumers` consumers (every agent's watchers, 2 each):
+    nats-server admits 1,000 consumers a stream unless the stream says otherwise."""
     config = (await js.stream_info(stream)).config
-    if config.max_consumers != settings.stream_max_consumers:
-        config.max_consumers = settings.stream_max_consumers
+    if config.max_consumers != max_consumers:
+        config.max_consumers = max_consumers
         await js.update_stream(config)
 
 
-async def stored(kv: KeyValue, pattern: str) -> list[tuple[str, bytes]]:
-    """(key, value) of every key matching `pattern` as stored now (deleted ones left out): one
-    watch, stopped once it delivered what is stored.
+@contextlib.contextmanager
+def _translated(what: str, bucket: str) -> Iterator[None]:
+    """`translate`, and a read nobody answered as `BucketMissingError`; nats-py errors that are
+    neither an outage nor an API error (an invalid key) as `BusError`."""
+    try:
+        with translate(what, keep=(nats.errors.NoRespondersError,)):
+            yield
+    except nats.errors.NoRespondersError as e:
+        raise BucketMissingError(bucket, what) from e
+    except nats.errors.Error as e:
+        raise BusError(f"{what}: {e}") from e
 
-    Raises:
-        BusUnavailableError: JetStream did not answer.
+
+class Bucket:
+    """A KV bucket's keys (`open_bucket`, `bind_bucket`).
+
+    Every method raises `BusUnavailableError` when JetStream does not answer and `BusError`
+    when it refuses; reads of a bucket that does not exist, `BucketMissingError`.
     """
-    found = []
-    with translate(f"kv watch {pattern}"):
-        watcher = await kv.watch(pattern, ignore_deletes=True)
+
+    def __init__(self, name: str, kv: KeyValue) -> None:
+        self.name = name
+        self._kv = kv
+
+    def _translated(self, key: str) -> contextlib.AbstractContextManager[None]:
+        return _translated(f"kv {key}", self.name)
+
+    async def get(self, key: str) -> Entry | None:
+        """`key` as stored, or None: never written, deleted or purged."""
+        with self._translated(key):
+            try:
+                return _entry(await self._kv.get(key))
+            except _ABSENT:
+                return None
+
+    async def revision(self, key: str) -> int:
+        """The revision of `key`'s value (0: it holds none: never written, deleted or purged).
+        A compare-and-set (`update`) with `last=0` of a key whose newest write is a delete or
+        purge is refused: a writer does not bring back a key someone removed (`tierpipe rm`)."""
+        with self._translated(key):
+            try:
+                return (await self._kv.get(key)).revision or 0
+            except _ABSENT:
+                return 0
+
+    async def put(self, key: str, value: bytes) -> int:
+        """Store `value` under `key` whatever it holds; the write's revision."""
+        with self._translated(key):
+            revision: int = await self._kv.put(key, value)
+        return revision
+
+    async def create(self, key: str, value: bytes) -> int | None:
+        """Store `value` under `key` unless the key holds a value (atomic: of writers racing,
+        one stores); the write's revision, or None: the key holds one."""
+        with self._translated(key):
+            try:
+                revision: int = await self._kv.create(key, value)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+        return revision
+
+    async def update(self, key: str, value: bytes, *, last: int) -> int | None:
+        """Store `value` under `key` if the key's newest write is revision `last` (0: none)
+        (compare-and-set); the write's revision, or None: the key changed since."""
+        with self._translated(key):
+            try:
+                revision: int = await self._kv.update(key, value, last=last)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+        return revision
+
+    async def delete(self, key: str) -> None:
+        """Delete `key` (a delete marker stays as its newest write)."""
+        with self._translated(key):
+            await self._kv.delete(key)
+
+    async def purge(self, key: str) -> None:
+        """Remove `key` with its history."""
+        with self._translated(f"purge {key}"):
+            await self._kv.purge(key)
+
+    async def keys(self) -> list[str]:
+        """Every key holding a value ([]: none)."""
+        with self._translated("keys"):
+            try:
+                return list(await self._kv.keys())
+            except nats.js.errors.NoKeysError:
+                return []
+
+    async def watch(self, pattern: str, *, ignore_deletes: bool = False) -> KeyWatch:
+        """A watch of the keys matching `pattern` (see `KeyWatch`); `stop` it."""
+        with self._translated(f"watch {pattern}"):
+            return KeyWatch(await self._kv.watch(pattern, ignore_deletes=ignore_deletes))
+
+    async def stored(self, pattern: str) -> list[tuple[str, bytes]]:
+        """(key, value) of every key matching `pattern` as stored now (deleted ones left out):
+        one watch, stopped once it delivered what is stored."""
+        found = []
+        watch = await self.watch(pattern, ignore_deletes=True)
         try:
-            async for entry in watcher:
+            async for entry in watch:
                 if entry is None:  # (what was stored is all delivered)
                     break
-                found.append((entry.key, entry.value or b""))
+                found.append((entry.key, entry.value))
         finally:
-            with contextlib.suppress(Exception):  # (a closed connection has nothing to stop)
-                await watcher.stop()
-    return found
+            await watch.stop()
+        return found
+
+    @contextlib.asynccontextmanager
+    async def changes(self, pattern: str) -> AsyncIterator[KeyChanges]:
+        """Wake-ups at each write of a key matching `pattern` (see `KeyChanges`)."""
+        watch = await self.watch(pattern)
+        try:
+            yield KeyChanges(watch)
+        finally:
+            await watch.stop()
 
 
-class KeyChanges:
-    """Wakes a reader each time a key matching its pattern is written (`changes`)."""
+class KeyWatch:
+    """The keys matching a pattern (`Bucket.watch`): each as stored now, then None once they are
+    all delivered (at once if there are none), then each write as it comes."""
 
     def __init__(self, watcher: KeyValue.KeyWatcher) -> None:
         self._watcher = watcher
+
+    def __aiter__(self) -> KeyWatch:
+        return self
+
+    async def __anext__(self) -> Entry | None:
+        entry = await anext(self._watcher)  # (ends once stopped)
+        return None if entry is None else _entry(entry)
+
+    async def next(self) -> Entry | None:
+        """The next entry or None (see above), however long it takes."""
+        entry = await self._watcher.updates(timeout=None)  # (no limit but the caller's)
+        return None if entry is None else _entry(entry)
+
+    async def stop(self) -> None:
+        """Stop watching (idempotent; a closed connection has nothing to stop)."""
+        with contextlib.suppress(Exception):
+            await self._watcher.stop()
+
+
+class KeyChanges:
+    """Wakes a reader each time a key matching its pattern is written (`Bucket.changes`)."""
+
+    def __init__(self, watch: KeyWatch) -> None:
+        self._watch = watch
 
     async def wait(self, timeout_s: float) -> None:
         """Until a watched key is written (or a value as stored is first delivered), or for
         `timeout_s` seconds at most."""
         with anyio.move_on_after(max(timeout_s, 0.0)):
-            await self._watcher.updates(timeout=None)  # (no limit but the scope's)
-
-
-@contextlib.asynccontextmanager
-async def changes(kv: KeyValue, pattern: str) -> AsyncIterator[KeyChanges]:
-    """Wake-ups at each write of a key matching `pattern` (see `KeyChanges`).
-
-    Raises:
-        BusUnavailableError: JetStream did not answer.
-    """
-    with translate(f"kv watch {pattern}"):
-        watcher = await kv.watch(pattern)
-    try:
-        yield KeyChanges(watcher)
-    finally:
-        with contextlib.suppress(Exception):  # (a closed connection has nothing to stop)
-            await watcher.stop()
+            await self._watch.next()

@@ -29,15 +29,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import msgspec
-import nats.errors
-import nats.js.errors
 import structlog
-from nats.js import api
-from nats.js.kv import KeyValue
 
 from tierpipe.bus.client import Bus
-from tierpipe.bus.connect import UNAVAILABLE, translate
-from tierpipe.errors import TierpipeError
+from tierpipe.bus.kv import Bucket, BucketConfig, bind_bucket, open_bucket
+from tierpipe.errors import BucketMissingError, TierpipeError
 from tierpipe.schemas.node import MISSED_BEATS, NodeRecord
 from tierpipe.settings import Settings, explicit_fields
 
@@ -49,7 +45,6 @@ log = structlog.get_logger(__name__)
 ADOPTED = ("staging_root", "nvme_root", "s3_endpoint", "s3_region", "s3_bucket", "s3_prefix")
 #: Records of nodes whose agent is gone leave the bucket after this long.
 _RECORD_TTL_S = 7 * 86400.0
-_ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
 _json = msgspec.json.Encoder()
 
 
@@ -80,7 +75,7 @@ async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence
         s3_bucket=settings.s3_bucket,
         s3_prefix=settings.s3_prefix,
     )
-    kv: KeyValue | None = None
+    kv: Bucket | None = None
     revision: int | None = None
     trouble = ""
     try:
@@ -88,12 +83,11 @@ async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence
             record = msgspec.structs.replace(record, heartbeat_ts=time.time())
             try:
                 kv = kv or await _open_bucket(bus, settings)
-                with translate(f"kv {bucket_name(settings)} {node}"):
-                    revision = await kv.put(node, _json.encode(record))
+                revision = await kv.put(node, _json.encode(record))
                 if trouble:
                     log.info("node_record_stored", node=node)
                 trouble = ""
-            except (TierpipeError, nats.errors.Error) as e:
+            except TierpipeError as e:
                 if str(e) != trouble:
                     log.warning("node_record_not_stored", node=node, error=str(e))
                 trouble = str(e)
@@ -110,24 +104,13 @@ async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence
                 await kv.update(node, _json.encode(stopped), last=revision)
 
 
-async def _open_bucket(bus: Bus, settings: Settings) -> KeyValue:
-    """The records' bucket, created if missing (by an agent: a trainer only reads)."""
-    name = bucket_name(settings)
-    with translate(f"kv bucket {name}", keep=(nats.js.errors.BucketNotFoundError,)):
-        try:
-            kv: KeyValue = await bus.js.key_value(name)
-            return kv
-        except nats.js.errors.BucketNotFoundError:
-            config = api.KeyValueConfig(
-                bucket=name,
-                history=1,
-                ttl=_RECORD_TTL_S,
-                replicas=settings.stream_replicas,
-                storage=api.StorageType.FILE,
-                direct=True,  # (trainers read by direct get: no JetStream API request)
-            )
-            created: KeyValue = await bus.js.create_key_value(config)
-            return created
+async def _open_bucket(bus: Bus, settings: Settings) -> Bucket:
+    """The records' bucket, created if missing (by an agent: a trainer only reads, by direct
+    get: no JetStream API request)."""
+    config = BucketConfig(
+        name=bucket_name(settings), replicas=settings.stream_replicas, ttl_s=_RECORD_TTL_S
+    )
+    return await open_bucket(bus.js, config)
 
 
 def _without_userinfo(url: str | None) -> str | None:
@@ -183,18 +166,16 @@ HINT = (
 
 async def read_node(bus: Bus, settings: Settings, node: str) -> NodeState:
     """`node`'s record, by one direct get (nothing is created). Never raises."""
-    name = bucket_name(settings)
-    kv = KeyValue(name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=bus.js, direct=True)
     try:
-        entry = await kv.get(node)
-    except _ABSENT:
-        return NodeState(node, None)
-    except nats.errors.NoRespondersError:
+        entry = await bind_bucket(bus.js, bucket_name(settings)).get(node)
+    except BucketMissingError:
         return NodeState(node, None)  # (no bucket: no agent ever advertised a node)
-    except (*UNAVAILABLE, nats.errors.Error) as e:
+    except TierpipeError as e:
         return NodeState(node, None, unknown=f"{type(e).__name__}: {e}")
+    if entry is None:
+        return NodeState(node, None)
     try:
-        record = msgspec.json.decode(entry.value or b"", type=NodeRecord)
+        record = msgspec.json.decode(entry.value, type=NodeRecord)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         return NodeState(node, None, unknown=f"unreadable record: {e}")
     return NodeState(node, record)

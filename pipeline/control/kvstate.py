@@ -5,8 +5,8 @@ The bucket (`Settings.kv_bucket`) holds the keys of `tierpipe.schemas.jobstate`.
 writes them with compare-and-set on every key it owns, so a paused coordinator that lost its
 lease can never overwrite what its successor wrote: its first write fails, and it stops.
 
-nats-py's errors stop here, as `BusUnavailableError` or `BusError` (`LeaseLostError` for a
-writer that lost its lease).
+The bucket's reads and writes go through `tierpipe.bus.kv.Bucket`, where nats-py's errors stop
+(`BusUnavailableError`, `BusError`); a writer that lost its lease gets `LeaseLostError`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
 import structlog
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
-from tierpipe.bus import kv as bucket
-from tierpipe.bus.connect import translate
+from tierpipe.bus.kv import (
+    Bucket,
+    BucketConfig,
+    JetStream,
+    KeyChanges,
+    bind_bucket,
+    open_bucket,
+)
 from tierpipe.control.jobstate import Changes, JobState
-from tierpipe.errors import BusError, BusUnavailableError, LeaseLostError
+from tierpipe.errors import BucketMissingError, BusError, BusUnavailableError, LeaseLostError
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
     Budget,
@@ -60,7 +62,8 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 _json = msgspec.json.Encoder()
 
-_ABSENT = bucket.ABSENT
+#: The largest value the bucket takes (a message must stay below 256 KiB at any job size).
+MAX_VALUE_BYTES = 256 * 1024
 
 
 def default_keep(settings: Settings) -> Keep:
@@ -109,8 +112,16 @@ def digests_key(job: str, step: int, chunk: int) -> str:
     return f"{job}.step.{step}.ranks.{chunk}"
 
 
-def _translated(what: str) -> contextlib.AbstractContextManager[None]:
-    return translate(what, keep=(*_ABSENT, nats.js.errors.KeyWrongLastSequenceError))
+def bucket_config(settings: Settings) -> BucketConfig:
+    """The job-state bucket (`Settings.kv_bucket`) as it is made: its stream admits every
+    agent's watchers (`stream_max_consumers`; 2 an agent, where nats-server admits 1,000
+    consumers a stream by default: 500 agents)."""
+    return BucketConfig(
+        name=settings.kv_bucket,
+        replicas=settings.stream_replicas,
+        max_value_bytes=MAX_VALUE_BYTES,
+        max_consumers=settings.stream_max_consumers,
+    )
 
 
 class JobStore:
@@ -121,10 +132,10 @@ class JobStore:
         """The job store over `bus`'s connection, opened (`open`): the operators' tools'."""
         return await cls(bus.js, bus.settings).open()
 
-    def __init__(self, js: JetStreamContext, settings: Settings) -> None:
+    def __init__(self, js: JetStream, settings: Settings) -> None:
         self._js = js
         self.settings = settings
-        self._kv: KeyValue | None = None
+        self._kv: Bucket | None = None
         #: Bound without asking JetStream whether the bucket exists (`bind`).
         self._bound = False
         #: key -> revision of this writer's last write (compare-and-set on the next).
@@ -132,7 +143,7 @@ class JobStore:
 
     async def open(self) -> JobStore:
         """Bind the bucket, creating it if missing (idempotent)."""
-        self._kv = await bucket.open_bucket(self._js, self.settings)
+        self._kv = await open_bucket(self._js, bucket_config(self.settings))
         return self
 
     def bind(self) -> JobStore:
@@ -140,12 +151,12 @@ class JobStore:
         for a job's ranks but rank 0, which `open`s it. (At 80,000 ranks, a stream-info request
         each would overflow the server's API queue, 10,000 by default.) A bucket that does not
         answer a read is opened then (`_value`)."""
-        self._kv = bucket.bind_bucket(self._js, self.settings)
+        self._kv = bind_bucket(self._js, self.settings.kv_bucket)
         self._bound = True
         return self
 
     @property
-    def kv(self) -> KeyValue:
+    def kv(self) -> Bucket:
         if self._kv is None:
             raise RuntimeError("JobStore.open() first")
         return self._kv
@@ -160,28 +171,20 @@ class JobStore:
     async def _value(self, key: str) -> tuple[bytes, int] | None:
         """(value, revision) of `key`, or None. A bound store (`bind`) whose bucket does not
         answer makes sure it exists (`open`, once) and reads again."""
-        with _translated(f"kv {key}"):
-            try:
-                entry = await self.kv.get(key)
-            except _ABSENT:
-                return None
-            except nats.errors.NoRespondersError:
-                if not self._bound:
-                    raise
-                self._bound = False
-                await self.open()
-                return await self._value(key)
-        return None if not entry.value else (entry.value, entry.revision or 0)
+        try:
+            entry = await self.kv.get(key)
+        except BucketMissingError:
+            if not self._bound:
+                raise
+            self._bound = False
+            await self.open()
+            return await self._value(key)
+        return None if entry is None or not entry.value else (entry.value, entry.revision)
 
     async def create(self, key: str, value: bytes) -> bool:
         """Store `value` under `key` unless the key holds a value already (atomic: of agents
         racing, one stores); whether this one did."""
-        with _translated(f"kv {key}"):
-            try:
-                await self.kv.create(key, value)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return False
-        return True
+        return await self.kv.create(key, value) is not None
 
     async def _get(self, key: str, kind: type[T]) -> tuple[T, int] | None:
         found = await self._value(key)
@@ -218,7 +221,7 @@ class JobStore:
         """Every job's head as stored now (`tierpipe ls`): one watch of `*.head`, stopped once
         it delivered what is stored; a value that does not decode is skipped."""
         out: dict[str, JobHead] = {}
-        for _, value in await bucket.stored(self.kv, "*.head"):
+        for _, value in await self.kv.stored("*.head"):
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
                 head = msgspec.json.decode(value, type=JobHead)
                 out[head.job] = head
@@ -236,12 +239,12 @@ class JobStore:
     async def keys(self, job: str) -> list[str]:
         """Every key of `job` in the bucket (`<job>.<...>`), sorted: one watch, stopped once it
         delivered what is stored."""
-        return sorted(key for key, _ in await bucket.stored(self.kv, f"{job}.>"))
+        return sorted(key for key, _ in await self.kv.stored(f"{job}.>"))
 
-    def changes(self, job: str) -> contextlib.AbstractAsyncContextManager[bucket.KeyChanges]:
+    def changes(self, job: str) -> contextlib.AbstractAsyncContextManager[KeyChanges]:
         """Wake-ups at each write of `job`'s own keys (`<job>.head`, `.lease`, ...; not its
         records), for a reader waiting for its head to catch up (`folded_head`)."""
-        return bucket.changes(self.kv, f"{job}.*")
+        return self.kv.changes(f"{job}.*")
 
     async def rank_digest(self, job: str, step: int, rank: int) -> tuple[str, int] | None:
         """(header digest, size) of `rank`'s verified copy of `step`, or None: one read of
@@ -267,15 +270,13 @@ class JobStore:
 
     async def _watch(self, pattern: str) -> AsyncIterator[tuple[str, bytes]]:
         """(job, value) of every key matching `pattern` as stored now, then of each change."""
-        with _translated(f"kv watch {pattern}"):
-            watcher = await self.kv.watch(pattern, ignore_deletes=True)
+        watch = await self.kv.watch(pattern, ignore_deletes=True)
         try:
-            async for entry in watcher:
+            async for entry in watch:
                 if entry is not None and entry.value:
                     yield entry.key.split(".", 1)[0], entry.value
         finally:
-            with contextlib.suppress(Exception):  # (a closed connection has nothing to stop)
-                await watcher.stop()
+            await watch.stop()
 
     async def jobs(self) -> AsyncIterator[str]:
         """Every job with a stored policy, then each new one (a trainer starting)."""
@@ -305,27 +306,20 @@ class JobStore:
         """Make the job known to the coordinators: with its retention policy `keep` (the
         trainer's), or with the settings' defaults unless it has one already."""
         key = keep_key(job)
-        with (
-            _translated(f"kv {key}"),
-            contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError),
-        ):
-            if keep is not None:
-                await self.kv.put(key, _json.encode(keep))
-            else:
-                await self.kv.create(key, _json.encode(default_keep(self.settings)))
+        if keep is not None:
+            await self.kv.put(key, _json.encode(keep))
+        else:  # (a policy stored already stays)
+            await self.kv.create(key, _json.encode(default_keep(self.settings)))
 
     async def purge(self, keys: Iterable[str]) -> None:
         """Remove `keys` with their history (`tierpipe rm`), in the order given."""
         for key in keys:
-            with _translated(f"kv purge {key}"):
-                await self.kv.purge(key)
+            await self.kv.purge(key)
 
     async def set_budget(self, job: str, budget: Budget) -> None:
         """Set the job's admission budgets (an operator's or the trainer's: the newest wins);
         the job's coordinator divides them among its active nodes within a few seconds."""
-        key = budget_key(job)
-        with _translated(f"kv {key}"):
-            await self.kv.put(key, _json.encode(budget))
+        await self.kv.put(budget_key(job), _json.encode(budget))
 
     # --- the coordinator's side
 
@@ -336,32 +330,25 @@ class JobStore:
         holds it."""
         key = lease_key(job)
         now = time.time()
-        with _translated(f"kv {key}"):
-            try:
-                entry = await self.kv.get(key)
-            except _ABSENT:
-                entry = None
-            current = (
-                msgspec.json.decode(entry.value, type=Lease)
-                if entry is not None and entry.value
-                else None
-            )
-            if (
-                current is not None
-                and current.holder != holder
-                and current.expires > now - expired_for_s
-            ):
-                return None
-            lease = Lease(
-                holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s
-            )
-            try:
-                if entry is None:
-                    rev = await self.kv.create(key, _json.encode(lease))
-                else:
-                    rev = await self.kv.update(key, _json.encode(lease), last=entry.revision)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return None  # another agent took it first
+        entry = await self.kv.get(key)
+        current = (
+            msgspec.json.decode(entry.value, type=Lease)
+            if entry is not None and entry.value
+            else None
+        )
+        if (
+            current is not None
+            and current.holder != holder
+            and current.expires > now - expired_for_s
+        ):
+            return None
+        lease = Lease(holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s)
+        if entry is None:
+            rev = await self.kv.create(key, _json.encode(lease))
+        else:
+            rev = await self.kv.update(key, _json.encode(lease), last=entry.revision)
+        if rev is None:
+            return None  # another agent took it first
         self._revs = {key: rev}
         log.info("lease_acquired", job=job, holder=holder, term=lease.term)
         return lease
@@ -408,8 +395,7 @@ class JobStore:
             for chunk in range(chunks)
         ]
         for key in gone:
-            with _translated(f"kv {key}"):
-                await self.kv.delete(key)
+            await self.kv.delete(key)
             self._revs.pop(key, None)
 
     async def write_shares(self, job: str, shares: Shares) -> None:
@@ -423,16 +409,10 @@ class JobStore:
 
     async def _cas(self, job: str, key: str, value: bytes) -> None:
         """Put `value` if the key is as this writer left it (or, the first time, as it is)."""
-        with _translated(f"kv {key}"):
-            last = self._revs.get(key)
-            if last is None:
-                try:
-                    last = (await self.kv.get(key)).revision or 0
-                except nats.js.errors.KeyDeletedError as e:
-                    last = e.entry.revision
-                except nats.js.errors.KeyNotFoundError:
-                    last = 0
-            try:
-                self._revs[key] = await self.kv.update(key, value, last=last)
-            except nats.js.errors.KeyWrongLastSequenceError as e:
-                raise LeaseLostError(job, key) from e
+        last = self._revs.get(key)
+        if last is None:
+            last = await self.kv.revision(key)
+        rev = await self.kv.update(key, value, last=last)
+        if rev is None:
+            raise LeaseLostError(job, key)
+        self._revs[key] = rev
