@@ -77,6 +77,10 @@ def test_status_of_a_large_job_is_one_line_per_step(settings: Settings, big_job:
     lines = out.stdout.splitlines()
     assert len(lines) <= 10, out.stdout
     assert "newest complete step: NVMe 2, object storage 1" in lines[0]
+    # what a restore would pick, from the planner `tierpipe plan` (and a restart) use
+    plan = json.loads(run_cli(settings, "plan", "--job", big_job, "--json").stdout)
+    assert (plan["step"], plan["from_nvme"], plan["from_s3"]) == (2, 1000, 0)
+    assert "restore now: step 2: 1000 ranks from NVMe, 0 from object storage" in out.stdout
     rows = {line.split()[0]: line.split()[1:] for line in lines if line[:1].isdigit()}
     assert rows == {
         "1": ["1000", "1000/1000", "1000/1000", "both"],
@@ -142,3 +146,15 @@ def test_status_of_a_job_without_state_suggests_reindex(settings: Settings, job:
         out = run_cli(settings, command, "--job", job)
         assert out.returncode == 2, out.stdout
         assert repr(job) in out.stderr and f"tierpipe reindex --job {job}" in out.stderr
+
+
+def test_status_says_when_no_step_can_be_restored(settings: Settings, job: str) -> None:
+    """A job whose only step lacks a rank: `tierpipe status` says a restore has nothing to pick
+    and why, as `tierpipe plan` refuses (one planner answers both)."""
+    _store_state(settings, job, [e for e in _saves(job, 1, 4) if e.rank != 3])  # type: ignore[attr-defined]
+    out = run_cli(settings, "status", "--job", job)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("restore now:")]
+    assert line.startswith("restore now: none (") and "1 of 4 ranks have no copy" in line, line
+    refused = run_cli(settings, "plan", "--job", job)
+    assert refused.returncode != 0 and "1 of 4 ranks have no copy" in refused.stderr

@@ -66,6 +66,8 @@ class JobView:
     stream_seq: int = 0
     #: step -> why the job state does not back the head's claim of it (`tierpipe.control.confirm`).
     unconfirmed: Mapping[int, str] = field(default_factory=dict)
+    #: What a restore would pick now (`KvPlan.summary`), or "none (why)".
+    restore: str = ""
 
 
 def _count(bits: bytes, world_size: int) -> int:
@@ -131,6 +133,8 @@ def _header(view: JobView, now: float) -> list[str]:
         ),
         "coordinator: " + _lease(view.lease, now),
     ]
+    if view.restore:
+        lines.append(f"restore now: {view.restore}")
     lines += [f"step {step} unconfirmed: {why}" for step, why in sorted(view.unconfirmed.items())]
     note = lag_note(head.seq, view.stream_seq)
     return lines + ([note] if note else [])

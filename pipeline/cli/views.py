@@ -25,7 +25,7 @@ from tierpipe.cli.render import (
 from tierpipe.control.confirm import confirmed_steps
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import ConfigError
+from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.names import (
     batch_subject,
     job_subjects,
@@ -35,7 +35,7 @@ from tierpipe.names import (
     state_subjects,
     stream_name,
 )
-from tierpipe.recovery.kvplan import KvPlan, plan_now
+from tierpipe.recovery.kvplan import KvPlan, confirmed_plan, plan_now
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
@@ -103,15 +103,21 @@ async def _read_view(settings: Settings, job: str) -> JobView:
     async with Bus(settings, name="tierpipe-cli") as bus:
         store = await JobStore.opened(bus)
         head, stream_seq = await folded_head(bus, store, job)
+        records = await store.records(job, sorted({*head.steps, *head.candidates()}))
+        try:  # what a restart would restore: the planner `tierpipe plan` and a restart use
+            restore = (await confirmed_plan(store, job, head, records)).summary()
+        except NoCheckpointError as e:
+            restore = f"none ({e})"
         return JobView(
             job=job,
             head=head,
-            records=await store.records(job, head.steps),
+            records=records,
             floors=await store.floors(job),
             keep=await store.keep(job),
             lease=await store.lease(job),
             stream_seq=stream_seq,
             unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
+            restore=restore,
         )
 
 

@@ -93,6 +93,13 @@ class KvPlan:
         lines.append(f"  note: {self.assumption}")
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """One line: the step and the count per tier, and what the plan assumes of NVMe."""
+        return (
+            f"step {self.step}: {self.from_nvme} ranks from NVMe, {len(self.s3_ranks)} from "
+            f"object storage (`tierpipe plan` says why; {self.assumption})"
+        )
+
     @property
     def assumption(self) -> str:
         """What the plan assumes of NVMe, for operators."""
