@@ -2,10 +2,9 @@
 nats-py's exceptions stop here (callers see `BusUnavailableError` and the rest of the error tree).
 
 - `client`: `Bus`: publishing events, reading and watching a job's stream.
-- `connection`: one NATS connection and its JetStream context (`Bus`'s base): connected,
-  watched while up, closed.
-- `connect`: nats-py connect options from the settings, what a refusal means, which exceptions
-  mean an outage.
+- `connection`: one NATS connection and its JetStream context (`Bus`'s base): connect options
+  from the settings, connected, what a refusal means, watched while up, closed.
+- `errors`: which nats-py exceptions mean an outage, and JetStream's errors as the error tree's.
 - `kv`: a KV bucket (`Bucket`; the job states', the node records'): opened or bound, its keys
   read, written with compare-and-set and watched.
 - `stream`: a job's stream, created or brought up to date in place.

@@ -2,8 +2,8 @@
 
 nats-py exceptions stop here: callers see `BusUnavailableError` (retryable: down, timeout),
 `BusAuthError` (the server refused this client's credentials or TLS) or `BusError` (refused: bad
-config, API error). The connection itself is `tierpipe.bus.connection`'s (credentials and TLS
-from the settings, `tierpipe.bus.connect`). The stream's configuration is
+config, API error; `tierpipe.bus.errors` says which). The connection itself is
+`tierpipe.bus.connection`'s (credentials and TLS from the settings). The stream's configuration is
 `tierpipe.bus.stream`'s; reading its history and watching it, `tierpipe.bus.history`'s; the stages'
 durable pull consumers, `tierpipe.bus.consumer`'s. Each job has a stream of its own
 (`<stream>_<job>`, subjects `tp.<job>.>`); a subject names its job, so every call here finds the
@@ -29,8 +29,8 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from tierpipe.bus import history, stream
-from tierpipe.bus.connect import UNAVAILABLE, translate
 from tierpipe.bus.connection import Connection
+from tierpipe.bus.errors import UNAVAILABLE, translate
 from tierpipe.bus.history import Follow, Raw, Watch
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, InvalidNameError
 from tierpipe.log import scrub

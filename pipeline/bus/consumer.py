@@ -24,7 +24,7 @@ from nats.aio.msg import Msg  # the bus's message type (re-exported: `Msg`)
 from nats.js import JetStreamContext, api
 
 from tierpipe.bus.client import Bus
-from tierpipe.bus.connect import UNAVAILABLE, translate
+from tierpipe.bus.errors import UNAVAILABLE, translate
 from tierpipe.bus.history import STREAM_NOT_FOUND
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import stream_name

@@ -19,7 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from tierpipe.bus.connect import UNAVAILABLE, translate
+from tierpipe.bus.errors import UNAVAILABLE, translate
 from tierpipe.errors import BusError, BusUnavailableError
 from tierpipe.schemas import Event, decode_event
 from tierpipe.schemas.facts import Fact

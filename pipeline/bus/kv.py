@@ -20,7 +20,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
-from tierpipe.bus.connect import translate
+from tierpipe.bus.errors import translate
 from tierpipe.errors import BucketMissingError, BusError
 
 __all__ = (

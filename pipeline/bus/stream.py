@@ -11,7 +11,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext, api
 
-from tierpipe.bus.connect import translate
+from tierpipe.bus.errors import translate
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import job_subjects, stream_name
 from tierpipe.settings import Settings

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from tierpipe.bus.history import Raw
 from tierpipe.control.bitmap import has_rank
@@ -81,7 +81,7 @@ def _complete(rec: StepRecord) -> Complete:
     return "both" if nvme and s3 else "nvme" if nvme else "s3" if s3 else "no"
 
 
-def step_json(job: str, step: int, rec: StepRecord | None) -> dict[str, Any]:
+def step_json(job: str, step: int, rec: StepRecord | None) -> dict[str, object]:
     """One step as a JSON-ready object (a line of `tierpipe status --json`); `world_size` and
     the counts are null for a step whose record went meanwhile."""
     if rec is None:
@@ -204,7 +204,7 @@ class JobRow:
         """Events the job state has not folded yet (by stream sequence)."""
         return max(0, self.stream_seq - (self.head.seq if self.head else 0))
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         head, f = self.head, self.failed
         return {
             "job": self.job,
@@ -273,7 +273,7 @@ def event_line(raw: Raw) -> str:
 def event_json_line(raw: Raw) -> str:
     """One JSON object: seq, time (ISO, UTC), subject, and the event (or `body` when it is not
     JSON)."""
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "seq": raw.seq,
         "time": datetime.datetime.fromtimestamp(raw.time, datetime.UTC).isoformat(),
         "subject": raw.subject,
@@ -356,7 +356,7 @@ def rank_table(job: str, rec: StepRecord, details: Sequence[RankDetail]) -> str:
     return "\n".join([*lines, _table(rows)])
 
 
-def rank_json(job: str, rec: StepRecord, d: RankDetail) -> dict[str, Any]:
+def rank_json(job: str, rec: StepRecord, d: RankDetail) -> dict[str, object]:
     """One rank of one step as a JSON-ready object (`tierpipe status --step N --json`)."""
     return {
         "job": job,

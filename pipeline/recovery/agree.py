@@ -314,7 +314,7 @@ class Restorer:
         *,
         round_: int = 0,
         rank: int | None = None,
-        **fields: Any,
+        **fields: Any,  # RestoreReport fields, as its constructor checks them
     ) -> tuple[int, RestoreReport]:
         report = RestoreReport(
             job=self.job,

@@ -48,7 +48,7 @@ from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import deliver_image, read_shard
 from tierpipe.storage.shard import Head
 from tierpipe.storage.staging import NodeSlots, SlotPool
-from tierpipe.storage.store import ShardStore
+from tierpipe.storage.store import SealedFile, ShardStore, StagedShard
 
 if TYPE_CHECKING:
     from tierpipe.storage.s3.store import S3Store
@@ -115,7 +115,7 @@ class Loader:
             StorageUnavailableError, StorageAuthError: object storage is down or refused.
         """
         expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
-        store: ShardStore[Any]
+        store: ShardStore[StagedShard] | ShardStore[SealedFile]
         if source.tier == "nvme":
             if source.node != self.node:
                 raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
@@ -403,6 +403,6 @@ def _loaded(head: Head, sink: Assembly, seconds: float) -> Loaded:
     return Loaded(head.header, state, head.file_nbytes, seconds, in_place)
 
 
-def _where(source: Source, step: int) -> dict[str, Any]:
+def _where(source: Source, step: int) -> dict[str, object]:
     """A source as its log lines name it."""
     return {"step": step, "tier": source.tier, "location": source.location}
