@@ -4,7 +4,8 @@
   and what a reader hands the bytes to (`BlobSink`).
 - `nvme`: the node-local tier (`NvmeStore`): seal staged images into shard files, verify them.
 - `placement`: a sealed file linked to its final path, never over another valid save.
-- `s3`: the object-storage tier (`S3Store`), a package: `store` (the tier), `keys` (object keys),
+- `s3`: the object-storage tier (`S3Store`), a package: `store` (the tier), `client` (the typed
+  S3 client it calls), `keys` (object keys),
   `parts` (part uploads and ranged downloads), `once` (what an object already at a key means),
   `commit` (per-step commit objects), `uploads` (earlier and orphaned multipart uploads aborted),
   `delete` (removals of what this job owns), `retry` (pacing, limits, retries), `errors`
