@@ -20,7 +20,7 @@ from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
 from tierpipe.names import shard_subject
-from tierpipe.recovery.plan import choose, recorded
+from tierpipe.recovery.plan import choose, named_ranks, recorded
 from tierpipe.schemas import ShardEvent
 from tierpipe.schemas.jobstate import JobHead, StepRecord
 
@@ -34,9 +34,6 @@ __all__ = (
     "node_ranks",
     "plan_now",
 )
-
-#: Ranks named in a rejection reason (the rest are counted).
-_NAMED_RANKS = 8
 
 ASSUME_NVME_KEPT = (
     "assumes every rank's node still holds its NVMe copy; a restart also checks each rank's "
@@ -84,7 +81,7 @@ class KvPlan:
             f"{self.from_nvme} from NVMe, {len(self.s3_ranks)} from object storage"
         ]
         if 0 < len(self.s3_ranks) < self.world_size:
-            lines.append(f"  from object storage: {_named(self.s3_ranks)}")
+            lines.append(f"  from object storage: {named_ranks(self.s3_ranks)}")
         for step, why in sorted(self.unconfirmed.items(), reverse=True):
             lines.append(f"  step {step} unconfirmed (not planned): {why}")
         for step, why in sorted(self.rejected.items(), reverse=True):
@@ -264,9 +261,3 @@ async def node_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) 
             if isinstance(event, ShardEvent) and event.world_size == world_size:
                 ranks.add(event.rank)
     return sorted(ranks)
-
-
-def _named(ranks: Sequence[int]) -> str:
-    named = ", ".join(f"rank {r}" for r in ranks[:_NAMED_RANKS])
-    more = f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else ""
-    return named + more

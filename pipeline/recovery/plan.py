@@ -14,7 +14,7 @@ reading its NVMe copy where it has one. Its inputs come from the job state in KV
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
@@ -23,7 +23,9 @@ from tierpipe.errors import NoCheckpointError
 from tierpipe.schemas import RankSteps, SourceRef
 from tierpipe.schemas.jobstate import StepRecord
 
-__all__ = ("Choice", "Source", "Steps", "choose", "counts", "recorded", "unusable")
+__all__ = (
+    "Choice", "Source", "Steps", "choose", "counts", "named_ranks", "recorded", "unusable",
+)  # fmt: skip
 
 #: Ranks named in a rejection reason (the rest are counted).
 _NAMED_RANKS = 8
@@ -117,12 +119,17 @@ def choose(
 
 
 def _lacking(ranks: list[int], reports: Mapping[int, Steps], world_size: int) -> str:
-    named = ", ".join(
-        f"rank {r}" + (f" [{reports[r].error}]" if r in reports and reports[r].error else "")
-        for r in ranks[:_NAMED_RANKS]
-    )
-    more = f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else ""
-    return f"{len(ranks)} of {world_size} ranks have no copy ({named}{more})"
+    def label(r: int) -> str:
+        error = reports[r].error if r in reports else ""
+        return f"rank {r}" + (f" [{error}]" if error else "")
+
+    return f"{len(ranks)} of {world_size} ranks have no copy ({named_ranks(ranks, label)})"
+
+
+def named_ranks(ranks: Sequence[int], label: Callable[[int], str] = "rank {}".format) -> str:
+    """The first few of `ranks` named (`label`), the rest counted: `rank 1, rank 4 and 9 more`."""
+    named = ", ".join(label(r) for r in ranks[:_NAMED_RANKS])
+    return named + (f" and {len(ranks) - _NAMED_RANKS} more" if len(ranks) > _NAMED_RANKS else "")
 
 
 def unusable(rec: StepRecord | None, world_size: int) -> str:

@@ -25,7 +25,7 @@ import structlog
 
 from tierpipe.bus.client import Bus
 from tierpipe.control.coordinator import Coordinator
-from tierpipe.control.kvstate import JobStore, digests_key
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
@@ -87,12 +87,10 @@ class Reads:
     async def digest(self, step: int, rank: int) -> tuple[str, int] | None:
         """(header digest, size) of `rank`'s verified copy of `step`, or None."""
         chunk = rank // RANKS_PER_CHUNK
-        found = await _once(self._chunks, (step, chunk), lambda: self._chunk(step, chunk))
+        found = await _once(
+            self._chunks, (step, chunk), lambda: self.store.digests(self.job, step, chunk)
+        )
         return None if found is None else found.of(rank)
-
-    async def _chunk(self, step: int, chunk: int) -> RankDigests | None:
-        value = await self.store.value(digests_key(self.job, step, chunk))
-        return None if value is None else msgspec.json.decode(value, type=RankDigests)
 
 
 class _Shared(Generic[T]):
