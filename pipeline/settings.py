@@ -27,7 +27,7 @@ SaveErrors = Literal["report", "raise"]
 
 _ENV_PREFIX = "TIERPIPE_"
 #: Fields whose values are secrets: redacted in every repr and log line.
-SECRET_FIELDS = frozenset({"s3_secret_access_key", "nats_password", "nats_token"})
+SECRET_FIELDS = frozenset({"s3_secret_access_key", "nats_password", "nats_token", "peer_token"})
 #: Fields that are filesystem paths: made absolute when the settings are built.
 _PATH_FIELDS = (
     "staging_root",
@@ -149,11 +149,37 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     evict_unflushed: bool = False
     #: Below this many free bytes on the NVMe filesystem, the oldest flushed copies go first.
     nvme_min_free_bytes: int = 0
+    #: Object-storage cadence (defaults of `Keep`): the job names a step for upload at most
+    #: every this many steps, and at most every this many seconds (0: as soon as the last one
+    #: is complete there).
+    s3_every_steps: int = 1
+    s3_every_s: float = 0.0
+    #: The agent warns when a node lost now would cost more than this many checkpoint
+    #: intervals (the steps between the newest saved step and the newest one safe elsewhere).
+    risk_warn_steps: int = 4
     #: How long a job's retention coordinator holds its lease without renewing it: after this,
     #: another node's agent takes the job over. It renews at a third of this.
     lease_ttl_s: float = 15.0
     #: How often a coordinator stores what the events it folded changed.
     coordinator_flush_s: float = 0.2
+
+    # --- peer replicas
+    #: Copies of each verified shard on partner nodes' NVMe: 0, 1 or 2 (None: 1 where the job
+    #: has two nodes or more, else 0).
+    peer_replicas: int | None = None
+    #: Where the agent's peer endpoint listens (the replicate stage's, and restores' from
+    #: peers): host and port (0: any free port). Loopback by default; a non-loopback bind
+    #: requires `peer_token`.
+    peer_bind_host: str = "127.0.0.1"
+    peer_bind_port: int = 0
+    #: The address other nodes reach the endpoint at (`http://host:port`; "": the bound one),
+    #: e.g. the node's fabric address when it binds 0.0.0.0.
+    peer_advertise_url: str = ""
+    #: The shared secret every agent's endpoint requires (`Authorization: Bearer ...`); from the
+    #: environment (`TIERPIPE_PEER_TOKEN`) or the settings file, never logged.
+    peer_token: str | None = None
+    #: The node's failure-domain label (e.g. its rack): a partner is chosen in another one.
+    failure_domain: str = ""
 
     # --- recovery
     #: How long ranks wait for each other (and for rank 0's plan) during a restore.
@@ -227,6 +253,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         _check(self.nvme_keep_latest_k >= 2, "nvme_keep_latest_k", self.nvme_keep_latest_k)
         _check(self.s3_keep_latest_k >= 1, "s3_keep_latest_k", self.s3_keep_latest_k)
         _check(self.s3_keep_period >= 0, "s3_keep_period", self.s3_keep_period)
+        _check(self.s3_every_steps >= 1, "s3_every_steps", self.s3_every_steps)
+        _check(self.s3_every_s >= 0, "s3_every_s", self.s3_every_s)
+        _check(self.risk_warn_steps >= 1, "risk_warn_steps", self.risk_warn_steps)
+        _check(self.peer_replicas in (None, 0, 1, 2), "peer_replicas", self.peer_replicas)
+        _check(0 <= self.peer_bind_port <= 65535, "peer_bind_port", self.peer_bind_port)
+        _check(
+            self.peer_advertise_url == ""
+            or re.fullmatch(r"https?://[^/\s]+", self.peer_advertise_url) is not None,
+            "peer_advertise_url",
+            self.peer_advertise_url,
+        )
+        _check(
+            re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.failure_domain) is not None,
+            "failure_domain",
+            self.failure_domain,
+        )
         _check(self.lease_ttl_s >= 1, "lease_ttl_s", self.lease_ttl_s)
         _check(0 < self.coordinator_flush_s <= 10, "coordinator_flush_s", self.coordinator_flush_s)
         _check(

@@ -32,6 +32,7 @@ __all__ = (
     "ShardEvicted",
     "ShardFlushed",
     "ShardIdentity",
+    "ShardReplicated",
     "ShardStaged",
     "ShardVerified",
     "ShardWritten",
@@ -48,7 +49,9 @@ __all__ = (
 #: Bumped when a field changes meaning or a required field is added.
 SCHEMA_VERSION = 1
 
-Tier = Literal["ram", "nvme", "s3"]
+#: Where a copy lives: staging RAM, its own node's NVMe, another node's NVMe (a replica made by
+#: the replicate stage), object storage.
+Tier = Literal["ram", "nvme", "peer", "s3"]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}\Z")]
@@ -191,6 +194,19 @@ class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):
     #: counts a `flush` copy only if it matches a verified NVMe copy; a reindexed one stands on
     #: its own (its node may be gone), and restore checks its header on load either way.
     origin: Literal["flush", "reindex"] = "flush"
+
+
+class ShardReplicated(ShardEvent, frozen=True, kw_only=True, tag="replicated"):
+    """A replica of another node's verified copy was written durably to this node's NVMe
+    (`node`: the holder) and every digest checked (`tierpipe.stages.replicate`). The replica
+    is the same file as the copy it was made from (same header digest)."""
+
+    #: The node whose verified copy was copied (never `node`).
+    source: Token
+    path: str
+    nbytes: NonNegInt
+    header_digest: Digest
+    seconds: float
 
 
 class ShardEvicted(ShardEvent, frozen=True, kw_only=True, tag="evicted"):
@@ -376,6 +392,7 @@ Event = (
     | ShardWritten
     | ShardVerified
     | ShardFlushed
+    | ShardReplicated
     | ShardEvicted
     | StageFailed
     | RecoveryPlanned

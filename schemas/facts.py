@@ -42,7 +42,7 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 #: Checked for hex digits by `decode_fact` (a length is free, a pattern is not).
 Digest = Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
-Tier = Literal["ram", "nvme", "s3"]
+Tier = Literal["ram", "nvme", "peer", "s3"]
 
 _TOKEN = re.compile(TOKEN_PATTERN)
 _HEX = frozenset("0123456789abcdef")

@@ -86,9 +86,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: Retention removed the step's objects: `s3` still says which ranks were flushed (their
     #: NVMe copies may go), but no rank has a copy there any more.
     s3_removed: bool = False
+    #: Ranks with a verified replica on another node's NVMe than the one that saved it (the
+    #: `peer` tier: `ShardReplicated`).
+    peer: bytes = b""
 
 
-class StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
+class StoredRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A `StepRecord` as the KV holds it: each bitmap deflated (`*_z`) where that is smaller,
     its plain field then empty (`stored_record`; back with `record()`)."""
 
@@ -100,6 +103,8 @@ class StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
     s3_removed: bool = False
     nvme_z: bytes = b""
     s3_z: bytes = b""
+    peer: bytes = b""
+    peer_z: bytes = b""
 
     def record(self) -> StepRecord:
         """The record, its bitmaps inflated.
@@ -111,25 +116,27 @@ class StoredRecord(msgspec.Struct, frozen=True, kw_only=True):
         try:
             nvme = inflate_bitmap(self.nvme_z, self.world_size) if self.nvme_z else self.nvme
             s3 = inflate_bitmap(self.s3_z, self.world_size) if self.s3_z else self.s3
+            peer = inflate_bitmap(self.peer_z, self.world_size) if self.peer_z else self.peer
         except ValueError as e:
             raise msgspec.ValidationError(f"step record {self.step}: {e}") from e
         return StepRecord(
             step=self.step, world_size=self.world_size, epoch=self.epoch, nvme=nvme, s3=s3,
-            s3_removed=self.s3_removed,
+            s3_removed=self.s3_removed, peer=peer,
         )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         """The bitmaps' bytes as stored."""
-        return len(self.nvme) + len(self.s3) + len(self.nvme_z) + len(self.s3_z)
+        return sum(map(len, (self.nvme, self.s3, self.peer, self.nvme_z, self.s3_z, self.peer_z)))
 
 
 def stored_record(rec: StepRecord) -> StoredRecord:
     nvme, nvme_z = deflated_bitmap(rec.nvme)
     s3, s3_z = deflated_bitmap(rec.s3)
+    peer, peer_z = deflated_bitmap(rec.peer)
     return StoredRecord(
         step=rec.step, world_size=rec.world_size, epoch=rec.epoch, nvme=nvme, s3=s3,
-        s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z,
+        s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z, peer=peer, peer_z=peer_z,
     )  # fmt: skip
 
 
@@ -187,6 +194,8 @@ class JobHead(msgspec.Struct, frozen=True, kw_only=True):
     #: Complete steps still kept, ascending, per tier.
     nvme_steps: list[NonNegInt] = []
     s3_steps: list[NonNegInt] = []
+    #: Steps every rank of which has a verified replica on a partner node (`peer` tier).
+    peer_steps: list[NonNegInt] = []
     #: Steps with a record (complete or not) that are not below both floors, ascending.
     steps: list[NonNegInt] = []
     #: The stream sequence of the last event folded in.
@@ -231,6 +240,14 @@ class Floors(msgspec.Struct, frozen=True, kw_only=True):
     nvme: StepOrNone = -1
     s3: StepOrNone = -1
     keep: list[NonNegInt] = []
+    #: The step the job names for object storage now: every node uploads its shards of it
+    #: (and of steps `Keep.s3_keep_period` keeps), and no other; named again once it is
+    #: complete there (never lower). -1: none yet.
+    upload: StepOrNone = -1
+    #: The newest step that survives the loss of any one node: complete in object storage, or
+    #: every rank with a verified replica on a partner node. -1: none. A superseded NVMe
+    #: copy below the NVMe floor that will never be uploaded goes once this passes its step.
+    safe: StepOrNone = -1
 
 
 class Keep(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,6 +262,10 @@ class Keep(msgspec.Struct, frozen=True, kw_only=True):
     s3_keep_period: NonNegInt = 0
     #: Remove NVMe copies below the floor even when they never reached object storage.
     evict_unflushed: bool = False
+    #: Object-storage cadence: the next step named for upload (`Floors.upload`) is at least
+    #: this many steps after the last one, and named at least this many seconds after it.
+    s3_every_steps: PosInt = 1
+    s3_every_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True):

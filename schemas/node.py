@@ -32,6 +32,14 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     s3_region: str
     s3_bucket: str
     s3_prefix: str
+    #: The agent's peer endpoint (`http://host:port`, what other agents and restoring trainers
+    #: fetch this node's copies and replicas from), "" when it serves none.
+    peer_url: str = ""
+    #: The node's failure-domain label (e.g. its rack): partners are chosen in another one.
+    failure_domain: str = ""
+    #: The jobs this node has copies of (a folder under its staging or NVMe root), as of the
+    #: last heartbeat: the ring of a job's nodes is made of the records that list it.
+    jobs: list[str] = []
     #: Set when the agent stopped (drained and exited): no agent serves the node since.
     stopped_ts: float | None = None
 

@@ -73,6 +73,8 @@ def default_keep(settings: Settings) -> Keep:
         s3_keep_latest_k=settings.s3_keep_latest_k,
         s3_keep_period=settings.s3_keep_period,
         evict_unflushed=settings.evict_unflushed,
+        s3_every_steps=settings.s3_every_steps,
+        s3_every_s=settings.s3_every_s,
     )
 
 
