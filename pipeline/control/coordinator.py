@@ -13,6 +13,8 @@ by the evict stage), it takes the job's lease if it is free and then, until it l
 - writes the COMMIT manifest of each step that becomes complete in object storage
   (`tierpipe.storage.s3.commit`), once it stored the records that say so;
 - pins the step an in-progress restore reads (the job's recovery plans are in its stream);
+- names the job's upload target (`Floors.upload`, `tierpipe.control.upload`), passing its clock
+  in at every round for the object-storage cadence;
 - divides the job's admission budgets (`<job>.budget`) among its active nodes (`ActiveNodes`:
   those that reported one of the newest checkpoints) and stores each node's part
   (`<job>.shares`) whenever the budget or the number of active nodes changes.
@@ -230,6 +232,7 @@ class Coordinator:
                                         held=held)  # fmt: skip
                         # (a pin that timed out goes)
                         state.pin(pins.steps(job), hold=held or pins.held(job))
+                        state.tick(time.time())  # (an upload target that came due is named)
                         again = False
                         if time.monotonic() >= renew_at:
                             lease = await self.store.renew(job, lease, s.lease_ttl_s)
