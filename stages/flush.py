@@ -41,6 +41,7 @@ import msgspec
 import structlog
 from anyio.abc import TaskGroup
 
+from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location
@@ -133,7 +134,7 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         return None
     match await _wanted(ctx, event):
         case "later":
-            _remember(ctx, event)
+            ctx.later.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
             # The floors may have named the step meanwhile (the watch saw it before this note).
             if await _wanted(ctx, event) != "now" or not _forget(ctx, event):
                 return None  # (or `_follow_floors` took it: it uploads it)
@@ -195,10 +196,6 @@ async def _wanted(ctx: Flush, event: ShardVerified) -> Literal["now", "later", "
     return "later" if event.step > floors.upload else "never"
 
 
-def _remember(ctx: Flush, event: ShardVerified) -> None:
-    ctx.later.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
-
-
 def _forget(ctx: Flush, event: ShardVerified) -> bool:
     """Take the event from `later`; whether it was there (no one else took it)."""
     ranks = ctx.later.get(event.job, {}).get(event.step, {})
@@ -224,7 +221,7 @@ async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
                 for step in [t for t in steps if t <= floors.upload]:
                     del steps[step]
                 if due:
-                    log.info("upload_target_named", job=job, step=floors.upload, shards=len(due))
+                    log.info("upload_due", job=job, step=floors.upload, shards=len(due))
                     tg.start_soon(_upload_all, ctx, list(due.values()))
         except TierpipeError as e:
             log.warning("flush_floors_unwatched", error=str(e), retry_s=delay)
@@ -244,6 +241,9 @@ async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
                     # (a step below the floors is skipped: `handle` says None)
                     if (flushed := await handle(ctx, event, 0)) is not None:
                         await ctx.bus.publish(flushed)
+                        batch = Batcher(ctx.bus)  # (and in the node's batch: what is folded)
+                        batch.add(flushed)
+                        await batch.flush()
                         log.info("flush_redriven")
                 break
             except UnavailableError as e:  # an outage: wait it out, like the runner does

@@ -95,8 +95,8 @@ def test_nvme_stays_bounded_while_object_storage_is_slower_than_the_saves(
 ) -> None:
     """A 2 MiB save every 0.5 s, uploads at 2 MiB/s (one step in two): on main every verified
     step waited for its upload, and NVMe grew with the run; here the copies on NVMe stay at
-    most `nvme_keep_latest_k` + 2 (the upload target and the newest in object storage), plus
-    the save in flight."""
+    most `nvme_keep_latest_k` + 2 checkpoints (measured: k + 1; the upload target and the
+    newest in object storage are among the k newest or next to them)."""
     k = 3
     s = settings.replace(nvme_keep_latest_k=k, s3_keep_latest_k=2, coordinator_flush_s=0.05,
                          flush_max_bytes_per_s=2 << 20)  # fmt: skip
@@ -115,7 +115,7 @@ def test_nvme_stays_bounded_while_object_storage_is_slower_than_the_saves(
     evicted = [e for e in events.all("evicted") if isinstance(e, ShardEvicted) and e.tier == "nvme"]
     superseded = sorted(e.step for e in evicted if e.reason == REASONS["superseded"])
     assert superseded, f"no copy superseded: {[(e.step, e.reason) for e in evicted]}"
-    assert high.most <= k + 3, f"{high.most} copies at once on NVMe: steps {sorted(high.at)}"
+    assert high.most <= k + 2, f"{high.most} copies at once on NVMe: steps {sorted(high.at)}"
 
 
 @pytest.fixture

@@ -207,7 +207,7 @@ def test_a_throttled_node_still_gets_the_newest_steps_into_object_storage(
     ]
     for ns in nodes:
         agent(settings=ns).wait_ready(60)
-    steps = 24
+    steps = 20
     t0 = time.time()
     train(job, nodes, steps, 0.5, 4)
     trained = time.time()

@@ -223,6 +223,7 @@ class Coordinator:
         keep_at = time.monotonic() + POLICY_READ_S
         budget, shares = await self.store.budget(job), await self.store.shares(job)
         active = ActiveNodes()
+        named = state.floors().upload
         try:
             while True:  # (the stream made again: followed again from its start)
                 follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
@@ -245,6 +246,9 @@ class Coordinator:
                         changes = state.take_changes()
                         if changes:
                             await self._store(state, changes)
+                        if (floors := state.floors()).upload != named:
+                            named = floors.upload
+                            log.info("upload_target_named", job=job, step=named, safe=floors.safe)
                         shares = await self._share(job, budget, len(active), shares, lease.term)
                         if again:
                             break
