@@ -113,9 +113,9 @@ def test_nvme_stays_bounded_while_object_storage_is_slower_than_the_saves(
         c.wait_until_finished(timeout=60)
         time.sleep(2.0)  # (retention catches up with the last saves)
     evicted = [e for e in events.all("evicted") if isinstance(e, ShardEvicted) and e.tier == "nvme"]
+    assert high.most <= k + 2, f"{high.most} copies at once on NVMe: steps {sorted(high.at)}"
     superseded = sorted(e.step for e in evicted if e.reason == REASONS["superseded"])
     assert superseded, f"no copy superseded: {[(e.step, e.reason) for e in evicted]}"
-    assert high.most <= k + 2, f"{high.most} copies at once on NVMe: steps {sorted(high.at)}"
 
 
 @pytest.fixture
