@@ -248,6 +248,8 @@ class Floors(msgspec.Struct, frozen=True, kw_only=True):
     #: every rank with a verified replica on a partner node. -1: none. A superseded NVMe
     #: copy below the NVMe floor that will never be uploaded goes once this passes its step.
     safe: StepOrNone = -1
+    #: When `upload` was named (wall-clock s since the epoch; 0: never), for `Keep.s3_every_s`.
+    upload_ts: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Keep(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,6 +12,7 @@ and the one coordinator per job that writes it.
 - `advert`: a node's record: what its agent tells the trainers of its node.
 - `pins`: the steps an in-progress restore keeps from retention.
 - `shares`: a job's admission budgets divided among its active nodes.
+- `upload`: the step a job names for object storage now (its upload target), and its safe step.
 """
 
 from tierpipe.control.coordinator import Coordinator

@@ -13,6 +13,8 @@ by the evict stage), it takes the job's lease if it is free and then, until it l
 - writes the COMMIT manifest of each step that becomes complete in object storage
   (`tierpipe.storage.s3.commit`), once it stored the records that say so;
 - pins the step an in-progress restore reads (the job's recovery plans are in its stream);
+- names the job's upload target (`Floors.upload`, `tierpipe.control.upload`), passing its clock
+  in at every round for the object-storage cadence;
 - divides the job's admission budgets (`<job>.budget`) among its active nodes (`ActiveNodes`:
   those that reported one of the newest checkpoints) and stores each node's part
   (`<job>.shares`) whenever the budget or the number of active nodes changes.
@@ -221,6 +223,7 @@ class Coordinator:
         keep_at = time.monotonic() + POLICY_READ_S
         budget, shares = await self.store.budget(job), await self.store.shares(job)
         active = ActiveNodes()
+        named = state.floors().upload
         try:
             while True:  # (the stream made again: followed again from its start)
                 follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
@@ -230,6 +233,7 @@ class Coordinator:
                                         held=held)  # fmt: skip
                         # (a pin that timed out goes)
                         state.pin(pins.steps(job), hold=held or pins.held(job))
+                        state.tick(time.time())  # (an upload target that came due is named)
                         again = False
                         if time.monotonic() >= renew_at:
                             lease = await self.store.renew(job, lease, s.lease_ttl_s)
@@ -242,6 +246,9 @@ class Coordinator:
                         changes = state.take_changes()
                         if changes:
                             await self._store(state, changes)
+                        if (floors := state.floors()).upload != named:
+                            named = floors.upload
+                            log.info("upload_target_named", job=job, step=named, safe=floors.safe)
                         shares = await self._share(job, budget, len(active), shares, lease.term)
                         if again:
                             break

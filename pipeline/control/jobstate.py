@@ -24,6 +24,7 @@ import msgspec
 
 from tierpipe.control.bitmap import TIERS, StepBits
 from tierpipe.control.ledger import Ledger, LedgerShard
+from tierpipe.control.upload import targets
 from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
@@ -71,15 +72,8 @@ class Changes:
     floors: bool = False
 
     def __bool__(self) -> bool:
-        return bool(
-            self.put
-            or self.deleted
-            or self.s3_removed
-            or self.digests
-            or self.head
-            or self.floors
-            or self.committed
-        )
+        return any((self.put, self.deleted, self.s3_removed, self.digests, self.head,
+                    self.floors, self.committed))  # fmt: skip
 
 
 class JobState:
@@ -115,7 +109,7 @@ class JobState:
         self.stream = head.stream if head else ""
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
-        self._hold = False
+        self._hold, self._now = False, 0.0  # (`tick`)
         self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
         self._changes = Changes()
         #: step -> (record, stored form) of the records the last head carried.
@@ -202,6 +196,11 @@ class JobState:
         if pinned != self._pinned or hold != self._hold:
             self._pinned, self._hold = pinned, hold
             self._move_floors()
+
+    def tick(self, now: float) -> None:
+        """The coordinator's clock (for `Keep.s3_every_s`): an upload target due is named."""
+        self._now = now
+        self._move_floors()
 
     def _refresh(
         self, step: int, rank: int, world_size: int | None, shard: LedgerShard | None = None
@@ -347,6 +346,7 @@ class JobState:
             s3=max(s3, self._floors.s3),
             keep=sorted(t for t in kept if t < max(nvme, s3, self._floors.nvme, self._floors.s3)),
         )
+        floors = targets(floors, self._floors, self._complete, self.keep, self._now)
         if floors != self._floors:
             self._floors = floors
             self._changes.floors = True
