@@ -99,7 +99,8 @@ def test_ls_lists_every_job_with_its_newest_steps_and_last_error(
     out = run_cli(settings, "ls")
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
-    assert rows[job].split()[1:5] == ["4", "2", "1", "2"]  # world, NVMe, S3, kept steps
+    # world, newest saved, NVMe, peer (none: both steps behind), S3 (one behind), at risk
+    assert rows[job].split()[1:9] == ["4", "2", "2", "-", "(-3)", "1", "(-1)", "1"]
     assert "verify step 2 rank 0 IntegrityError: header digest mismatch" in rows[job]
     assert "no state" in rows[fresh]
 

@@ -12,6 +12,8 @@ and the one coordinator per job that writes it.
 - `advert`: a node's record: what its agent tells the trainers of its node.
 - `pins`: the steps an in-progress restore keeps from retention.
 - `shares`: a job's admission budgets divided among its active nodes.
+- `holder`: whether the agent holding a job's lease is gone (a restart takes the lease at once).
+- `risk`: a job's exposure: each tier's lag behind the newest save, the steps a node's loss costs.
 """
 
 from tierpipe.control.coordinator import Coordinator
