@@ -90,8 +90,9 @@ def test_events_show_a_jobs_stream_by_kind_and_age_and_follow_it(
 def test_ls_lists_every_job_with_its_newest_steps_and_last_error(
     settings: Settings, job: str
 ) -> None:
-    """A line per job: world size, newest complete step per tier, kept steps, fold lag, its
-    newest failure; a job with events but no state yet is listed too."""
+    """A line per job: world size, newest saved step, newest step per tier with its lag, steps at
+    risk, kept steps, fold lag, its newest failure; a job with events but no state yet is
+    listed too."""
     _store_state(settings, job, _saves(job, 1, 4, flushed=range(4)) + _saves(job, 2, 4))
     publish(settings, failed(job, "n0", 2, "header digest mismatch"))
     fresh = f"{job}-fresh"
