@@ -12,10 +12,12 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import pytest
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from tests.conftest import run_cli
+from tests.conftest import Agent, run_cli
+from tests.test_coordinator import publish, wait_for
 from tests.test_metrics import value
 from tests.test_status_cli import _saves, _store_state
 from tierpipe.bus.client import Bus
@@ -170,6 +172,22 @@ def test_the_agent_warns_while_too_many_steps_are_at_risk(settings: Settings, jo
     assert (warned["newest_s3"], warned["s3_lag_steps"], warned["risk_warn_steps"]) == (2, 4, 2)
     (cleared,) = _named(logs, "steps_at_risk_cleared")
     assert cleared["log_level"] == "info" and cleared["steps_at_risk"] == 0
+
+
+@pytest.mark.slow
+def test_a_running_agent_warns_of_its_jobs_risk(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    """An agent started as operators start it warns of a job it coordinates whose saves never
+    reached object storage (every step at risk), within a look or two (`RISK_CHECK_S`)."""
+    s = settings.replace(risk_warn_steps=1)
+    Path(s.nvme_root, job).mkdir(parents=True)
+    running = agent("evict", settings=s).wait_ready()
+    saves = [msgspec.structs.replace(e, node=s.node) for e in history(job, flushed_to=0)]
+    publish(s, saves)
+    wait_for("the agent's risk warning", lambda: "steps_at_risk" in running.log(), timeout=45)
+    (line,) = [json.loads(x) for x in running.log().splitlines() if '"steps_at_risk"' in x][:1]
+    assert line["job"] == job and line["steps_at_risk"] == 7 and line["level"] == "warning"
 
 
 def _named(logs: list[dict[str, object]], event: str) -> list[dict[str, object]]:

@@ -177,9 +177,10 @@ async def current_head(
         await anyio.sleep(0.05)
 
 
-#: How often a restart waiting for the job's coordinator looks whether it is gone (a lease
-#: read, and the holder's node record while the lease holds).
-_BID_S = 0.25
+#: How often a restart waiting for the job's coordinator looks whether it is gone (the lease,
+#: and while it holds, the holder's node record and maybe a connect to its endpoint: every
+#: restarting rank does, so not at the wait's own pace). The first look is at once.
+_BID_S = 0.5
 
 #: The kinds whose fold a restoring rank waits for: what says a copy is there to read.
 _SAVED = ("verified", "flushed")
