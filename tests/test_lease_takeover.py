@@ -53,7 +53,10 @@ async def hold(bus: Bus, s: Settings, job: str, node_record: NodeRecord) -> Leas
     """node-b's agent (PID on HOST) holds the job's lease and stops renewing it (lost), and
     `node_record` is what node-b's record says now. Written as the raw JSON a holder writes."""
     store = await JobStore(bus.js, s).open()
-    lease = Lease(holder="node-b", term=3, expires=time.time() + TTL_S, pid=PID, host=HOST)
+    lease = Lease(
+        holder="node-b", term=3, expires=time.time() + TTL_S, pid=PID, host=HOST,
+        since=time.time() - 30,
+    )  # fmt: skip
     await store.kv.put(lease_key(job), msgspec.json.encode(lease))
     nodes = await open_bucket(bus.js, BucketConfig(name=bucket_name(s)))
     await nodes.put("node-b", msgspec.json.encode(node_record))
@@ -98,8 +101,9 @@ def test_a_restart_takes_a_gone_holders_lease_at_once(
 
 def test_a_live_holder_keeps_its_lease(settings: Settings, job: str) -> None:
     """Neither a restart nor another agent takes the lease of a holder whose record shows it
-    alive (its own process, beating, its endpoint accepting), nor while another process of its
-    node that does not coordinate (no evict stage) writes the record."""
+    alive (its own process, beating, its endpoint accepting), nor while the record is another
+    process's that does not coordinate (no evict stage) or an older agent's (started before
+    the term began: the holder has not stored its own yet)."""
     s = settings.replace(lease_ttl_s=TTL_S)
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -109,7 +113,11 @@ def test_a_live_holder_keeps_its_lease(settings: Settings, job: str) -> None:
         async def main() -> None:
             async with Bus(s) as bus:
                 store = await JobStore(bus.js, s).open()
-                for alive in (record(peer_url=url), record(pid=PID + 1, stages=["verify"])):
+                for alive in (
+                    record(peer_url=url),
+                    record(pid=PID + 1, started_ts=time.time(), stages=["verify"]),
+                    record(pid=PID + 1, started_ts=time.time() - 60),  # (an older agent's)
+                ):
                     held = await hold(bus, s, job, alive)
                     rank = Coordinator(s, bus, store, "node-c-rank-1", _never)
                     assert not await rank.catch_up(job, 10**9)
@@ -143,19 +151,22 @@ def test_a_paused_holder_finds_its_lease_taken(settings: Settings, job: str) -> 
 
 def test_what_shows_a_holder_gone() -> None:
     """The record rules (pure): its own process stopped or silent, or another agent of the node
-    that coordinates; nothing else (no record, a holder that is no agent, another process
-    that does not run evict, another process that is itself silent)."""
+    that coordinates and started after the term began; nothing else (no record, a holder that
+    is no agent, another process that does not run evict, is itself silent, or started before
+    the term: an older agent whose record the holder has not overwritten yet)."""
     now = time.time()
-    lease = Lease(holder="node-b", term=1, expires=now + 5, pid=PID, host=HOST)
+    lease = Lease(holder="node-b", term=1, expires=now + 5, pid=PID, host=HOST, since=now - 30)
     assert gone_reason(lease, record(stopped_ts=now), now)
     assert gone_reason(lease, record(heartbeat_ts=now - 6.5), now)
-    assert gone_reason(lease, record(pid=PID + 1), now)
-    assert gone_reason(lease, record(host="host-c"), now)
+    assert gone_reason(lease, record(pid=PID + 1, started_ts=now - 5), now)
+    assert gone_reason(lease, record(host="host-c", started_ts=now - 5), now)
     assert not gone_reason(lease, record(), now)
     assert not gone_reason(lease, None, now)
     assert not gone_reason(msgspec.structs.replace(lease, pid=0), record(stopped_ts=now), now)
-    assert not gone_reason(lease, record(pid=PID + 1, stages=["verify"]), now)
+    assert not gone_reason(lease, record(pid=PID + 1, started_ts=now, stages=["verify"]), now)
     assert not gone_reason(lease, record(pid=PID + 1, heartbeat_ts=now - 10), now)
+    # (an older agent's record, not overwritten yet by the holder that started since)
+    assert not gone_reason(lease, record(pid=PID + 1, started_ts=now - 60), now)
 
 
 async def _never(job: str, step: int, world_size: int) -> None:

@@ -9,8 +9,9 @@ only paused finds its next write refused, `LeaseLostError`), when:
 - the record is its own process's (same pid and host, as the lease names them) and says that
   process stopped, or has been silent for `MISSED_BEATS` heartbeats; or its peer endpoint
   (`NodeRecord.peer_url`) refuses connections (the process that listened is gone);
-- the record is another process's that runs the evict stage (the coordinator's), alive: a new
-  agent of the node (an agent holds its node's evict lock, so two never run side by side).
+- the record is another process's that runs the evict stage (the coordinator's), alive, and
+  started after the holder's term began: a new agent of the node (an agent holds its node's
+  evict lock, so two never run side by side).
 Anything else (no record, one that cannot be read, a holder that is not an agent, an endpoint
 that does not answer in time) shows nothing, and the lease is left to run out: a live holder
 never loses its lease to this.
@@ -65,7 +66,10 @@ def gone_reason(lease: Lease, record: NodeRecord | None, now: float) -> str:
                 f"{record.silent_s(now):.0f} s ({MISSED_BEATS} heartbeats missed)"
             )
         return ""
-    if record.alive(now) and COORDINATING_STAGE in record.stages:
+    # (one that started before the term began is an older agent, whose record the holder has
+    # not overwritten yet: it may not have stored its own)
+    newer = record.started_ts > lease.since
+    if newer and record.alive(now) and COORDINATING_STAGE in record.stages:
         return (
             f"another agent of node {record.node} runs (pid {record.pid} on {record.host}, "
             f"not the holder's pid {lease.pid} on {lease.host})"

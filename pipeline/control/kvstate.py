@@ -350,7 +350,7 @@ class JobStore:
             return None
         lease = Lease(
             holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s,
-            pid=pid, host=host,
+            pid=pid, host=host, since=now,
         )  # fmt: skip
         if entry is None:
             rev = await self.kv.create(key, _json.encode(lease))
