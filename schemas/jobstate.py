@@ -279,6 +279,15 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     term: PosInt
     #: Wall-clock time (s since the epoch) after which the lease is free.
     expires: float
+    #: The holding agent's process (its node is `holder`), as its node's record names it: an
+    #: agent of the node that is another process and started after `since`, or a record that
+    #: says the agent stopped or went silent, shows the holder gone, and a restart takes the
+    #: lease at once (`tierpipe.control.holder`). 0: the holder is no agent (a restart folding
+    #: the job's state), whose lease is never taken before it expires.
+    pid: int = 0
+    host: str = ""
+    #: When this term began (the holder's clock; renewals keep it).
+    since: float = 0.0
 
 
 class Budget(msgspec.Struct, frozen=True, kw_only=True):

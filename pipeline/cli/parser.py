@@ -201,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser(
         "ls",
-        help="every job: newest complete step per tier, fold lag, coordinator, last error",
+        help="every job: newest step per tier and its lag, steps at risk, coordinator, last error",
+        description="A line per job: its world size; the newest saved step; the newest step "
+        "complete on NVMe, on peers and in object storage, each with how far it trails the "
+        "newest save (steps, seconds), e.g. `13 (-46, 47s)`; the steps at risk if a node were "
+        "lost now (the newest saved step less the newest that survives any one node's loss); "
+        "kept steps, fold lag, coordinator, newest failure.",
     )
     ls.add_argument("--json", action="store_true", help="one JSON object per job")
 

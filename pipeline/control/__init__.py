@@ -13,6 +13,8 @@ and the one coordinator per job that writes it.
 - `pins`: the steps an in-progress restore keeps from retention.
 - `shares`: a job's admission budgets divided among its active nodes.
 - `upload`: the step a job names for object storage now (its upload target), and its safe step.
+- `holder`: whether the agent holding a job's lease is gone (a restart takes the lease at once).
+- `risk`: a job's exposure: each tier's lag behind the newest save, the steps a node's loss costs.
 """
 
 from tierpipe.control.coordinator import Coordinator

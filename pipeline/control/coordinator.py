@@ -42,6 +42,7 @@ import structlog
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.history import Follow
 from tierpipe.control.bitmap import ranks_of
+from tierpipe.control.holder import agent_identity, take_over
 from tierpipe.control.jobstate import Changes, JobState
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location, check_location, location_of
@@ -151,6 +152,7 @@ class Coordinator:
         rarely, with jitter, and bids only for a lease expired long ago (every candidate is
         gone), so thousands of agents do not poll one key."""
         ttl = self.settings.lease_ttl_s
+        pid, host = agent_identity()  # (what the lease names: `tierpipe.control.holder`)
         while True:
             candidate = self._ranks.get(job, CANDIDATE_RANKS) < CANDIDATE_RANKS
             refused = False
@@ -159,8 +161,13 @@ class Coordinator:
                 if self._local_job(job):
                     await self._check_store(job)
                     lease = await self.store.acquire(
-                        job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl
-                    )
+                        job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl,
+                        pid=pid, host=host,
+                    )  # fmt: skip
+                    if lease is None and candidate:  # (a holder shown gone: taken at once)
+                        lease = await take_over(
+                            self.bus, self.settings, self.store, job, self.node, agent=True
+                        )
                     if lease is not None:
                         await self._lead(job, lease)
             except StoreMismatchError as e:
@@ -187,10 +194,13 @@ class Coordinator:
 
     async def catch_up(self, job: str, seq: int) -> bool:
         """Fold the job's events up to stream sequence `seq` into its KV state, if the job has
-        no live coordinator (no agent runs evict, or the holder died and its lease expired):
-        take the lease, fold, store, and hand the lease back. No retention work meanwhile (the
-        floors hold). False if another holds the lease (it folds them itself)."""
-        lease = await self.store.acquire(job, self.node, self.settings.lease_ttl_s)
+        no live coordinator (no agent runs evict, or the holder died: its lease expired, or its
+        node's record shows it gone, `tierpipe.control.holder`): take the lease, fold, store,
+        and hand the lease back. No retention work meanwhile (the floors hold). False if
+        another holds the lease (it folds them itself)."""
+        lease = await self.store.acquire(
+            job, self.node, self.settings.lease_ttl_s
+        ) or await take_over(self.bus, self.settings, self.store, job, self.node, agent=False)
         if lease is None:
             return False
         await self._lead(job, lease, until=seq)

@@ -140,7 +140,8 @@ async def current_head(
     (the saves before a restart; this waits for the coordinator, a flush interval). A job with
     no live coordinator (no agent runs evict, or the holder died and its lease expired) is
     folded up to that event here, as `holder`, under the lease (a dead holder's lease expires
-    within `lease_ttl_s`). At `deadline` (`time.monotonic()`) it goes on with the state as it
+    within `lease_ttl_s`; one its node's record shows gone is taken at once:
+    `tierpipe.control.holder`). At `deadline` (`time.monotonic()`) it goes on with the state as it
     is, logged: that can only cost newer steps, never give a wrong one.
 
     `own`: wait for the node batches that carry this rank's own newest events (`own_events`),
@@ -160,22 +161,26 @@ async def current_head(
                 [await _rank_batch_after(bus, job, kind, r, deadline, settings.ack_wait_s)
                  for r in ranks for kind in _SAVED]
             )  # fmt: skip
-    folded = False
+    folded, bid_at = False, 0.0
     while True:
         head = await store.head(job)
         if not seq or (head is not None and head.seq >= seq):
             return head
-        if not folded:
-            lease = await store.lease(job)
-            if lease is None or lease.expires < time.time():
-                coordinator = Coordinator(settings, bus, store, holder, _no_removal)
-                folded = await coordinator.catch_up(job, seq)
+        if not folded and time.monotonic() >= bid_at:  # (free, expired, or its holder gone)
+            bid_at = time.monotonic() + _BID_S
+            coordinator = Coordinator(settings, bus, store, holder, _no_removal)
+            if folded := await coordinator.catch_up(job, seq):
                 continue
         if time.monotonic() > deadline:
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
         await anyio.sleep(0.05)
 
+
+#: How often a restart waiting for the job's coordinator looks whether it is gone (the lease,
+#: and while it holds, the holder's node record and maybe a connect to its endpoint: every
+#: restarting rank does, so not at the wait's own pace). The first look is at once.
+_BID_S = 0.5
 
 #: The kinds whose fold a restoring rank waits for: what says a copy is there to read.
 _SAVED = ("verified", "flushed")
