@@ -2,6 +2,7 @@
 and the one coordinator per job that writes it.
 
 - `jobstate`: `JobState`, one job's state folded from its events (steps, tiers, floors).
+- `changes`: `Changes`, what a fold changed since its state was last stored.
 - `ledger`: the copies of the steps the fold still reads from their events, with the evidence rules.
 - `bitmap`: rank bitmaps, one bit per rank of a step, and `StepBits`, a step's bitmaps per tier.
 - `kvstate`: `JobStore`, the job state in KV: reading it, and writing it as its one writer.
@@ -14,8 +15,9 @@ and the one coordinator per job that writes it.
 - `shares`: a job's admission budgets divided among its active nodes.
 """
 
+from tierpipe.control.changes import Changes
 from tierpipe.control.coordinator import Coordinator
-from tierpipe.control.jobstate import Changes, JobState
+from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 
 __all__ = ("Changes", "Coordinator", "JobState", "JobStore")
