@@ -209,6 +209,16 @@ def test_records_with_peer_bits_round_trip_through_the_kv_and_a_takeover() -> No
     assert peer_ranks(second, 1) == [0, 1, 3] and second.head().peer_steps == []
 
 
+def test_a_restart_considers_the_newest_steps_complete_on_peers() -> None:
+    """The head's candidates include the newest steps complete on the peer tier, however many
+    newer steps have records since."""
+    events = [e for r in range(WORLD) for e in [*saved(1, r), replicated(1, r)]]
+    for step in range(2, 6):
+        events += [e for r in range(WORLD) for e in saved(step, r)[:1]]  # (written only)
+    head = fold(events).head()
+    assert head.peer_steps == [1] and head.candidates() == [5, 4, 3, 1]
+
+
 # --- the planner
 
 

@@ -123,8 +123,8 @@ class StepBits:
         if self.s3_removed and tier in ("s3", None):
             if tier == "s3":
                 return False
-            kept = (n | p for n, p in zip(self.bits["nvme"], self.bits["peer"], strict=True))
-            return sum(b.bit_count() for b in kept) == self.world_size
+            nvme, peer = (int.from_bytes(self.bits[t], "little") for t in ("nvme", "peer"))
+            return (nvme | peer).bit_count() == self.world_size
         return (self.either if tier is None else self.count[tier]) == self.world_size
 
     def record(self, step: int) -> StepRecord:
