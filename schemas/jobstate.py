@@ -215,10 +215,12 @@ class JobHead(msgspec.Struct, frozen=True, kw_only=True):
     def candidates(self, step: int | None = None) -> list[int]:
         """The steps a restart considers, newest first: the newest `NEWEST` with a record and
         the newest `COMPLETE` complete ones on each tier (a node that was replaced has only
-        object storage). `step`: only that one."""
+        its partners' replicas and object storage). `step`: only that one."""
         if step is not None:
             return [step]
-        complete = self.nvme_steps[-COMPLETE:] + self.s3_steps[-COMPLETE:]
+        complete = (
+            self.nvme_steps[-COMPLETE:] + self.s3_steps[-COMPLETE:] + self.peer_steps[-COMPLETE:]
+        )
         return sorted(set(self.steps[-NEWEST:]) | set(complete), reverse=True)
 
     @property

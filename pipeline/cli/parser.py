@@ -54,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="which step a restore would pick now, from the job state in KV",
         description="The newest candidate step a restart considers on which every rank has a "
-        "copy on some tier, and how many ranks would read NVMe and object storage, assuming "
-        "every rank's node still holds the NVMe copy the job state records (a restart also "
-        "checks each file on its disk). --json prints one object: job, step, world_size, "
-        "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
+        "copy on some tier, and how many ranks would read NVMe, a replica on a peer node and "
+        "object storage, assuming every rank's node still holds the NVMe copy the job state "
+        "records (a restart also checks each file on its disk). --json prints one object: job, "
+        "step, world_size, from_nvme, from_peer, from_s3 (rank counts), peer_ranks and "
+        "s3_ranks (the ranks reading a peer's replica, object storage), "
         "candidates (newest first), rejected (step -> why), unconfirmed (step -> why the "
         "job state does not back what its head says of it: no record, or no rank digests; "
         "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
@@ -70,14 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--nvme-lost",
         action="store_true",
-        help="plan as if every NVMe copy were lost (every rank reads object storage)",
+        help="plan as if every NVMe copy were lost, and with them every peer replica (every "
+        "rank reads object storage)",
     )
     plan.add_argument(
         "--lost-node",
         action="append",
         metavar="NODE",
         help="plan as if NODE were lost with its NVMe (replaced by an empty node): the ranks "
-        "it saved (its `verified` events say which) read object storage; repeatable",
+        "it saved (its `verified` events say which) read a verified replica on a surviving "
+        "node, else object storage; the replicas it held are lost too; repeatable",
     )
     # Gone: the job state does not record which node holds a rank's NVMe copy.
     plan.add_argument("--alive", help=argparse.SUPPRESS)

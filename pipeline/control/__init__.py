@@ -2,6 +2,7 @@
 and the one coordinator per job that writes it.
 
 - `jobstate`: `JobState`, one job's state folded from its events (steps, tiers, floors).
+- `changes`: `Changes`, what a fold changed since its state was last stored.
 - `ledger`: the copies of the steps the fold still reads from their events, with the evidence rules.
 - `bitmap`: rank bitmaps, one bit per rank of a step, and `StepBits`, a step's bitmaps per tier.
 - `kvstate`: `JobStore`, the job state in KV: reading it, and writing it as its one writer.
@@ -17,8 +18,9 @@ and the one coordinator per job that writes it.
 - `risk`: a job's exposure: each tier's lag behind the newest save, the steps a node's loss costs.
 """
 
+from tierpipe.control.changes import Changes
 from tierpipe.control.coordinator import Coordinator
-from tierpipe.control.jobstate import Changes, JobState
+from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 
 __all__ = ("Changes", "Coordinator", "JobState", "JobStore")

@@ -7,8 +7,8 @@ digests only where a copy is on disk), whatever the job's size or history. A ran
 sits at a path that follows from (job, step, rank, world size); it counts only if the file's
 header names that shard and hashes to the digest the job state recorded when the copy was
 verified. Its object counts if the record says the store confirmed it (and retention has not
-removed it since); the loader checks the same digest (`sources` reads it) before any byte of
-either reaches a tensor.
+removed it since), its replica on a peer if the record counts one (`Survey.peer`); the loader
+checks the same digest (`sources` reads it) before any byte of either reaches a tensor.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ class Survey:
     local: dict[int, Source] = field(default_factory=dict)
     #: Steps whose object of this rank the job state confirms.
     remote: set[int] = field(default_factory=set)
+    #: Steps of which the job state counts a verified replica of this rank on another node than
+    #: the one that saved it (the `peer` tier: what a replaced node's rank can read there).
+    peer: set[int] = field(default_factory=set)
     #: step -> why this rank has no copy of it.
     missing: dict[int, str] = field(default_factory=dict)
     #: step -> what proved this rank's NVMe copy is not the verified one (to report).
@@ -285,7 +288,9 @@ async def _check(
     """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
-    nvme, s3 = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    nvme, s3, peer = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    if peer:
+        found.peer.add(s)
     if nvme:  # (a copy proven bad, or evicted, stays out)
         path = locate_nvme(reads.job, s, rank, world)
         local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)
