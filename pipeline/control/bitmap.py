@@ -113,7 +113,7 @@ class StepBits:
             self.either += 1 if on else -1
         return True
 
-    def update(self, rank: int, on: Container[Tier]) -> tuple[bool, bool]:
+    def update(self, rank: int, on: Container[str]) -> tuple[bool, bool]:
         """Set `rank` on the tiers in `on`, clear it on the others (`s3` keeps its ranks once
         retention removed the objects); whether that changed anything, and whether it changed
         the step's completeness on some tier (or on any)."""
