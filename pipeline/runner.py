@@ -40,6 +40,8 @@ from tierpipe.errors import TierpipeError
 from tierpipe.log import register_secrets, settings_secrets
 from tierpipe.metrics import METRICS
 from tierpipe.names import consumer_name, local_jobs, node_name
+from tierpipe.peer.server import endpoint_url
+from tierpipe.peer.server import serve as serve_peer
 from tierpipe.settings import Settings
 from tierpipe.worker import Handler, JobWorker, Output
 
@@ -146,13 +148,21 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
     async with bus, anyio.create_task_group() as tg:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             tg.start_soon(metrics.serve, settings, bus, JobStore(bus.js, settings).bind())
+            # The peer endpoint serves this node's copies and takes partners' replicas
+            # (`tierpipe.peer.server`), where the agent replicates.
+            peer_url = ""
+            if any(s.STAGE == "replicate" for s in stages):
+                peer_url = await tg.start(functools.partial(serve_peer, node=node), settings, bus)
+                endpoint_url.set(peer_url)
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))
             # The node's trainers learn from it that an agent serves them, and where it keeps
             # their copies (`tierpipe.control.advert`).
             tg.start_soon(
-                functools.partial(advertise, node=node, stages=[s.STAGE for s in stages]),
+                functools.partial(
+                    advertise, node=node, stages=[s.STAGE for s in stages], peer_url=peer_url
+                ),
                 settings,
                 bus,
             )
