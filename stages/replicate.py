@@ -4,9 +4,10 @@ For every shard this node verified, the stage asks each of its partners in the j
 (`tierpipe.peer.ring`, over the live node records that list the job and serve a peer endpoint)
 to copy it from this node's endpoint (`POST /v1/replicate`). The partner pulls the file agent to
 agent, writes it durably, checks every digest and publishes its own `replicated` event; this
-stage publishes nothing. A partner that does not answer fails the attempt (retryable: the
-runner tries again, and a partner whose agent is gone leaves the ring after three missed
-heartbeats). `peer_replicas` 0, or a job on one node: nothing to do.
+stage publishes nothing. A partner that does not answer, or whose agent is silent, fails the
+attempt (retryable: the runner tries again); one silent for longer than `PARTNER_GONE_S`, or
+stopped, has left the ring, and the next node takes its place. `peer_replicas` 0, or a job on
+one node: nothing to do.
 
 Retention of the replicas this node holds: the stage follows the jobs' floors in KV (as the evict
 stage does for its own copies) and removes replicas of steps below the NVMe floor that the floors
@@ -31,7 +32,7 @@ from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
 from tierpipe.control.advert import job_nodes
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import TierpipeError
+from tierpipe.errors import PeerUnavailableError, TierpipeError
 from tierpipe.names import node_name
 from tierpipe.peer.client import PeerClient
 from tierpipe.peer.replicas import Replica, Replicas
@@ -39,6 +40,7 @@ from tierpipe.peer.ring import partners, replica_count
 from tierpipe.peer.server import PeerServer, endpoint_url
 from tierpipe.schemas import ShardEvicted, ShardVerified, shard_event
 from tierpipe.schemas.jobstate import Floors
+from tierpipe.schemas.node import MISSED_BEATS
 from tierpipe.settings import Settings
 
 __all__ = ("KINDS", "STAGE", "Partner", "Replicate", "handle", "open", "superseded")
@@ -49,6 +51,9 @@ log = structlog.get_logger(__name__)
 
 #: How long a job's partners, once read from the node records, are used before reading again.
 PARTNERS_TTL_S = 2.0
+#: A partner silent for longer than this (or three heartbeats, if longer) has left the job:
+#: the next node in the ring takes its place. Until then, copies wait for it.
+PARTNER_GONE_S = 60.0
 #: How often the replicas held here are looked at again (superseded ones), floors or not.
 RECHECK_S = 5.0
 
@@ -70,29 +75,47 @@ class Replicate:
     replicas: Replicas
     store: JobStore
     floors: dict[str, Floors] = field(default_factory=dict)
-    _partners: dict[str, tuple[float, list[Partner]]] = field(default_factory=dict)
+    _partners: dict[str, tuple[float, list[Partner], list[str]]] = field(default_factory=dict)
     _batcher: Batcher | None = None
 
-    async def partners(self, job: str) -> list[Partner]:
-        """This node's partners in `job` (read again after `PARTNERS_TTL_S`)."""
+    async def partners(self, job: str) -> tuple[list[Partner], list[str]]:
+        """This node's partners in `job` whose agents are alive, and the ones that should be
+        but are silent (read again after `PARTNERS_TTL_S`).
+
+        The ring is made of the nodes whose records list the job, serve an endpoint, and were
+        heard from within `PARTNER_GONE_S` (a node whose agent stopped, or that stayed silent
+        longer, has left the job): so a partner that restarts is waited for, not skipped, while
+        a node gone for good hands its place on to the next one.
+        """
         cached = self._partners.get(job)
         if cached is not None and time.monotonic() - cached[0] < PARTNERS_TTL_S:
-            return cached[1]
-        records = [r for r in await job_nodes(self.bus, self.settings, job) if r.peer_url]
-        ring = {r.node: r.failure_domain for r in records}
+            return cached[1], cached[2]
+        gone_s = max(PARTNER_GONE_S, MISSED_BEATS * self.settings.node_heartbeat_s)
+        records = {
+            r.node: r
+            for r in await job_nodes(self.bus, self.settings, job, silent_s=gone_s)
+            if r.peer_url and r.node != self.node
+        }
+        ring = {name: r.failure_domain for name, r in records.items()}
         ring[self.node] = self.settings.failure_domain
-        urls = {r.node: r.peer_url for r in records}
         n = replica_count(self.settings.peer_replicas, len(ring))
-        found = [Partner(p, urls[p]) for p in partners(ring.items(), self.node, n)]
-        self._partners[job] = (time.monotonic(), found)
-        return found
+        now = time.time()
+        order = partners(ring.items(), self.node, len(ring))
+        alive = [Partner(p, records[p].peer_url) for p in order if records[p].alive(now)]
+        found, missing = alive[:n], [p for p in order[:n] if not records[p].alive(now)]
+        if len(found) == n:
+            missing = []
+        self._partners[job] = (time.monotonic(), found, missing)
+        return found, missing
 
     async def handle(self, event: ShardVerified, attempt: int) -> None:
-        """Have each partner copy the shard (all are asked; then the first failure raises)."""
+        """Have each partner copy the shard (all are asked; then the first failure raises,
+        or, with too few partners alive, a retryable error naming the silent ones)."""
         if event.node != self.node:
             return None
         failed: TierpipeError | None = None
-        for partner in await self.partners(event.job):
+        found, missing = await self.partners(event.job)
+        for partner in found:
             try:
                 done = await self.client.replicate(partner.url, event, source_url=self.url)
             except TierpipeError as e:
@@ -103,6 +126,9 @@ class Replicate:
             log.debug("replica_made", partner=partner.node, seconds=done.seconds)
         if failed is not None:
             raise failed
+        if missing:
+            self._partners.pop(event.job, None)
+            raise PeerUnavailableError(", ".join(missing), "partner agent silent (waited for)")
         return None
 
     # --- retention of the replicas held here

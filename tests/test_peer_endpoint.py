@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -48,6 +49,19 @@ def verified(settings: Settings, path: Path) -> ShardVerified:
         world_size=h.world_size, epoch=h.epoch, path=str(path), nbytes=path.stat().st_size,
         header_digest=head.header_digest.hex(), seconds=0.0,
     )  # fmt: skip
+
+
+def flip(path: Path) -> None:
+    """Flip a byte of the shard's first tensor (a copy changed after its verify)."""
+    with open(path, "r+b") as f:
+        f.seek(read_head(path).data_offset + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    return a.read_bytes() == b.read_bytes()
 
 
 @asynccontextmanager
@@ -175,7 +189,7 @@ async def test_a_replica_is_pulled_verified_and_published(
     assert done.header_digest == event.header_digest and done.nbytes == event.nbytes
     replica = Path(done.path)
     assert replica.is_relative_to(tmp_path / "nvme-b" / ".peer")
-    assert replica.read_bytes() == path.read_bytes()
+    assert same_bytes(replica, path)
     assert again.path == done.path and again.seconds == 0.0
     assert [e.node for e in history] == [holder.node]  # (the second one: a duplicate)
 
@@ -189,11 +203,7 @@ async def test_a_corrupt_transfer_is_refused_and_not_published(
     holder = settings.replace(node=f"{settings.node}-b", nvme_root=str(tmp_path / "nvme-b"))
     path = own_copy(settings, job)
     event = verified(settings, path)
-    with open(path, "r+b") as f:  # a byte of the first tensor flipped
-        f.seek(read_head(path).data_offset + 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip(path)
     async with Bus(settings) as bus:
         await bus.ensure_stream(job)
         async with (
@@ -223,5 +233,5 @@ async def test_fetch_shard_copies_one_file_through_the_endpoint(
         landed = await fetch_shard(
             server.url, job, 3, 2, 0, dest, nbytes=event.nbytes, header_digest=event.header_digest
         )
-    assert landed.nbytes == event.nbytes and dest.read_bytes() == path.read_bytes()
-    await anyio.sleep(0)
+    assert landed.nbytes == event.nbytes and same_bytes(dest, path)
+    await anyio.lowlevel.checkpoint()

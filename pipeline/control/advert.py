@@ -193,9 +193,12 @@ async def read_node(bus: Bus, settings: Settings, node: str) -> NodeState:
     return NodeState(node, record)
 
 
-async def job_nodes(bus: Bus, settings: Settings, job: str) -> list[NodeRecord]:
-    """The records of the nodes whose agents run and list `job` (one read of the bucket; [] if
-    there is none yet).
+async def job_nodes(
+    bus: Bus, settings: Settings, job: str, *, silent_s: float | None = None
+) -> list[NodeRecord]:
+    """The records of the nodes whose agents list `job`, by name: those alive, or with
+    `silent_s`, also those not stopped and heard from within `silent_s` (one read of the
+    bucket; [] if there is none yet).
 
     Raises:
         BusUnavailableError: the bucket could not be read.
@@ -210,7 +213,10 @@ async def job_nodes(bus: Bus, settings: Settings, job: str) -> list[NodeRecord]:
             record = msgspec.json.decode(value, type=NodeRecord)
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue
-        if job in record.jobs and record.alive(now):
+        recent = (
+            silent_s is not None and record.stopped_ts is None and record.silent_s(now) <= silent_s
+        )
+        if job in record.jobs and (record.alive(now) or recent):
             found.append(record)
     return sorted(found, key=lambda r: r.node)
 
