@@ -13,6 +13,8 @@ one canonical log line per message). Also, the runner:
 
 - when its stream or consumer disappears (deleted, or lost by the server), creates them again,
   says so once, and goes on (`tierpipe.bus.consumer`);
+- where the agent runs the replicate stage, starts the node's peer endpoint first
+  (`tierpipe.peer.server`) and advertises its URL in the node's record;
 - on SIGTERM/SIGINT stops fetching and lets in-flight work finish for up to `drain_timeout_s`
   (an outage being waited out is handed back at once).
 """

@@ -88,9 +88,11 @@ class PeerClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
+            # (a large read buffer: the 64 KiB default pauses the socket every 64 KiB)
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=self._timeout, auto_decompress=False
-            )
+                headers=self._headers, timeout=self._timeout, auto_decompress=False,
+                read_bufsize=_CHUNK_BYTES,
+            )  # fmt: skip
         return self._session
 
     async def replicate(
@@ -171,16 +173,19 @@ async def fetch_shard(
     nbytes: int,
     header_digest: str,
     token: str | None = None,
+    direct_io: bool = True,
 ) -> Landed:
     """Copy one shard from the endpoint at `base_url` into the file `dest` as a replica is
     copied (streamed, written durably, re-read and every digest checked before it is placed).
+    `direct_io` False: the re-read goes through the page cache (what was just written) instead
+    of the device (what an agent does, `direct_io` setting).
 
     Raises:
         as `PeerClient.replicate` does, and NoSpaceError.
     """
     url = shard_url(base_url, job, step, world_size, rank, header_digest=header_digest)
     async with PeerClient(token=token) as client:
-        replicas = Replicas(NvmeStore(dest.parent))
+        replicas = Replicas(NvmeStore(dest.parent, direct_io=direct_io))
         try:
             return await client.fetch(url, replicas, dest, nbytes=nbytes,
                                       header_digest=header_digest)  # fmt: skip
