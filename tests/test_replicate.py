@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_a_partner_down_gets_the_copy_once_it_is_back(
     a, b = two_nodes
     _, second = start_pair(agent, a, b)
     assert second is not None
-    second.stop(signal_kill())
+    second.stop(signal.SIGKILL)
     event = saved(a, job, 5)
     publish_verified(a, event)
     events.wait_for(
@@ -227,7 +228,14 @@ def test_a_restore_reads_the_replica_from_its_holder(
         anyio.run(restore, "", "0" * 32)
 
 
-def signal_kill() -> int:
-    import signal
+def test_a_replica_from_an_abandoned_timeline_is_superseded() -> None:
+    """A replica is superseded by one of the same rank from a newer epoch at the same or an
+    earlier step (the run rewound there), never by an older epoch or another rank."""
+    from tierpipe.peer.replicas import Replica
+    from tierpipe.stages.replicate import superseded
 
-    return signal.SIGKILL
+    def r(step: int, epoch: int, rank: int = 0) -> Replica:
+        return Replica("j", step, rank, 2, epoch, "0" * 32, 1, Path(f"/x/{step}/{rank}"))
+
+    held = [r(5, 1), r(6, 1), r(7, 1), r(6, 2), r(8, 1, rank=1)]
+    assert [superseded(x, held) for x in held] == [False, True, True, False, False]
