@@ -279,7 +279,7 @@ def replica_copy_s(base_url: str, shard: Any, dest: Path, token: str | None = No
     import anyio
 
     try:
-        from tierpipe.peer.client import fetch_shard
+        from tierpipe.peer.client import fetch_shard  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
         raise ReplicasUnavailableError(
             "replicas not available in this build (no tierpipe.peer.client)"
@@ -744,9 +744,9 @@ def run(
                               "keep_latest_k": KEEP_K}  # fmt: skip
     summary = _summary(done, cfg)
     result.update({k: v for k, v in summary.items() if not k.startswith("replicas_")})
-    for mode in ("replicas_off", "replicas_on"):
-        log(f"{mode}: {json.dumps(summary[mode])}")
-        result.update({f"{k}_{mode}": v for k, v in summary[mode].items()})
+    for name in ("replicas_off", "replicas_on"):
+        log(f"{name}: {json.dumps(summary[name])}")
+        result.update({f"{k}_{name}": v for k, v in summary[name].items()})
     _targets(result)
     return result
 
