@@ -83,7 +83,7 @@ KEEP_K = 2
 #: Object storage takes this fraction of the save rate.
 THROTTLE_FRACTION = 0.25
 #: The kill's moment, seconds after the first save is due: uniform in this range.
-KILL_WINDOW_S = (6.0, 12.0)
+KILL_WINDOW_S = (5.0, 10.0)
 QUICK = {"trials": 1, "state_mib": 1.0, "kill_window_s": (4.0, 6.0)}
 #: The state's tensors (a few, as a model's would be).
 TENSORS = 4
