@@ -3,7 +3,9 @@
 What is counted where it happens: each message a stage handled (`observe_message`, by the
 runner), each event the process published (`observe_event`, by `Bus.publish`: bytes and seconds
 per tier, failures, evictions); what is read when scraped: the newest complete steps of the
-node's jobs (from their state in KV), the staging slots holding a shard, the flush rate and the
+node's jobs (from their state in KV), how far each tier trails the newest save and the steps
+at risk if a node were lost (`tierpipe.control.risk`: of the jobs this agent coordinates), the
+staging slots holding a shard, the flush rate and the
 time uploads waited for it (`watch_throttle`, by the flush stage). One registry per process, not
 prometheus_client's global one.
 
@@ -14,6 +16,7 @@ on without metrics: checkpoints matter more than their statistics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Coroutine
@@ -33,7 +36,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tierpipe.names import local_jobs
+from tierpipe.control.risk import TIER_KINDS, Risk, coordinated, read_risk
+from tierpipe.names import local_jobs, node_name
 from tierpipe.schemas import (
     Event,
     NodeBatch,
@@ -92,6 +96,26 @@ class Metrics:
             "Newest step complete on a tier (every rank verified there), by job",
             ["job", "tier"], registry=r,
         )  # fmt: skip
+        self.newest_saved = Gauge(
+            "tierpipe_newest_saved_step", "Newest step a rank saved (verified), by job",
+            ["job"], registry=r,
+        )  # fmt: skip
+        self.tier_lag_steps = Gauge(
+            "tierpipe_tier_lag_steps",
+            "Steps a tier's newest complete step trails the newest saved step, by job and tier",
+            ["job", "tier"], registry=r,
+        )  # fmt: skip
+        self.tier_lag_seconds = Gauge(
+            "tierpipe_tier_lag_seconds",
+            "Seconds a tier's newest copy trails the newest save, by job and tier",
+            ["job", "tier"], registry=r,
+        )  # fmt: skip
+        self.at_risk = Gauge(
+            "tierpipe_steps_at_risk",
+            "Steps lost if a node were lost now (newest saved less the newest step that "
+            "survives any one node's loss), by job",
+            ["job"], registry=r,
+        )  # fmt: skip
         self.slots_in_use = Gauge(
             "tierpipe_staging_slots_in_use", "Staging slots holding a shard not yet released",
             registry=r,
@@ -134,8 +158,11 @@ class Metrics:
         """Report this node's upload throttle (the flush stage's)."""
         self._throttle = throttle
 
-    async def refresh(self, settings: Settings, store: JobStore | None) -> None:
-        """Read what is scraped as it is now."""
+    async def refresh(
+        self, settings: Settings, store: JobStore | None, bus: Bus | None = None
+    ) -> None:
+        """Read what is scraped as it is now (the tiers' lag and the steps at risk: with `bus`,
+        the job's newest events)."""
         self.slots_in_use.set(_slots_in_use(Path(settings.staging_root)))
         if (t := self._throttle) is not None:
             self.flush_rate.set(t.rate or 0)
@@ -147,9 +174,38 @@ class Metrics:
             head = await store.head(job)
             if head is None:
                 continue
-            for tier, step in (("nvme", head.newest_nvme), ("s3", head.newest_s3)):
+            peer = head.peer_steps[-1] if head.peer_steps else None
+            for tier, step in (("nvme", head.newest_nvme), ("peer", peer), ("s3", head.newest_s3)):
                 if step is not None:
                     self.newest_step.labels(job, tier).set(step)
+            if bus is not None and await coordinated(store, job, node_name(settings.node)):
+                self._risk(await read_risk(bus, store, job, head=head))
+            else:
+                self._no_risk(job)
+
+    def _risk(self, risk: Risk) -> None:
+        """Set the gauges of a job's exposure (a lag not known yet is left out)."""
+        self._no_risk(risk.job)
+        if risk.saved is None:
+            return
+        self.newest_saved.labels(risk.job).set(risk.saved)
+        self.at_risk.labels(risk.job).set(risk.at_risk)
+        for t in risk.tiers:
+            if t.lag_steps is not None:
+                self.tier_lag_steps.labels(risk.job, t.tier).set(t.lag_steps)
+            if t.lag_s is not None:
+                self.tier_lag_seconds.labels(risk.job, t.tier).set(t.lag_s)
+
+    def _no_risk(self, job: str) -> None:
+        """Drop the gauges of a job's exposure (another agent coordinates it: its own say)."""
+        for gauge, labels in (
+            (self.newest_saved, [(job,)]), (self.at_risk, [(job,)]),
+            (self.tier_lag_steps, [(job, t) for t, _ in TIER_KINDS]),
+            (self.tier_lag_seconds, [(job, t) for t, _ in TIER_KINDS]),
+        ):  # fmt: skip
+            for values in labels:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*values)
 
 
 def _slots_in_use(staging: Path) -> int:
@@ -177,7 +233,7 @@ async def serve(settings: Settings, bus: Bus, store: JobStore | None = None) -> 
             if method != "GET":
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif path == "/metrics":
-                await METRICS.refresh(settings, store)
+                await METRICS.refresh(settings, store, bus)
                 status, ctype, body = (
                     "200 OK",
                     CONTENT_TYPE_LATEST,

@@ -161,10 +161,12 @@ def job_subjects(job: str) -> str:
 
 def state_subjects(job: str) -> list[str]:
     """What the job's coordinator folds (`tierpipe.control.coordinator`): the nodes' batches, every
-    failure, the plans and restore reports; not the per-rank copies of what batches say."""
+    failure, every replica made (`replicated`: no batch carries them), the plans and restore
+    reports; not the per-rank copies of what batches say."""
     return [
         batch_subject(job, "*", "*"),
         shard_subject(job, "failed", "*", "*"),
+        shard_subject(job, "replicated", "*", "*"),
         plan_subject(job),
         shard_subject(job, "restore", "*", "*"),
     ]

@@ -36,6 +36,7 @@ from tierpipe.bus.client import Bus
 from tierpipe.bus.consumer import Drain, text
 from tierpipe.control.advert import advertise
 from tierpipe.control.kvstate import JobStore
+from tierpipe.control.risk import watch as watch_risk
 from tierpipe.errors import TierpipeError
 from tierpipe.log import register_secrets, settings_secrets
 from tierpipe.metrics import METRICS
@@ -146,6 +147,7 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
     async with bus, anyio.create_task_group() as tg:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             tg.start_soon(metrics.serve, settings, bus, JobStore(bus.js, settings).bind())
+            tg.start_soon(watch_risk, settings, bus, JobStore(bus.js, settings).bind(), node)
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))

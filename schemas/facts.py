@@ -29,6 +29,7 @@ __all__ = (
     "FailedFact",
     "FlushedFact",
     "PlanFact",
+    "ReplicatedFact",
     "RestoreFact",
     "ShardFact",
     "StagedFact",
@@ -102,6 +103,15 @@ class FlushedFact(_ShardFact, frozen=True, kw_only=True, tag="flushed"):
     origin: Literal["flush", "reindex"] = "flush"
 
 
+class ReplicatedFact(_ShardFact, frozen=True, kw_only=True, tag="replicated"):
+    #: The node whose verified copy was copied (`node` holds the replica).
+    source: str
+    path: str
+    nbytes: NonNegInt
+    header_digest: Digest
+    seconds: float
+
+
 class EvictedFact(_ShardFact, frozen=True, kw_only=True, tag="evicted"):
     tier: Tier
     location: str
@@ -137,7 +147,7 @@ class PlanFact(BaseFact, frozen=True, kw_only=True, tag="plan"):
     """(Only from `fact_of`, as `RestoreFact`.)"""
 
 
-ShardFact = StagedFact | WrittenFact | VerifiedFact | FlushedFact | EvictedFact
+ShardFact = StagedFact | WrittenFact | VerifiedFact | FlushedFact | ReplicatedFact | EvictedFact
 
 
 class BatchFact(BaseFact, frozen=True, kw_only=True, tag="batch"):
@@ -174,6 +184,8 @@ def decode_fact(data: bytes) -> Fact:
             _shard(e)
     elif isinstance(fact, _ShardFact):
         _shard(fact)
+        if isinstance(fact, ReplicatedFact):
+            _name(fact.source)
     return fact
 
 

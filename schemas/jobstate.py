@@ -215,10 +215,12 @@ class JobHead(msgspec.Struct, frozen=True, kw_only=True):
     def candidates(self, step: int | None = None) -> list[int]:
         """The steps a restart considers, newest first: the newest `NEWEST` with a record and
         the newest `COMPLETE` complete ones on each tier (a node that was replaced has only
-        object storage). `step`: only that one."""
+        its partners' replicas and object storage). `step`: only that one."""
         if step is not None:
             return [step]
-        complete = self.nvme_steps[-COMPLETE:] + self.s3_steps[-COMPLETE:]
+        complete = (
+            self.nvme_steps[-COMPLETE:] + self.s3_steps[-COMPLETE:] + self.peer_steps[-COMPLETE:]
+        )
         return sorted(set(self.steps[-NEWEST:]) | set(complete), reverse=True)
 
     @property
@@ -248,6 +250,8 @@ class Floors(msgspec.Struct, frozen=True, kw_only=True):
     #: every rank with a verified replica on a partner node. -1: none. A superseded NVMe
     #: copy below the NVMe floor that will never be uploaded goes once this passes its step.
     safe: StepOrNone = -1
+    #: When `upload` was named (wall-clock s since the epoch; 0: never), for `Keep.s3_every_s`.
+    upload_ts: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Keep(msgspec.Struct, frozen=True, kw_only=True):
@@ -277,6 +281,15 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     term: PosInt
     #: Wall-clock time (s since the epoch) after which the lease is free.
     expires: float
+    #: The holding agent's process (its node is `holder`), as its node's record names it: an
+    #: agent of the node that is another process and started after `since`, or a record that
+    #: says the agent stopped or went silent, shows the holder gone, and a restart takes the
+    #: lease at once (`tierpipe.control.holder`). 0: the holder is no agent (a restart folding
+    #: the job's state), whose lease is never taken before it expires.
+    pid: int = 0
+    host: str = ""
+    #: When this term began (the holder's clock; renewals keep it).
+    since: float = 0.0
 
 
 class Budget(msgspec.Struct, frozen=True, kw_only=True):

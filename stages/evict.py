@@ -8,9 +8,14 @@
 - The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.control.kvstate`) and
   applies them to every copy on its disk, with or without events about it
   (`tierpipe.retention.kept`): below the NVMe floor a copy goes once that very copy is in
-  object storage, or as "not kept" once the job keeps its step on no tier; all at once when
-  the job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the floors keep stay.
-  Below `nvme_min_free_bytes` free, the oldest copies in object storage go first.
+  object storage, as "not kept" once the job keeps its step on no tier, or as "superseded"
+  (never to be uploaded: not the job's upload target nor a period step) once a newer step is
+  safe elsewhere or is the upload target; all at once when the job keeps no unflushed copies
+  (`Keep.evict_unflushed`). The steps the floors keep, the upload target, pinned steps and
+  those at or above the floor (`nvme_keep_latest_k`, and what is in flight) stay.
+- Disk pressure: below `nvme_min_free_bytes` free, or when nvme-write finds no room for a save
+  (it asks first: `tierpipe.storage.resources.make_room`), the oldest removable copies go
+  first (`relieve_pressure`), before any save waits.
 - Object storage: the job's retention coordinator (`tierpipe.control.coordinator`), one per job,
   elected by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
   objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
@@ -55,6 +60,7 @@ from tierpipe.schemas.jobstate import Floors, Keep, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
+from tierpipe.storage.resources import room_maker
 from tierpipe.storage.s3.commit import put_commit, remove_commit
 from tierpipe.storage.s3.store import S3Store
 from tierpipe.storage.staged_image import release
@@ -80,6 +86,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Evict]:
         await stack.enter_async_context(nvme.lock(STAGE, timeout_s=settings.agent_lock_timeout_s))
         store = await JobStore(bus.js, settings).open()
         evict = Evict(settings, bus, nvme, store, stack)
+        stack.enter_context(room_maker(nvme.root, evict.make_room))
         # Restore plans pin their step on this node at once too, whatever the floors say yet.
         # Subscribed before the read: no plan falls between the two. (Only the jobs this
         # node holds copies of: a plan pins nothing else here.)
@@ -245,10 +252,20 @@ class Evict:
             await self.batcher.flush()
         return removed
 
-    async def relieve_pressure(self) -> list[LocalCopy]:
-        """Below `nvme_min_free_bytes` free: remove the oldest flushed copies of any job,
-        the steps the floors keep excepted, until there is room."""
-        need = self.settings.nvme_min_free_bytes
+    async def make_room(self, nbytes: int) -> int:
+        """Room for a write of `nbytes` (nvme-write asks: `room_maker`): `relieve_pressure`
+        up to the reserve and `nvme_min_free_bytes`; the bytes freed."""
+        need = max(self.settings.nvme_min_free_bytes, self.nvme.reserve_bytes) + nbytes
+        return sum(c.nbytes for c in await self.relieve_pressure(need))
+
+    async def relieve_pressure(self, need: int | None = None) -> list[LocalCopy]:
+        """Below `need` free bytes (`nvme_min_free_bytes` unless given): remove the oldest
+        removable copies of any job until there is room. Below the NVMe floor, a copy in
+        object storage or whose step the job does not want there (`nvme_fate` under
+        pressure); at or above it, one in object storage. Never a step the floors keep (the
+        newest complete on each tier), the upload target, a pinned step, or a job's newest
+        step here (in flight, or the newest complete)."""
+        need = self.settings.nvme_min_free_bytes if need is None else need
         removed: list[LocalCopy] = []
         async with self._lock:
             free = await anyio.to_thread.run_sync(self.nvme.free_bytes)
@@ -260,16 +277,32 @@ class Evict:
             newest: dict[str, int] = {}
             for c in copies:
                 newest[c.job] = max(c.step, newest.get(c.job, -1))
+            keeps: dict[str, Keep] = {}
             for copy in sorted(copies, key=lambda c: (c.step, c.job, c.rank)):
                 if free >= need:
                     break
                 floors = self.floors.get(copy.job, Floors())
-                if copy.step in floors.keep or copy.step == newest[copy.job] or self._pinned(copy):
+                if (
+                    copy.step in floors.keep
+                    or copy.step in (floors.upload, newest[copy.job])
+                    or self._pinned(copy)
+                ):
                     continue
-                if await self._in_s3(copy) and await self._remove(copy, "disk pressure"):
+                if copy.job not in keeps:  # (the defaults while it cannot be read)
+                    keeps[copy.job] = default_keep(self.settings)
+                    with contextlib.suppress(TierpipeError):
+                        keeps[copy.job] = await self.store.keep(copy.job) or keeps[copy.job]
+                if copy.step >= floors.nvme:
+                    removable = await self._in_s3(copy)
+                else:
+                    fate = await self._fate(copy, floors, keeps[copy.job], pressure=True)
+                    removable = fate not in ("keep", "wait")
+                if removable and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
                     free += copy.nbytes
             await self.batcher.flush()
+        if removed:
+            log.info("nvme_pressure_relieved", copies=len(removed), free_bytes=free, need=need)
         return removed
 
     def _local_jobs(self) -> list[str]:
@@ -301,7 +334,9 @@ class Evict:
         """A restore reads the copy's step, or is planning (retention holds still)."""
         return copy.step in self.pins.steps(copy.job) or self.pins.held(copy.job)
 
-    async def _fate(self, copy: LocalCopy, floors: Floors, keep: Keep) -> Fate:
+    async def _fate(
+        self, copy: LocalCopy, floors: Floors, keep: Keep, *, pressure: bool = False
+    ) -> Fate:
         """What becomes of a copy below the NVMe floor (`nvme_fate`), from its step's record
         and the evidence about it; "wait" while the job state cannot be read."""
         if keep.evict_unflushed:
@@ -309,7 +344,9 @@ class Evict:
         found = await self._evidence(copy)
         if found is None:
             return "wait"
-        return nvme_fate(copy.step, floors, keep, in_s3=found[1], record=found[0])
+        return nvme_fate(
+            copy.step, floors, keep, in_s3=found[1], record=found[0], pressure=pressure
+        )
 
     async def _in_s3(self, copy: LocalCopy) -> bool:
         """Whether this very copy is in object storage (an unreadable job state is none)."""

@@ -5,14 +5,20 @@ The shard goes up as a checksummed multipart upload streamed from the NVMe file
 outage (down or hung) is retried in place for as long as it lasts (the NVMe copy stays, since
 only `flushed` lets retention remove it); refused credentials are permanent. On start, multipart
 uploads this node left behind (a killed worker's) are aborted, and every verified shard of this
-node that was never flushed (an older agent gave up on it) is uploaded again.
+node that was never flushed (an older agent gave up on it) is looked at again: uploaded if the
+job wants its step, remembered if it may yet.
 
-Only steps object storage keeps are uploaded (`tierpipe.retention.kept.kept_in_s3`, read from
-the job state in KV): a copy verified after the floors passed its step (a late save) is not
-uploaded at all; an upload of a step the floors pass meanwhile is cancelled (its multipart
-upload aborted); and an object completed just as they passed is removed again, unreported, since
-the coordinator may have removed the step's objects already. A job state that cannot be read
-defers the upload (an outage), never starts it.
+Only the steps the job wants in object storage are uploaded (`tierpipe.retention.kept.
+upload_wanted`, read from the job state in KV): the upload target its coordinator names
+(`Floors.upload`: every node uploads the same step, the newest complete on NVMe once the previous
+one is complete in object storage) and the steps `Keep.s3_keep_period` keeps. A shard verified
+for the target is uploaded at once; one of a newer step is remembered (in memory, acked), and
+uploaded, its `flushed` published by this stage, once the floors (watched in KV) name its step;
+those the target passes are forgotten (the evict stage removes them once superseded). A copy
+of an older step is not uploaded at all; an upload of a step the job no longer wants is
+cancelled (its multipart upload aborted); and an object completed just as the floors passed the
+step is removed again, unreported, since the coordinator may have removed the step's objects
+already. A job state that cannot be read defers the upload (an outage), never starts it.
 
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
@@ -28,19 +34,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import anyio
 import msgspec
 import structlog
+from anyio.abc import TaskGroup
 
+from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
-from tierpipe.control.kvstate import JobStore
+from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.metrics import METRICS
 from tierpipe.names import flush_control_subject, job_dirs, node_name, shard_subject, subject_job
-from tierpipe.retention.kept import kept_in_s3
+from tierpipe.retention.kept import kept_in_s3, upload_wanted
 from tierpipe.schemas import (
     SCHEMA_VERSION,
     FlushControl,
@@ -60,8 +69,8 @@ STAGE = "flush"
 KINDS = ("verified",)
 log = structlog.get_logger(__name__)
 _control_decoder = msgspec.json.Decoder(FlushControl)
-#: How often an upload in progress looks at its job's floors again (a direct KV get; a watch
-#: would be one more KV consumer per agent, for work that lasts seconds to minutes).
+#: How often an upload in progress looks at its job's floors again (direct KV gets: the floors
+#: watch names new targets, but a cancelled upload must not wait behind the watch's handler).
 KEPT_RECHECK_S = 5.0
 
 
@@ -81,6 +90,9 @@ class Flush:
     jobs: JobThrottles = field(default_factory=JobThrottles)
     #: Jobs whose objects were found bound to this agent's store (`bind_location`).
     bound: set[str] = field(default_factory=set)
+    #: job -> step -> rank -> this node's `verified` of a step newer than the upload target,
+    #: uploaded if the floors name it (`_follow_floors`), forgotten once the target passes it.
+    later: dict[str, dict[int, dict[int, ShardVerified]]] = field(default_factory=dict)
 
 
 @asynccontextmanager
@@ -99,14 +111,16 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Flush]:
             ctx = Flush(settings, bus, node, nvme, s3, JobStore(bus.js, settings).bind())
             tg.start_soon(_abort_orphans, ctx)
             tg.start_soon(_follow_shares, settings, bus, ctx.jobs)
+            tg.start_soon(_follow_floors, ctx, tg)
             await _follow_controls(bus, throttle, node)
             tg.start_soon(_redrive, ctx)
             yield ctx
 
 
 async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed | None:
-    """Upload one verified shard (or find it uploaded already) and say where it is; nothing
-    for a step object storage does not keep (any more).
+    """Upload one verified shard of a step the job wants in object storage (or find it
+    uploaded already) and say where it is; remember it for later if the job may yet want it;
+    nothing for a step object storage does not keep (any more).
 
     Raises:
         BusUnavailableError: the job state cannot be read (the upload waits for it).
@@ -118,6 +132,22 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         raise ShardFormatError(event.path, f"not this node's shard path {path}")
     if not await _kept(ctx, event, "upload_skipped"):
         return None
+    match await _wanted(ctx, event):
+        case "later":
+            ctx.later.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
+            # The floors may have named the step meanwhile (the watch saw it before this note).
+            if await _wanted(ctx, event) != "now" or not _forget(ctx, event):
+                return None  # (or `_follow_floors` took it: it uploads it)
+        case "never":
+            log.info("upload_skipped", job=event.job, step=event.step, rank=event.rank,
+                     reason="not the job's upload target")  # fmt: skip
+            return None
+    return await _upload(ctx, event, path)
+
+
+async def _upload(ctx: Flush, event: ShardVerified, path: Path) -> ShardFlushed | None:
+    """Upload the shard at `path` (`handle`, after the checks)."""
+    shard = (event.job, event.step, event.rank, event.world_size)
     if event.job not in ctx.bound:  # (a job bound to another team's bucket: refused for good)
         await bind_location(ctx.state, event.job)
         ctx.bound.add(event.job)
@@ -156,11 +186,82 @@ async def _kept(ctx: Flush, event: ShardVerified, otherwise: str) -> bool:
     return False
 
 
+async def _wanted(ctx: Flush, event: ShardVerified) -> Literal["now", "later", "never"]:
+    """Whether the job wants the event's step in object storage "now" (`upload_wanted`), may
+    want it "later" (newer than the upload target), or "never" (older)."""
+    floors = await ctx.state.floors(event.job)
+    keep = await ctx.state.keep(event.job) or default_keep(ctx.settings)
+    if upload_wanted(event.step, floors, keep):
+        return "now"
+    return "later" if event.step > floors.upload else "never"
+
+
+def _forget(ctx: Flush, event: ShardVerified) -> bool:
+    """Take the event from `later`; whether it was there (no one else took it)."""
+    ranks = ctx.later.get(event.job, {}).get(event.step, {})
+    if ranks.get(event.rank) is not event:
+        return False
+    del ranks[event.rank]
+    return True
+
+
+async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
+    """At each new upload target of a job, upload this node's remembered shards of its step
+    (in the background) and forget those the target passes; through an outage, watch again
+    once it is over."""
+    settings = ctx.settings
+    delay = settings.retry_base_s
+    while True:
+        try:
+            store = await JobStore(ctx.bus.js, settings).open()
+            async for job, floors in store.watch_floors():
+                delay = settings.retry_base_s
+                steps = ctx.later.get(job, {})
+                due = steps.pop(floors.upload, {})
+                for step in [t for t in steps if t <= floors.upload]:
+                    del steps[step]
+                if due:
+                    log.info("upload_due", job=job, step=floors.upload, shards=len(due))
+                    tg.start_soon(_upload_all, ctx, list(due.values()))
+        except TierpipeError as e:
+            log.warning("flush_floors_unwatched", error=str(e), retry_s=delay)
+        await anyio.sleep(delay)
+        delay = min(delay * 2, settings.retry_max_s)
+
+
+async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
+    """Upload `events`' shards and publish their `flushed` (not messages: the runner is not
+    there to), each retried through an outage; one shard's problem does not stop the rest."""
+    settings = ctx.settings
+    for event in events:
+        delay = settings.retry_base_s
+        while True:
+            try:
+                with unit_of_work(job=event.job, step=event.step, rank=event.rank):
+                    # (a step below the floors is skipped: `handle` says None)
+                    if (flushed := await handle(ctx, event, 0)) is not None:
+                        await ctx.bus.publish(flushed)
+                        batch = Batcher(ctx.bus)  # (and in the node's batch: what is folded)
+                        batch.add(flushed)
+                        await batch.flush()
+                        log.info("flush_redriven")
+                break
+            except UnavailableError as e:  # an outage: wait it out, like the runner does
+                log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, settings.retry_max_s)
+            except Exception as e:  # one shard's problem must not stop the rest
+                log.warning("flush_redrive_skipped", job=event.job, step=event.step,
+                            rank=event.rank, error=str(e) or type(e).__name__)  # fmt: skip
+                break
+
+
 async def _upload_while_kept(
     ctx: Flush, event: ShardVerified, source: SealedFile, location: str
 ) -> Uploaded | None:
-    """`S3Store.write`, cancelled (its multipart upload aborted) once object storage no longer
-    keeps the step, as the job's floors say every `KEPT_RECHECK_S`; None then. A job state that
+    """`S3Store.write`, cancelled (its multipart upload aborted) once the job no longer wants
+    the step in object storage (`upload_wanted`, `kept_in_s3`), as its floors say every
+    `KEPT_RECHECK_S`; None then. A job state that
     cannot be read meanwhile lets the upload go on (it is looked at again once it is done)."""
     done: Uploaded | None = None
     cancelled = False
@@ -170,9 +271,13 @@ async def _upload_while_kept(
         while True:
             await anyio.sleep(KEPT_RECHECK_S)
             try:
-                kept = await _kept(ctx, event, "upload_cancelled")
+                wanted = await _wanted(ctx, event) == "now"
+                kept = wanted and await _kept(ctx, event, "upload_cancelled")
             except TierpipeError:
                 continue
+            if not wanted:
+                log.info("upload_cancelled", job=event.job, step=event.step, rank=event.rank,
+                         reason="no longer the job's upload target")  # fmt: skip
             if not kept:
                 cancelled = True
                 scope.cancel()
@@ -273,30 +378,8 @@ async def _redrive(ctx: Flush) -> None:
         delay = min(delay * 2, settings.retry_max_s)
     if pending:
         log.info("flush_redrive_started", shards=len(pending))
-    for event in pending:
-        delay = settings.retry_base_s
-        while True:
-            try:
-                with unit_of_work(job=event.job, step=event.step, rank=event.rank):
-                    # Not a message: the runner is not there to publish `flushed`. (A step below
-                    # the floors is skipped: `handle` says None.)
-                    if (flushed := await handle(ctx, event, 0)) is not None:
-                        await ctx.bus.publish(flushed)
-                        log.info("flush_redriven")
-                break
-            except UnavailableError as e:  # an outage: wait it out, like the runner does
-                log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, settings.retry_max_s)
-            except Exception as e:  # one shard's problem must not stop the rest
-                log.warning(
-                    "flush_redrive_skipped",
-                    job=event.job,
-                    step=event.step,
-                    rank=event.rank,
-                    error=str(e) or type(e).__name__,
-                )
-                break
+    # (`handle` uploads only what the job wants, and remembers what it may want later)
+    await _upload_all(ctx, pending)
 
 
 async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified]:

@@ -7,6 +7,11 @@ before and after the copy (`StagedImage.check`): a writer that was paused while 
 the slot fails instead of sealing another step's bytes. Holds the node's nvme-write lock; temp
 files left by a crash are swept on start. Idempotent: a redelivered event finds the final file
 holding the same save and only republishes (deduplicated).
+
+NVMe short of room (below `nvme_min_free_bytes` free with this shard, or no room for it at all)
+asks the evict stage of this process to remove the oldest removable copies first
+(`tierpipe.storage.resources.make_room`); the save waits (`NoSpaceError`, retried) only when
+nothing could be removed.
 """
 
 from __future__ import annotations
@@ -17,22 +22,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import structlog
 from anyio.abc import TaskGroup
 
 from tierpipe.bus.client import Bus
-from tierpipe.errors import StagingGoneError, TierpipeError
+from tierpipe.errors import NoSpaceError, StagingGoneError, TierpipeError
 from tierpipe.log import bind_io
 from tierpipe.names import node_name
 from tierpipe.schemas import ShardStaged, ShardWritten
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore, WriteResult
 from tierpipe.storage.reader import read_head
-from tierpipe.storage.staged_image import open_image
+from tierpipe.storage.resources import make_room
+from tierpipe.storage.staged_image import StagedImage, open_image
 
 __all__ = ("KINDS", "STAGE", "NvmeWrite", "handle", "open")
 
 STAGE = "nvme-write"
 KINDS = ("staged",)
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,7 @@ async def _write(ctx: NvmeWrite, event: ShardStaged) -> WriteResult:
         # Released or replaced after a redelivery: fine if the shard already made it to NVMe.
         return await _already_written(final, event, gone)
     try:
-        return await ctx.store.write(image, final, rewind_to=event.rewind_to)
+        return await _place(ctx, image, final, event)
     except StagingGoneError as gone:
         # The slot was reused or released mid-copy (nothing was placed): fine if the shard
         # made it to NVMe meanwhile (another writer's copy, say), else the save is gone.
@@ -89,6 +97,26 @@ async def _write(ctx: NvmeWrite, event: ShardStaged) -> WriteResult:
     finally:
         # Unmapping a large slot takes tens of ms: in the background, `written` need not wait.
         ctx.unmapper.start_soon(anyio.to_thread.run_sync, image.close)
+
+
+async def _place(ctx: NvmeWrite, image: StagedImage, final: str, event: ShardStaged) -> WriteResult:
+    """`NvmeStore.write`, room made first where NVMe is short of it (see the module docstring).
+
+    Raises:
+        NoSpaceError: no room, and nothing could be removed to make some.
+    """
+    store, nbytes = ctx.store, image.head.file_nbytes
+    if (low := ctx.settings.nvme_min_free_bytes) and (
+        await anyio.to_thread.run_sync(store.free_bytes) - nbytes < low
+    ):
+        await make_room(store.root, nbytes)
+    try:
+        return await store.write(image, final, rewind_to=event.rewind_to)
+    except NoSpaceError as full:
+        if not await make_room(store.root, full.needed):
+            raise
+        log.info("nvme_room_made", path=final, nbytes=full.needed)
+    return await store.write(image, final, rewind_to=event.rewind_to)
 
 
 async def _already_written(final: str, event: ShardStaged, gone: StagingGoneError) -> WriteResult:

@@ -11,7 +11,12 @@ make a step restorable:
   node with the same path, size and header digest;
 - an object-storage copy counts only if its header digest and size match a verified NVMe copy of
   the same shard, or if `tierpipe reindex` published it (`origin="reindex"`: read back from the
-  object's own metadata, for a node that is gone).
+  object's own metadata, for a node that is gone);
+- a replica on another node's NVMe (the `peer` tier, keyed by its holder) counts only if its
+  header digest and size match the verified NVMe copy of its `source` node, and never when the
+  holder names itself as the source (a replica on its own source node survives nothing). An
+  `evicted` of tier `peer` from the holder removes it; a permanent failure with evidence from
+  the holder proves it bad; a rewind supersedes it like any copy.
 The residual: whoever can publish events can forge a matching pair, or a reindex `flushed`. That
 buys at most a wasted restore round, never wrong bytes: every load checks the shard header's
 identity (job, step, rank, world size) and header digest against the plan before any byte
@@ -42,6 +47,7 @@ from tierpipe.schemas import (
     ShardEvent,
     ShardEvicted,
     ShardFlushed,
+    ShardReplicated,
     ShardStaged,
     ShardVerified,
     ShardWritten,
@@ -161,6 +167,8 @@ class Catalog:
                 self._verified(event)
             case ShardFlushed():
                 self._flushed(event)
+            case ShardReplicated():
+                self._replicated(event)
             case ShardEvicted():
                 shard = self._shard(event.job, event.step, event.rank, event.world_size)
                 key = (event.tier, "" if event.tier == "s3" else event.node)
@@ -199,6 +207,37 @@ class Catalog:
                 "s3",
                 "",
                 location,
+                event.nbytes,
+                event.header_digest,
+                event.node,
+                verified=True,
+                epoch=event.epoch,
+            ),
+        )
+
+    def _replicated(self, event: ShardReplicated) -> None:
+        shard = self._shard(event.job, event.step, event.rank, event.world_size)
+        if event.source == event.node:
+            _doubt(shard, f"peer@{event.node}: a replica of its own copy (ignored)")
+            return
+        source = shard.copy("nvme", event.source)
+        if (
+            source is None
+            or not source.verified
+            or (source.header_digest, source.nbytes) != (event.header_digest, event.nbytes)
+        ):
+            _doubt(shard, f"peer@{event.node}: no verified copy of {event.source} (ignored)")
+            return
+        known = shard.copy("peer", event.node)
+        if known is not None and known.epoch > event.epoch:
+            _doubt(shard, f"peer@{event.node}: `replicated` of an older epoch (ignored)")
+            return
+        shard.copies[("peer", event.node)] = self._mark(
+            shard,
+            Copy(
+                "peer",
+                event.node,
+                event.path,
                 event.nbytes,
                 event.header_digest,
                 event.node,

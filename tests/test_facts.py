@@ -11,6 +11,7 @@ from tierpipe.schemas import (
     NodeBatch,
     ShardEvicted,
     ShardFlushed,
+    ShardReplicated,
     ShardVerified,
     ShardWritten,
     StageFailed,
@@ -58,6 +59,14 @@ def test_a_trailing_line_break_is_no_valid_name_or_digest(old: bytes, new: bytes
     """`$` in a pattern also matches before a final newline: names and digests must not."""
     data = encode_event(written()).replace(old, new, 1)
     assert data != encode_event(written())
+    assert both(data) == (False, False)
+
+
+@pytest.mark.parametrize("source", [b'"m\\n"', b'"m.n"', b'""'])
+def test_a_replicas_source_is_a_name(source: bytes) -> None:
+    """A `replicated` whose source node is no valid name is refused by both decodes."""
+    data = _SAMPLES[-1].replace(b'"source":"m"', b'"source":' + source, 1)
+    assert data != _SAMPLES[-1] and both(_SAMPLES[-1]) == (True, True)
     assert both(data) == (False, False)
 
 
@@ -140,6 +149,23 @@ _SAMPLES += [
             tier="nvme",
             epoch=5,
             generation=7,
+        )
+    ),
+]
+_SAMPLES += [
+    encode_event(
+        ShardReplicated(
+            job="j",
+            node="n",
+            ts=1.0,
+            step=3,
+            rank=1,
+            world_size=4,
+            source="m",
+            path="/p",
+            nbytes=9,
+            header_digest=DIGEST,
+            seconds=0.2,
         )
     ),
 ]

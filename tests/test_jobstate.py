@@ -16,6 +16,7 @@ from tierpipe.schemas import (
     RestoreReport,
     ShardEvicted,
     ShardFlushed,
+    ShardReplicated,
     ShardStaged,
     ShardVerified,
     ShardWritten,
@@ -25,6 +26,7 @@ from tierpipe.schemas.jobstate import Keep, StepRecord, decode_record, encode_re
 
 NODES = ("a", "b", "c")
 WORLD = 3
+TIERS = ["nvme", "s3", "peer"]
 EVERYTHING = Keep(nvme_keep_latest_k=1000, s3_keep_latest_k=1000)
 
 
@@ -215,7 +217,8 @@ def histories(draw: st.DrawFn) -> list[Event]:
         salt = draw(st.integers(0, 1))
         epoch = draw(st.sampled_from([0, 0, 0, 5]))
         kind = draw(st.sampled_from(
-            ["life", "life", "w", "v", "f", "evict", "bad", "rewind", "fail", "loaded", "reindex"]
+            ["life", "life", "w", "v", "f", "evict", "bad", "rewind", "fail", "loaded", "reindex",
+             "rep", "rep"]
         ))  # fmt: skip
         d, p = digest(step, rank, salt), path(step, rank, node)
         i = ident(step, rank, node, epoch)
@@ -230,11 +233,16 @@ def histories(draw: st.DrawFn) -> list[Event]:
         elif kind == "f":
             events.append(ShardFlushed(**i, bucket="b", key="k", etag="e", checksum="c",
                                        header_digest=d, nbytes=4096, seconds=0))  # fmt: skip
+        elif kind == "rep":  # a replica on `node` of a copy of `source` (itself: forged)
+            source = draw(st.sampled_from(NODES))
+            events.append(ShardReplicated(**i, source=source, path=f"/peer{p}",
+                                          nbytes=draw(st.sampled_from([4096, 4096, 1])),
+                                          header_digest=d, seconds=0))  # fmt: skip
         elif kind == "evict":
-            tier = draw(st.sampled_from(["nvme", "s3"]))
+            tier = draw(st.sampled_from(["nvme", "s3", "peer"]))
             events.append(ShardEvicted(**i, tier=tier, location=p, reason="test"))
         elif kind == "bad":
-            tier = draw(st.sampled_from(["nvme", "s3"]))
+            tier = draw(st.sampled_from(["nvme", "s3", "peer"]))
             events.append(StageFailed(job="j", node=node, ts=0.0, stage="restore",
                                       error="IntegrityError", message="x", retryable=False,
                                       attempt=1, step=step, rank=rank, world_size=WORLD,
@@ -245,12 +253,12 @@ def histories(draw: st.DrawFn) -> list[Event]:
                                       error=draw(st.sampled_from(["IntegrityError", "OSError"])),
                                       message="x", retryable=draw(st.booleans()), attempt=1,
                                       step=step, rank=rank, world_size=WORLD, epoch=epoch,
-                                      tier=draw(st.sampled_from([None, "nvme", "s3"])),
+                                      tier=draw(st.sampled_from([None, "nvme", "s3", "peer"])),
                                       ))  # fmt: skip
         elif kind == "loaded":
             events.append(RestoreReport(job="j", node=node, ts=0.0, restart="r", rank=rank,
                                         world_size=WORLD, phase="loaded", round=1, step=step,
-                                        tier=draw(st.sampled_from(["nvme", "s3"]))))  # fmt: skip
+                                        tier=draw(st.sampled_from(TIERS))))  # fmt: skip
         elif kind == "reindex":
             events.append(ShardFlushed(**i, bucket="b", key="k", etag="e", checksum="c",
                                        header_digest=d, nbytes=4096, seconds=0,
@@ -279,13 +287,14 @@ def test_the_state_agrees_with_a_fold_of_the_whole_history(events: list[Event]) 
     state = fold(events)
     for step in range(5):
         rec = state.record(step)
-        for tier in ("nvme", "s3"):
+        for tier in ("nvme", "s3", "peer"):
             want = catalog_bits(catalog, step, tier)
             got = ranks_of(getattr(rec, tier)) if rec is not None else []
             assert got == want, (step, tier)
     head = state.head()
     assert head.nvme_steps == catalog.complete_steps("j", ("nvme",))
     assert head.s3_steps == catalog.complete_steps("j", ("s3",))
+    assert head.peer_steps == catalog.complete_steps("j", ("peer",))
 
 
 @settings(max_examples=200, deadline=None)
@@ -306,7 +315,7 @@ def test_a_coordinator_taking_over_never_claims_more_than_the_history(
     assert second.floors().nvme <= whole.floors().nvme or second.floors() == floors
     for step, rec in second.records().items():
         full = whole.record(step)
-        for tier in ("nvme", "s3"):
+        for tier in ("nvme", "s3", "peer"):
             got = set(ranks_of(getattr(rec, tier)))
             want = set(ranks_of(getattr(full, tier))) if full is not None else set()
             if step >= head.window:

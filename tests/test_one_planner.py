@@ -36,10 +36,12 @@ def plan_json(settings: Settings, job: str, *args: str) -> dict[str, object]:
 
 
 def agrees(plan: dict[str, object], restored: dict[int, tuple[int, str]]) -> None:
-    """Every rank restored the plan's step, from the tier the plan gave it."""
-    s3_ranks = plan["s3_ranks"]
-    assert isinstance(s3_ranks, list)
-    expected = {r: (plan["step"], "s3" if r in s3_ranks else "nvme") for r in restored}
+    """Every rank restored the plan's step, from the tier the plan gave it (object storage, a
+    peer's replica, else its own NVMe)."""
+    s3_ranks, peer_ranks = plan["s3_ranks"], plan["peer_ranks"]
+    assert isinstance(s3_ranks, list) and isinstance(peer_ranks, list)
+    tier = {**{r: "s3" for r in s3_ranks}, **{r: "peer" for r in peer_ranks}}
+    expected = {r: (plan["step"], tier.get(r, "nvme")) for r in restored}
     assert restored == expected, f"plan {plan} but restored {restored}"
 
 
@@ -80,7 +82,9 @@ def test_plan_with_a_lost_node_is_what_the_restart_restores(
 
     plan = plan_json(nodes["a"], job, "--lost-node", nodes["b"].node)
     assert plan["assumes"] == "nodes_lost" and plan["lost_nodes"] == [nodes["b"].node]
-    assert (plan["step"], plan["s3_ranks"]) == (2, [1])
+    # (rank 1 reads elsewhere: a replica on node a where the job replicates, else its object)
+    assert isinstance(plan["s3_ranks"], list) and isinstance(plan["peer_ranks"], list)
+    assert (plan["step"], sorted(plan["s3_ranks"] + plan["peer_ranks"])) == (2, [1])
 
     def restore(rank: int, ns: Settings) -> tuple[int, str]:
         with Checkpointer(job, rank=rank, world_size=2, settings=ns) as c:
@@ -95,6 +99,6 @@ def test_plan_with_a_lost_node_is_what_the_restart_restores(
     agrees(plan, restored)
     # The check fails on a plan the restart did not follow (it is not vacuous).
     with pytest.raises(AssertionError):
-        agrees({**plan, "s3_ranks": []}, restored)
+        agrees({**plan, "s3_ranks": [], "peer_ranks": []}, restored)
     with pytest.raises(AssertionError):
         agrees({**plan, "step": 1}, restored)

@@ -90,8 +90,9 @@ def test_events_show_a_jobs_stream_by_kind_and_age_and_follow_it(
 def test_ls_lists_every_job_with_its_newest_steps_and_last_error(
     settings: Settings, job: str
 ) -> None:
-    """A line per job: world size, newest complete step per tier, kept steps, fold lag, its
-    newest failure; a job with events but no state yet is listed too."""
+    """A line per job: world size, newest saved step, newest step per tier with its lag, steps at
+    risk, kept steps, fold lag, its newest failure; a job with events but no state yet is
+    listed too."""
     _store_state(settings, job, _saves(job, 1, 4, flushed=range(4)) + _saves(job, 2, 4))
     publish(settings, failed(job, "n0", 2, "header digest mismatch"))
     fresh = f"{job}-fresh"
@@ -99,7 +100,8 @@ def test_ls_lists_every_job_with_its_newest_steps_and_last_error(
     out = run_cli(settings, "ls")
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
-    assert rows[job].split()[1:5] == ["4", "2", "1", "2"]  # world, NVMe, S3, kept steps
+    # world, newest saved, NVMe, peer (none: both steps behind), S3 (one behind), at risk
+    assert rows[job].split()[1:9] == ["4", "2", "2", "-", "(-3)", "1", "(-1)", "1"]
     assert "verify step 2 rank 0 IntegrityError: header digest mismatch" in rows[job]
     assert "no state" in rows[fresh]
 

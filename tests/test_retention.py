@@ -66,6 +66,8 @@ class Job:
     def apply_floors(self, floors: Floors) -> None:
         """Every node removes its own copies its verdict allows, and says so."""
         for (step, rank), held in sorted(self.nvme.items()):
+            if (step, rank) not in self.nvme:
+                continue  # (removed by the floors its own removal moved: the upload target)
             verdict = floor_verdict(step, floors, self.keep)
             flushed = self.s3.get((step, rank)) == held
             if verdict == "keep" or (verdict == "if-flushed" and not flushed):

@@ -54,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="which step a restore would pick now, from the job state in KV",
         description="The newest candidate step a restart considers on which every rank has a "
-        "copy on some tier, and how many ranks would read NVMe and object storage, assuming "
-        "every rank's node still holds the NVMe copy the job state records (a restart also "
-        "checks each file on its disk). --json prints one object: job, step, world_size, "
-        "from_nvme, from_s3 (rank counts), s3_ranks (the ranks reading object storage), "
+        "copy on some tier, and how many ranks would read NVMe, a replica on a peer node and "
+        "object storage, assuming every rank's node still holds the NVMe copy the job state "
+        "records (a restart also checks each file on its disk). --json prints one object: job, "
+        "step, world_size, from_nvme, from_peer, from_s3 (rank counts), peer_ranks and "
+        "s3_ranks (the ranks reading a peer's replica, object storage), "
         "candidates (newest first), rejected (step -> why), unconfirmed (step -> why the "
         "job state does not back what its head says of it: no record, or no rank digests; "
         "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
@@ -70,14 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--nvme-lost",
         action="store_true",
-        help="plan as if every NVMe copy were lost (every rank reads object storage)",
+        help="plan as if every NVMe copy were lost, and with them every peer replica (every "
+        "rank reads object storage)",
     )
     plan.add_argument(
         "--lost-node",
         action="append",
         metavar="NODE",
         help="plan as if NODE were lost with its NVMe (replaced by an empty node): the ranks "
-        "it saved (its `verified` events say which) read object storage; repeatable",
+        "it saved (its `verified` events say which) read a verified replica on a surviving "
+        "node, else object storage; the replicas it held are lost too; repeatable",
     )
     # Gone: the job state does not record which node holds a rank's NVMe copy.
     plan.add_argument("--alive", help=argparse.SUPPRESS)
@@ -201,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser(
         "ls",
-        help="every job: newest complete step per tier, fold lag, coordinator, last error",
+        help="every job: newest step per tier and its lag, steps at risk, coordinator, last error",
+        description="A line per job: its world size; the newest saved step; the newest step "
+        "complete on NVMe, on peers and in object storage, each with how far it trails the "
+        "newest save (steps, seconds), e.g. `13 (-46, 47s)`; the steps at risk if a node were "
+        "lost now (the newest saved step less the newest that survives any one node's loss); "
+        "kept steps, fold lag, coordinator, newest failure.",
     )
     ls.add_argument("--json", action="store_true", help="one JSON object per job")
 

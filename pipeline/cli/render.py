@@ -18,6 +18,7 @@ from typing import Literal
 
 from tierpipe.bus.history import Raw
 from tierpipe.control.bitmap import has_rank
+from tierpipe.control.risk import Risk, RiskTier, TierLag
 from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import (
     RANKS_PER_CHUNK,
@@ -198,6 +199,9 @@ class JobRow:
     failed: StageFailed | None
     #: step -> why the job state does not back the head's claim of it (`tierpipe.control.confirm`).
     unconfirmed: Mapping[int, str] = field(default_factory=dict)
+    #: How far each tier trails the newest save, and the steps a node's loss would cost now
+    #: (None: no state).
+    risk: Risk | None = None
 
     @property
     def lag(self) -> int:
@@ -211,6 +215,10 @@ class JobRow:
             "world_size": head.world_size if head else None,
             "newest_nvme": newest_confirmed(head.nvme_steps, self.unconfirmed) if head else None,
             "newest_s3": newest_confirmed(head.s3_steps, self.unconfirmed) if head else None,
+            "newest_peer": newest_confirmed(head.peer_steps, self.unconfirmed) if head else None,
+            **(self.risk.as_json() if self.risk else {
+                "newest_saved": None, "tiers": {}, "safe": -1, "steps_at_risk": 0,
+            }),
             "steps": head.steps if head else [],
             "unconfirmed": {str(k): v for k, v in sorted(self.unconfirmed.items())},
             "lag": self.lag,
@@ -223,15 +231,23 @@ class JobRow:
 
 
 def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
-    """A line per job: world size, newest complete step per tier, kept steps, fold lag, who
-    coordinates it, its newest failure."""
+    """A line per job: world size, newest saved step, newest complete step per tier (NVMe,
+    peer replicas, object storage) with how far it trails the newest save (steps, seconds),
+    the steps at risk if a node were lost now, kept steps, fold lag, who coordinates it, its
+    newest failure."""
     now = time.time() if now is None else now
-    out = [("JOB", "WORLD", "NVME", "S3", "KEPT", "LAG", "COORDINATOR", "LAST ERROR")]
+    out = [("JOB", "WORLD", "SAVED", "NVME", "PEER", "S3", "AT RISK", "KEPT", "LAG",
+            "COORDINATOR", "LAST ERROR")]  # fmt: skip
     for r in rows:
-        h = r.head
-
-        def newest(steps: Sequence[int], doubts: Mapping[int, str] = r.unconfirmed) -> str:
-            return newest_shown(steps, doubts).replace("none", "-")
+        h, risk = r.head, r.risk
+        complete: dict[RiskTier, list[int]] = {
+            "nvme": h.nvme_steps if h else [], "peer": h.peer_steps if h else [],
+            "s3": h.s3_steps if h else [],
+        }  # fmt: skip
+        tiers = {
+            tier: _tier_cell(steps, r.unconfirmed, risk.tier(tier) if risk else None)
+            for tier, steps in complete.items()
+        }
 
         error = "-"
         if r.failed is not None:
@@ -242,11 +258,22 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
         if r.lease is not None and r.lease.expires < now:
             coordinator += " (expired)"
         out.append((
-            r.job, str(h.world_size) if h else "-", newest(h.nvme_steps if h else []),
-            newest(h.s3_steps if h else []), str(len(h.steps)) if h else "no state",
-            str(r.lag), coordinator, error,
+            r.job, str(h.world_size) if h else "-",
+            "-" if risk is None or risk.saved is None else str(risk.saved),
+            tiers["nvme"], tiers["peer"], tiers["s3"], "-" if risk is None else str(risk.at_risk),
+            str(len(h.steps)) if h else "no state", str(r.lag), coordinator, error,
         ))  # fmt: skip
     return _table(out) if rows else "no jobs"
+
+
+def _tier_cell(steps: Sequence[int], doubts: Mapping[int, str], lag: TierLag | None) -> str:
+    """A tier's newest complete step and how far it trails the newest save: `13 (-46, 47s)`
+    (steps, seconds), `-` for none; nothing more when it holds the newest save."""
+    shown = newest_shown(steps, doubts).replace("none", "-")
+    if lag is None or not lag.lag_steps:
+        return shown
+    seconds = "" if lag.lag_s is None else f", {_ago(lag.lag_s)}"
+    return f"{shown} (-{lag.lag_steps}{seconds})"
 
 
 def _ago(seconds: float) -> str:

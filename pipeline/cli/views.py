@@ -25,6 +25,7 @@ from tierpipe.cli.render import (
 from tierpipe.control.confirm import confirmed_steps
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
+from tierpipe.control.risk import read_risk
 from tierpipe.errors import ConfigError, NoCheckpointError
 from tierpipe.names import (
     batch_subject,
@@ -159,10 +160,11 @@ def ls(settings: Settings, *, as_json: bool) -> int:
                 doubts = (
                     {} if head is None else (await confirmed_steps(store, job, head)).unconfirmed
                 )
+                risk = None if head is None else await read_risk(bus, store, job, head=head)
                 rows.append(
                     JobRow(
                         job, head, newest, await store.lease(job),
-                        failed if isinstance(failed, StageFailed) else None, doubts,
+                        failed if isinstance(failed, StageFailed) else None, doubts, risk,
                     )
                 )  # fmt: skip
             return rows

@@ -1,6 +1,7 @@
 """Rank bitmaps: which ranks of a step hold a copy, one bit per rank, as the job state stores
-them (`tierpipe.schemas.jobstate.StepRecord`), and `StepBits`, one step's bitmaps per tier as the
-fold (`tierpipe.control.jobstate.JobState`) keeps them while it changes them."""
+them (`tierpipe.schemas.jobstate.StepRecord`), and `StepBits`, one step's bitmaps per tier (NVMe,
+object storage, peer replicas) as the fold (`tierpipe.control.jobstate.JobState`) keeps them
+while it changes them."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from tierpipe.schemas.jobstate import (
 
 __all__ = ("TIERS", "StepBits", "bitmap", "has_rank", "is_full", "ranks_of")
 
-#: The tiers a step's bitmaps cover (a copy in RAM is not kept state).
-TIERS: tuple[Tier, Tier] = ("nvme", "s3")
+#: The tiers a step's bitmaps cover (a copy in RAM is not kept state): the saver's NVMe, object
+#: storage, a replica on another node's NVMe.
+TIERS: tuple[Tier, Tier, Tier] = ("nvme", "s3", "peer")
 
 
 def bitmap(ranks: Iterable[int], world_size: int) -> bytes:
@@ -52,9 +54,9 @@ class StepBits:
         self.world_size = world_size
         self.epoch = epoch
         size = (world_size + 7) // 8
-        self.bits: dict[Tier, bytearray] = {"nvme": bytearray(size), "s3": bytearray(size)}
-        self.count: dict[Tier, int] = {"nvme": 0, "s3": 0}
-        #: Ranks with a copy on either tier.
+        self.bits: dict[Tier, bytearray] = {t: bytearray(size) for t in TIERS}
+        self.count: dict[Tier, int] = dict.fromkeys(TIERS, 0)
+        #: Ranks with a copy on any tier.
         self.either = 0
         #: Retention removed the step's objects; `s3` still says which ranks were there.
         self.s3_removed = False
@@ -103,8 +105,8 @@ class StepBits:
             return False
         bits[i] ^= mask
         self.count[tier] += 1 if on else -1
-        other = self.bits["s3" if tier == "nvme" else "nvme"]
-        if not other[i] & mask:  # (the rank's copy on either tier came, or went, with this)
+        # (the rank's copy on any tier came, or went, with this)
+        if not any(self.bits[t][i] & mask for t in TIERS if t != tier):
             self.either += 1 if on else -1
         return True
 
@@ -112,14 +114,17 @@ class StepBits:
         """Some rank has a verified NVMe copy that never reached object storage."""
         return any(n & ~m for n, m in zip(self.bits["nvme"], self.bits["s3"], strict=True))
 
-    def status(self) -> tuple[bool, bool, bool]:
-        """Complete on NVMe, in object storage, on one or the other."""
-        return self.complete("nvme"), self.complete("s3"), self.complete(None)
+    def status(self) -> tuple[bool, ...]:
+        """Complete on NVMe, in object storage, on peers, on any of them."""
+        return (*(self.complete(t) for t in TIERS), self.complete(None))
 
     def complete(self, tier: Tier | None) -> bool:
-        """Every rank has a copy on `tier` (None: on one tier or the other)."""
-        if self.s3_removed and tier != "nvme":
-            return tier is None and self.count["nvme"] == self.world_size
+        """Every rank has a copy on `tier` (None: on any tier)."""
+        if self.s3_removed and tier in ("s3", None):
+            if tier == "s3":
+                return False
+            nvme, peer = (int.from_bytes(self.bits[t], "little") for t in ("nvme", "peer"))
+            return (nvme | peer).bit_count() == self.world_size
         return (self.either if tier is None else self.count[tier]) == self.world_size
 
     def record(self, step: int) -> StepRecord:
@@ -130,4 +135,6 @@ class StepBits:
             nvme=bytes(self.bits["nvme"]),
             s3=bytes(self.bits["s3"]),
             s3_removed=self.s3_removed,
+            # (none: empty, so the records of a job without replicas stay as small as before)
+            peer=bytes(self.bits["peer"]) if self.count["peer"] else b"",
         )

@@ -38,6 +38,7 @@ __all__ = (
 log = structlog.get_logger(__name__)
 
 _digests = msgspec.json.Decoder(RankDigests)
+_TIER_NAMES = {"nvme": "NVMe", "s3": "object storage", "peer": "peers", "ram": "RAM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ def claims(head: JobHead, step: int) -> tuple[Tier, ...]:
         tiers.append("nvme")
     if step in head.s3_steps:
         tiers.append("s3")
+    if step in head.peer_steps:
+        tiers.append("peer")
     return tuple(tiers)
 
 
@@ -86,9 +89,10 @@ async def check_step(
         complete = {
             "nvme": is_full(rec.nvme, world),
             "s3": is_full(rec.s3, world) and not rec.s3_removed,
+            "peer": is_full(rec.peer, world),
         }
-        if not any(complete[t] for t in tiers or ("nvme", "s3")):
-            said = " or ".join("NVMe" if t == "nvme" else "object storage" for t in tiers)
+        if not any(complete[t] for t in tiers or complete):
+            said = " or ".join(_TIER_NAMES[t] for t in tiers)
             return f"its record is not complete on {said or 'any tier'}"
     wanted = range(world) if ranks is None else sorted({r for r in ranks if 0 <= r < world})
     by_chunk: dict[int, list[int]] = {}

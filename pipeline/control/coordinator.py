@@ -13,6 +13,8 @@ by the evict stage), it takes the job's lease if it is free and then, until it l
 - writes the COMMIT manifest of each step that becomes complete in object storage
   (`tierpipe.storage.s3.commit`), once it stored the records that say so;
 - pins the step an in-progress restore reads (the job's recovery plans are in its stream);
+- names the job's upload target (`Floors.upload`, `tierpipe.control.upload`), passing its clock
+  in at every round for the object-storage cadence;
 - divides the job's admission budgets (`<job>.budget`) among its active nodes (`ActiveNodes`:
   those that reported one of the newest checkpoints) and stores each node's part
   (`<job>.shares`) whenever the budget or the number of active nodes changes.
@@ -40,6 +42,7 @@ import structlog
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.history import Follow
 from tierpipe.control.bitmap import ranks_of
+from tierpipe.control.holder import agent_identity, take_over
 from tierpipe.control.jobstate import Changes, JobState
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location, check_location, location_of
@@ -149,6 +152,7 @@ class Coordinator:
         rarely, with jitter, and bids only for a lease expired long ago (every candidate is
         gone), so thousands of agents do not poll one key."""
         ttl = self.settings.lease_ttl_s
+        pid, host = agent_identity()  # (what the lease names: `tierpipe.control.holder`)
         while True:
             candidate = self._ranks.get(job, CANDIDATE_RANKS) < CANDIDATE_RANKS
             refused = False
@@ -157,8 +161,13 @@ class Coordinator:
                 if self._local_job(job):
                     await self._check_store(job)
                     lease = await self.store.acquire(
-                        job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl
-                    )
+                        job, self.node, ttl, expired_for_s=0.0 if candidate else 3 * ttl,
+                        pid=pid, host=host,
+                    )  # fmt: skip
+                    if lease is None and candidate:  # (a holder shown gone: taken at once)
+                        lease = await take_over(
+                            self.bus, self.settings, self.store, job, self.node, agent=True
+                        )
                     if lease is not None:
                         await self._lead(job, lease)
             except StoreMismatchError as e:
@@ -185,10 +194,13 @@ class Coordinator:
 
     async def catch_up(self, job: str, seq: int) -> bool:
         """Fold the job's events up to stream sequence `seq` into its KV state, if the job has
-        no live coordinator (no agent runs evict, or the holder died and its lease expired):
-        take the lease, fold, store, and hand the lease back. No retention work meanwhile (the
-        floors hold). False if another holds the lease (it folds them itself)."""
-        lease = await self.store.acquire(job, self.node, self.settings.lease_ttl_s)
+        no live coordinator (no agent runs evict, or the holder died: its lease expired, or its
+        node's record shows it gone, `tierpipe.control.holder`): take the lease, fold, store,
+        and hand the lease back. No retention work meanwhile (the floors hold). False if
+        another holds the lease (it folds them itself)."""
+        lease = await self.store.acquire(
+            job, self.node, self.settings.lease_ttl_s
+        ) or await take_over(self.bus, self.settings, self.store, job, self.node, agent=False)
         if lease is None:
             return False
         await self._lead(job, lease, until=seq)
@@ -221,6 +233,7 @@ class Coordinator:
         keep_at = time.monotonic() + POLICY_READ_S
         budget, shares = await self.store.budget(job), await self.store.shares(job)
         active = ActiveNodes()
+        named = state.floors().upload
         try:
             while True:  # (the stream made again: followed again from its start)
                 follow = self.bus.follow(state_subjects(job), start_seq=start, decode=_decode)
@@ -230,6 +243,7 @@ class Coordinator:
                                         held=held)  # fmt: skip
                         # (a pin that timed out goes)
                         state.pin(pins.steps(job), hold=held or pins.held(job))
+                        state.tick(time.time())  # (an upload target that came due is named)
                         again = False
                         if time.monotonic() >= renew_at:
                             lease = await self.store.renew(job, lease, s.lease_ttl_s)
@@ -242,6 +256,9 @@ class Coordinator:
                         changes = state.take_changes()
                         if changes:
                             await self._store(state, changes)
+                        if (floors := state.floors()).upload != named:
+                            named = floors.upload
+                            log.info("upload_target_named", job=job, step=named, safe=floors.safe)
                         shares = await self._share(job, budget, len(active), shares, lease.term)
                         if again:
                             break

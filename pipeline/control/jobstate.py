@@ -1,5 +1,6 @@
-"""The job state: one job's compacted state, folded from its events: per step and tier, which
-ranks have a good copy; the newest complete steps; the retention floors.
+"""The job state: one job's compacted state, folded from its events: per step and tier (the
+saver's NVMe, object storage, a replica on a peer's NVMe), which ranks have a good copy; the
+newest complete steps; the retention floors.
 
 The retention coordinator (`tierpipe.control.coordinator`) feeds it the job's events (or their
 facts, `tierpipe.schemas.facts`) and stores what changed in JetStream KV
@@ -18,12 +19,13 @@ O(that rank's kept steps) when it rewinds a rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
 import msgspec
 
 from tierpipe.control.bitmap import TIERS, StepBits
+from tierpipe.control.changes import Changes
 from tierpipe.control.ledger import Ledger, LedgerShard
+from tierpipe.control.upload import targets
 from tierpipe.errors import EVIDENCE_ERRORS
 from tierpipe.schemas import Event, Tier
 from tierpipe.schemas.facts import (
@@ -47,39 +49,7 @@ from tierpipe.schemas.jobstate import (
     stored_record,
 )
 
-__all__ = ("Changes", "JobState")
-
-
-@dataclass
-class Changes:
-    """What the events folded since the last `take_changes()` changed, for the KV writer."""
-
-    #: Steps whose record changed (to put) and steps that left the state (to delete).
-    put: set[int] = field(default_factory=set)
-    deleted: set[int] = field(default_factory=set)
-    #: Steps whose objects are to be removed now (below the object-storage floor), with their
-    #: record as it was (the ranks whose objects were confirmed in `s3`).
-    s3_removed: dict[int, StepRecord] = field(default_factory=dict)
-    #: (step, chunk) whose `RankDigests` changed; steps that left, with their chunk count.
-    digests: set[tuple[int, int]] = field(default_factory=set)
-    digests_deleted: dict[int, int] = field(default_factory=dict)
-    #: Steps that became complete in object storage (every rank's object confirmed): the
-    #: coordinator writes their COMMIT manifest. Not those complete when the fold started (whoever
-    #: folded them committed them); again for one a rewound run completes again (once per timeline).
-    committed: set[int] = field(default_factory=set)
-    head: bool = False
-    floors: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.put
-            or self.deleted
-            or self.s3_removed
-            or self.digests
-            or self.head
-            or self.floors
-            or self.committed
-        )
+__all__ = ("Changes", "JobState")  # (`Changes` lives in `tierpipe.control.changes`)
 
 
 class JobState:
@@ -115,8 +85,8 @@ class JobState:
         self.stream = head.stream if head else ""
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
-        self._hold = False
-        self._complete: dict[Tier | None, list[int]] = {"nvme": [], "s3": [], None: []}
+        self._hold, self._now = False, 0.0  # (`tick`)
+        self._complete: dict[Tier | None, list[int]] = {t: [] for t in (*TIERS, None)}
         self._changes = Changes()
         #: step -> (record, stored form) of the records the last head carried.
         self._stored: dict[int, tuple[StepRecord, StoredRecord]] = {}
@@ -203,6 +173,11 @@ class JobState:
             self._pinned, self._hold = pinned, hold
             self._move_floors()
 
+    def tick(self, now: float) -> None:
+        """The coordinator's clock (for `Keep.s3_every_s`): an upload target due is named."""
+        self._now = now
+        self._move_floors()
+
     def _refresh(
         self, step: int, rank: int, world_size: int | None, shard: LedgerShard | None = None
     ) -> None:
@@ -220,54 +195,28 @@ class JobState:
             shard = self._ledger.shard(step, rank)
         if shard is None or shard.world_size != s.world_size or rank >= s.world_size:
             return
-        # One pass over the shard's copies (this runs for every event of every rank): the
-        # newest epoch, and per tier whether a usable copy exists and the first with a digest.
-        epoch = s.epoch
-        nvme = s3 = False
-        first_nvme = first_s3 = None
-        for (tier, _), c in shard.copies.items():
-            if c.epoch > epoch:
-                epoch = c.epoch
-            if tier == "ram" or not c.verified or c.corrupt or c.evicted or c.superseded:
-                continue  # (not usable)
-            if tier == "nvme":
-                nvme = True
-                if first_nvme is None and c.header_digest:
-                    first_nvme = c
-            else:
-                s3 = True
-                if first_s3 is None and c.header_digest:
-                    first_s3 = c
+        epoch, usable = shard.usable()
+        epoch = max(epoch, s.epoch)
         changed = epoch != s.epoch
         s.epoch = epoch
         i, mask = rank >> 3, 1 << (rank & 7)
-        flip_nvme = bool(s.bits["nvme"][i] & mask) != nvme
         # (removed objects: `s3` keeps their ranks)
-        flip_s3 = not s.s3_removed and bool(s.bits["s3"][i] & mask) != s3
+        flips = [
+            t for t in TIERS
+            if bool(s.bits[t][i] & mask) != (t in usable) and not (t == "s3" and s.s3_removed)
+        ]  # fmt: skip
         # Completeness can only change where a count reaches or leaves the world size.
-        counts = (s.count["nvme"], s.count["s3"], s.either) if flip_nvme or flip_s3 else None
-        if flip_nvme:
-            s.set("nvme", rank, nvme)
-        if flip_s3:
-            s.set("s3", rank, s3)
+        before = s.status() if flips else None
+        for t in flips:
+            s.set(t, rank, t in usable)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
-        copy = first_nvme or first_s3
-        if (
-            copy is not None
-            and copy.header_digest
-            and s.note_copy(rank, copy.header_digest, copy.nbytes)
-        ):
+        copy = usable.get("nvme") or usable.get("s3") or usable.get("peer")
+        if copy is not None and s.note_copy(rank, copy.header_digest, copy.nbytes):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
-        if changed or counts is not None:
+        if changed or flips:
             self._changes.put.add(step)
-        if counts is not None:
-            w, (n, o, e) = s.world_size, counts
-            if (
-                (n == w) != (s.count["nvme"] == w)
-                or (o == w) != (s.count["s3"] == w)
-                or (e == w) != (s.either == w)
-            ):
-                self._recount()
+        if before is not None and before != s.status():
+            self._recount()
 
     def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:
         """An event about a step known by its record alone: only removals count (a copy
@@ -327,8 +276,8 @@ class JobState:
                 self._move_floors()
 
     def _kept(self) -> set[int]:
-        """Never removed: the newest complete step of each tier and of both together, and
-        the steps a restore reads."""
+        """Never removed: the newest complete step of each tier (NVMe, object storage, peers)
+        and of any of them, and the steps a restore reads."""
         return {done[-1] for done in self._complete.values() if done} | set(self._pinned)
 
     def _period_kept(self, step: int) -> bool:
@@ -347,6 +296,7 @@ class JobState:
             s3=max(s3, self._floors.s3),
             keep=sorted(t for t in kept if t < max(nvme, s3, self._floors.nvme, self._floors.s3)),
         )
+        floors = targets(floors, self._floors, self._complete, self.keep, self._now)
         if floors != self._floors:
             self._floors = floors
             self._changes.floors = True
@@ -414,6 +364,7 @@ class JobState:
             world_size=self._world_size,
             nvme_steps=list(self._complete["nvme"]),
             s3_steps=list(self._complete["s3"]),
+            peer_steps=list(self._complete["peer"]),
             steps=sorted(self._steps),
             seq=self.seq,
             resume_seq=self._resume[0],

@@ -326,10 +326,13 @@ class JobStore:
     # --- the coordinator's side
 
     async def acquire(
-        self, job: str, holder: str, ttl_s: float, *, expired_for_s: float = 0.0
-    ) -> Lease | None:
-        """Take the job's lease if it is free, or expired `expired_for_s` ago; None if another
-        holds it."""
+        self, job: str, holder: str, ttl_s: float, *, expired_for_s: float = 0.0,
+        pid: int = 0, host: str = "", gone: Lease | None = None,
+    ) -> Lease | None:  # fmt: skip
+        """Take the job's lease if it is free, or expired `expired_for_s` ago, or held by
+        exactly `gone` (a holder shown gone: `tierpipe.control.holder`); None if another
+        holds it. `pid`, `host`: the taking agent's process (0: not an agent). Compare-and-set
+        with a new term: a holder paused past its loss finds its next write refused."""
         key = lease_key(job)
         now = time.time()
         entry = await self.kv.get(key)
@@ -342,9 +345,13 @@ class JobStore:
             current is not None
             and current.holder != holder
             and current.expires > now - expired_for_s
+            and current != gone
         ):
             return None
-        lease = Lease(holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s)
+        lease = Lease(
+            holder=holder, term=(current.term + 1) if current else 1, expires=now + ttl_s,
+            pid=pid, host=host, since=now,
+        )  # fmt: skip
         if entry is None:
             rev = await self.kv.create(key, _json.encode(lease))
         else:
@@ -352,7 +359,8 @@ class JobStore:
         if rev is None:
             return None  # another agent took it first
         self._revs = {key: rev}
-        log.info("lease_acquired", job=job, holder=holder, term=lease.term)
+        log.info("lease_acquired", job=job, holder=holder, term=lease.term,
+                 taken_from=None if current is None else current.holder)  # fmt: skip
         return lease
 
     async def renew(self, job: str, lease: Lease, ttl_s: float) -> Lease:
@@ -361,7 +369,7 @@ class JobStore:
         Raises:
             LeaseLostError: another agent took it over (this one was paused past its expiry).
         """
-        renewed = Lease(holder=lease.holder, term=lease.term, expires=time.time() + ttl_s)
+        renewed = msgspec.structs.replace(lease, expires=time.time() + ttl_s)
         await self._cas(job, lease_key(job), _json.encode(renewed))
         return renewed
 
@@ -369,7 +377,7 @@ class JobStore:
         """Give the lease up (a clean stop): another agent may take it at once."""
         with contextlib.suppress(BusError, BusUnavailableError):
             await self._cas(job, lease_key(job), _json.encode(
-                Lease(holder=lease.holder, term=lease.term, expires=0.0)
+                msgspec.structs.replace(lease, expires=0.0)
             ))  # fmt: skip
 
     async def write(self, state: JobState, changes: Changes) -> None:

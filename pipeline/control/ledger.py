@@ -11,6 +11,7 @@ from tierpipe.schemas.facts import (
     Fact,
     FailedFact,
     FlushedFact,
+    ReplicatedFact,
     RestoreFact,
     StagedFact,
     VerifiedFact,
@@ -42,8 +43,22 @@ class LedgerShard:
 
     def __init__(self, step: int, rank: int, world_size: int) -> None:
         self.step, self.rank, self.world_size = step, rank, world_size
-        #: (tier, node) -> the copy; node "" for object storage.
+        #: (tier, node) -> the copy; node "" for object storage, the holder for a replica.
         self.copies: dict[tuple[str, str], LedgerCopy] = {}
+
+    def usable(self) -> tuple[int, dict[str, LedgerCopy | None]]:
+        """The newest epoch among the copies, and per tier with a usable copy (verified, not
+        evicted, proven bad or superseded) the first such copy with a digest (None: none has
+        one). One pass over the copies: this runs for every event of every rank."""
+        epoch, found = 0, dict[str, LedgerCopy | None]()
+        for (tier, _), c in self.copies.items():
+            if c.epoch > epoch:
+                epoch = c.epoch
+            if tier == "ram" or not c.verified or c.corrupt or c.evicted or c.superseded:
+                continue
+            if found.get(tier) is None:
+                found[tier] = c if c.header_digest else None
+        return epoch, found
 
 
 class Ledger:
@@ -51,8 +66,9 @@ class Ledger:
     the test oracle's `Catalog` (tests/oracle_catalog.py: its docstring says them; the property
     tests hold the two together): a `verified` counts only after a matching `written` of the
     same node, a `flushed` only if it matches a verified NVMe copy (or was reindexed), only
-    evidence marks a copy corrupt, and a rank's rewind supersedes its older epochs' copies of
-    later steps."""
+    a `replicated` only if it matches the verified NVMe copy of its source node and its holder is
+    another node, only evidence marks a copy corrupt, and a rank's rewind supersedes its older
+    epochs' copies of later steps."""
 
     def __init__(self) -> None:
         self._steps: dict[int, dict[int, LedgerShard]] = {}
@@ -109,6 +125,8 @@ class Ledger:
                 copy = LedgerCopy("", f.nbytes, f.header_digest, f.epoch, verified=True)
                 shard.copies[("s3", "")] = self._mark(shard, copy)
             return shard
+        if isinstance(f, ReplicatedFact):
+            return self._replicated(f)
         if isinstance(f, EvictedFact):
             shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
             found = shard.copies.get((f.tier, "" if f.tier == "s3" else f.node))
@@ -127,6 +145,23 @@ class Ledger:
         if isinstance(f, RestoreFact):
             return self._loaded(f)
         return None
+
+    def _replicated(self, f: ReplicatedFact) -> LedgerShard:
+        """A replica on `f.node` of `f.source`'s copy: it counts if that copy is verified and
+        the same file (header digest and size), never on its own source node (a forged event)."""
+        shard = self._shard(f.step, f.rank, f.world_size, f.epoch, f.rewind_to)
+        source = shard.copies.get(("nvme", f.source))
+        backed = (
+            f.source != f.node
+            and source is not None
+            and source.verified
+            and (source.header_digest, source.nbytes) == (f.header_digest, f.nbytes)
+        )
+        known = shard.copies.get(("peer", f.node))
+        if backed and (known is None or known.epoch <= f.epoch):
+            copy = LedgerCopy(f.path, f.nbytes, f.header_digest, f.epoch, verified=True)
+            shard.copies[("peer", f.node)] = self._mark(shard, copy)
+        return shard
 
     def _failed(self, f: FailedFact) -> LedgerShard | None:
         if f.step is None or f.rank is None:

@@ -21,7 +21,7 @@ from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
 from tierpipe.names import shard_subject
 from tierpipe.recovery.plan import choose, named_ranks, recorded
-from tierpipe.schemas import ShardEvent
+from tierpipe.schemas import ShardEvent, ShardEvicted, ShardReplicated
 from tierpipe.schemas.jobstate import JobHead, StepRecord
 
 __all__ = (
@@ -33,6 +33,7 @@ __all__ = (
     "kv_plan",
     "node_ranks",
     "plan_now",
+    "replica_ranks",
 )
 
 ASSUME_NVME_KEPT = (
@@ -40,11 +41,15 @@ ASSUME_NVME_KEPT = (
     "file on its own disk (size, header, digest) and sends a rank without a good one to "
     "object storage"
 )
-ASSUME_NVME_LOST = "assumes every NVMe copy is lost (--nvme-lost): every rank reads object storage"
+ASSUME_NVME_LOST = (
+    "assumes every NVMe copy is lost (--nvme-lost), peer replicas with them (they live on NVMe): "
+    "every rank reads object storage"
+)
 ASSUME_NODES_LOST = (
-    "assumes the NVMe copies of the ranks {nodes} saved are lost (--lost-node): those ranks read "
-    "object storage, the others their own node's NVMe copy (a restart also checks each file on "
-    "its disk)"
+    "assumes the NVMe copies of the ranks {nodes} saved are lost (--lost-node), and the replicas "
+    "they held: those ranks read a verified replica on a surviving node (peer) where there is "
+    "one, else object storage, the others their own node's NVMe copy (a restart also checks each "
+    "file on its disk)"
 )
 
 #: `tierpipe plan --json`: one JSON object (see `KvPlan.to_json`).
@@ -69,17 +74,22 @@ class KvPlan:
     unconfirmed: dict[int, str] = field(default_factory=dict)
     #: The nodes assumed lost with their NVMe (`--lost-node`).
     lost_nodes: tuple[str, ...] = ()
+    #: Ranks that read a verified replica on a surviving node (the `peer` tier), ascending.
+    peer_ranks: list[int] = field(default_factory=list)
 
     @property
     def from_nvme(self) -> int:
-        return self.world_size - len(self.s3_ranks)
+        return self.world_size - len(self.s3_ranks) - len(self.peer_ranks)
 
     def describe(self) -> str:
         """For operators: the step, the count per tier, the rejected steps, the assumption."""
         lines = [
             f"restore step {self.step} of job {self.job!r} ({self.world_size} ranks): "
-            f"{self.from_nvme} from NVMe, {len(self.s3_ranks)} from object storage"
+            f"{self.from_nvme} from NVMe, {len(self.s3_ranks)} from object storage, "
+            f"{len(self.peer_ranks)} from peers"
         ]
+        if 0 < len(self.peer_ranks) < self.world_size:
+            lines.append(f"  from peers: {named_ranks(self.peer_ranks)}")
         if 0 < len(self.s3_ranks) < self.world_size:
             lines.append(f"  from object storage: {named_ranks(self.s3_ranks)}")
         for step, why in sorted(self.unconfirmed.items(), reverse=True):
@@ -94,7 +104,8 @@ class KvPlan:
         """One line: the step and the count per tier, and what the plan assumes of NVMe."""
         return (
             f"step {self.step}: {self.from_nvme} ranks from NVMe, {len(self.s3_ranks)} from "
-            f"object storage (`tierpipe plan` says why; {self.assumption})"
+            f"object storage, {len(self.peer_ranks)} from peers (`tierpipe plan` says why; "
+            f"{self.assumption})"
         )
 
     @property
@@ -115,6 +126,8 @@ class KvPlan:
             "from_nvme": self.from_nvme,
             "from_s3": len(self.s3_ranks),
             "s3_ranks": self.s3_ranks,
+            "from_peer": len(self.peer_ranks),
+            "peer_ranks": self.peer_ranks,
             "candidates": self.candidates,
             "rejected": {str(s): why for s, why in self.rejected.items()},
             "unconfirmed": {str(s): why for s, why in self.unconfirmed.items()},
@@ -136,11 +149,13 @@ def kv_plan(
     lost_nodes: Sequence[str] = (),
     lost_ranks: Collection[int] = (),
     unconfirmed: Mapping[int, str] | None = None,
+    replicas_lost: Collection[int] = (),
 ) -> KvPlan:
     """What a restart would pick among `candidates` (newest first, as a restart considers
     them), from their `records` alone: `choose` over every rank's steps as the records say
-    them (`recorded`), NVMe assumed kept, lost (`nvme_lost`), or lost for `lost_ranks` (the
-    ranks whose NVMe copies were on `lost_nodes`). The world size is the newest candidate's (a
+    them (`recorded`), NVMe assumed kept, lost (`nvme_lost`, every peer replica with it), or
+    lost for `lost_ranks` (the ranks whose NVMe copies were on `lost_nodes`; `replicas_lost`:
+    the ranks whose replica those nodes held). The world size is the newest candidate's (a
     restart of another size would be refused); steps of another size are rejected.
     `unconfirmed` (step -> why): candidates passed over, whatever their records say (the job
     state does not back them: `tierpipe.control.confirm`).
@@ -161,14 +176,16 @@ def kv_plan(
     passed = {s: w for s, w in doubted.items() if s in candidates}
     considered = [s for s in candidates if s not in passed]
     lost: bool | Collection[int] = True if nvme_lost else lost_ranks
-    reports, bad, notes = recorded(considered, records, world, nvme_lost=lost)
+    reports, bad, notes, peer = recorded(
+        considered, records, world, nvme_lost=lost, replicas_lost=replicas_lost
+    )
     choice = choose(
         job, reports, world, candidates=considered, unusable=bad, notes=notes,
-        passed={s: f"unconfirmed: {w}" for s, w in passed.items()},
+        passed={s: f"unconfirmed: {w}" for s, w in passed.items()}, peer=peer,
     )  # fmt: skip
     return KvPlan(
         job, choice.step, world, ranks_of(choice.from_s3), list(candidates), choice.rejected,
-        nvme_lost, passed, tuple(lost_nodes),
+        nvme_lost, passed, tuple(lost_nodes), ranks_of(choice.from_peer),
     )  # fmt: skip
 
 
@@ -182,6 +199,7 @@ async def confirmed_plan(
     nvme_lost: bool = False,
     lost_nodes: Sequence[str] = (),
     lost_ranks: Collection[int] = (),
+    replicas_lost: Collection[int] = (),
 ) -> KvPlan:
     """`kv_plan` over `head`'s candidates (`records`: theirs, as read), each step it would pick
     confirmed first (`check_step`: every rank's digest, which a restore reads each copy
@@ -201,7 +219,7 @@ async def confirmed_plan(
     while True:
         plan = kv_plan(
             job, candidates, records, nvme_lost=nvme_lost, lost_nodes=lost_nodes,
-            lost_ranks=lost_ranks, unconfirmed=unconfirmed,
+            lost_ranks=lost_ranks, unconfirmed=unconfirmed, replicas_lost=replicas_lost,
         )  # fmt: skip
         why = await check_step(store, job, records[plan.step], plan.step, tiers=None)
         if not why:
@@ -239,10 +257,11 @@ async def plan_now(
     # (the ranks those nodes ran at the world size of the newest step with a record)
     world = next((records[s].world_size for s in head.candidates(step) if s in records), 0)
     lost_ranks = await node_ranks(bus, job, lost_nodes, world) if lost_nodes else []
+    held = await replica_ranks(bus, job, lost_nodes, world) if lost_nodes else []
     # (steps the rest of the job state does not back are passed over, shown as such)
     plan = await confirmed_plan(
         store, job, head, records, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes,
-        lost_ranks=lost_ranks,
+        lost_ranks=lost_ranks, replicas_lost=held,
     )  # fmt: skip
     return head, stream_seq, plan
 
@@ -250,7 +269,8 @@ async def plan_now(
 async def node_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) -> list[int]:
     """The ranks of `job` at `world_size` that `nodes` ran (those of the nodes' events: the
     newest on each subject, a kind per rank, not the history; the job state does not record
-    nodes), ascending.
+    nodes), ascending. A node's events about the replicas it holds of other nodes' ranks
+    (`replicated`, and their eviction) do not make those ranks its own.
 
     Raises:
         BusUnavailableError, BusError: NATS could not be read.
@@ -258,6 +278,35 @@ async def node_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) 
     ranks: set[int] = set()
     for node in nodes:
         for _, event in await bus.latest(shard_subject(job, "*", node, "*")):
-            if isinstance(event, ShardEvent) and event.world_size == world_size:
+            if (
+                isinstance(event, ShardEvent)
+                and event.world_size == world_size
+                and not _about_replica(event)
+            ):
                 ranks.add(event.rank)
     return sorted(ranks)
+
+
+async def replica_ranks(bus: Bus, job: str, nodes: Iterable[str], world_size: int) -> list[int]:
+    """The ranks of `job` at `world_size` whose replica `nodes` hold or held (their newest
+    `replicated` event per rank, not the history; the job state counts a rank's replicas, not
+    where they are), ascending: with those nodes lost, the planner counts no replica of these
+    ranks. A replica is never on the node that saved its copy, so a lost node's own ranks are
+    not among them unless a second lost node held theirs.
+
+    Raises:
+        BusUnavailableError, BusError: NATS could not be read.
+    """
+    ranks: set[int] = set()
+    for node in nodes:
+        for _, event in await bus.latest(shard_subject(job, "replicated", node, "*")):
+            if isinstance(event, ShardReplicated) and event.world_size == world_size:
+                ranks.add(event.rank)
+    return sorted(ranks)
+
+
+def _about_replica(event: ShardEvent) -> bool:
+    """An event of a replica's holder about that replica (the rank is its source's)."""
+    return isinstance(event, ShardReplicated) or (
+        isinstance(event, ShardEvicted) and event.tier == "peer"
+    )

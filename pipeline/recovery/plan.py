@@ -1,8 +1,10 @@
-"""The restore planner: which step a restore picks, and which ranks read it from object storage.
+"""The restore planner: which step a restore picks, and which ranks read it from a peer's replica
+or from object storage.
 
 One pure function, `choose`, over per rank the candidate steps it can read from its own node's
-NVMe and from object storage (`Steps`): the newest step every rank has a copy of, each rank
-reading its NVMe copy where it has one. Its inputs come from the job state in KV, two ways:
+NVMe and from object storage (`Steps`), and from a verified replica on a surviving node (the
+`peer` tier): the newest step every rank has a copy of, each rank reading its NVMe copy where it
+has one, else a replica, else its object. Its inputs come from the job state in KV, two ways:
 - a restart: every node's local leader reads the candidates' records and checks each of its
   ranks' NVMe files on disk (`tierpipe.recovery.survey`), and rank 0 calls `choose` with every
   rank's `ready` report;
@@ -51,12 +53,14 @@ class Steps(Protocol):
 @dataclass(frozen=True, slots=True)
 class Choice:
     """The planner's pick: the step, and which ranks read it from object storage (bitmap, as
-    `RecoveryPlanned.from_s3`)."""
+    `RecoveryPlanned.from_s3`) and which from a peer's replica (bitmap; the others their own
+    node's NVMe copy)."""
 
     step: int
     from_s3: bytes
     #: newer candidate step -> why it could not be used.
     rejected: dict[int, str] = field(default_factory=dict)
+    from_peer: bytes = b""
 
 
 def choose(
@@ -70,12 +74,15 @@ def choose(
     unusable: Mapping[int, str] = {},
     notes: Mapping[int, str] = {},
     passed: Mapping[int, str] = {},
+    peer: Mapping[int, Collection[int]] = {},
 ) -> Choice:
     """The newest step every rank has a copy of (or exactly `step`): each rank reads its own
-    NVMe copy where it has one, else the object (a pure function of the reports: a few
-    candidate steps per rank, whatever the job's size).
+    NVMe copy where it has one, else a peer's replica, else the object (a pure function of the
+    reports: a few candidate steps per rank, whatever the job's size).
 
     Args:
+        peer: rank -> the steps it can read from a verified replica on a node that survives
+            (none: no rank reads a peer).
         candidates: the steps to consider (default: every step some rank has).
         exclude: steps a rank found no loadable copy of in this restore (step -> its words).
         unusable: steps no rank can use (step -> why: no record, another world size).
@@ -86,7 +93,8 @@ def choose(
         NoCheckpointError: no candidate step has a copy for every rank (says why, per step).
     """
     local = {r: set(rep.local_steps) for r, rep in reports.items()}
-    anywhere = {r: local[r] | set(rep.s3_steps) for r, rep in reports.items()}
+    replica = {r: set(peer.get(r, ())) for r in reports}
+    anywhere = {r: local[r] | replica[r] | set(rep.s3_steps) for r, rep in reports.items()}
     if step is not None:
         steps: Collection[int] = [step]
     elif candidates is not None:
@@ -103,8 +111,10 @@ def choose(
             continue
         lacking = [r for r in range(world_size) if s not in anywhere.get(r, ())]
         if not lacking:
-            s3 = [r for r in range(world_size) if s not in local[r]]
-            return Choice(s, bitmap(s3, world_size), rejected)
+            remote = [r for r in range(world_size) if s not in local[r]]
+            peers = [r for r in remote if s in replica[r]]
+            s3 = [r for r in remote if s not in replica[r]]
+            return Choice(s, bitmap(s3, world_size), rejected, bitmap(peers, world_size))
         rejected[s] = _lacking(lacking, reports, world_size) + notes.get(s, "")
     if not rejected and not passed:
         raise NoCheckpointError(
@@ -142,10 +152,15 @@ def unusable(rec: StepRecord | None, world_size: int) -> str:
     return ""
 
 
-def counts(rec: StepRecord, rank: int) -> tuple[bool, bool]:
+def counts(rec: StepRecord, rank: int) -> tuple[bool, bool, bool]:
     """Whether the job state counts `rank`'s copy of `rec`'s step (NVMe: verified, not evicted
-    or proven bad; object storage: confirmed by the store, not removed by retention)."""
-    return has_rank(rec.nvme, rank), has_rank(rec.s3, rank) and not rec.s3_removed
+    or proven bad; object storage: confirmed by the store, not removed by retention; peer: a
+    verified replica on another node than the one that saved it)."""
+    return (
+        has_rank(rec.nvme, rank),
+        has_rank(rec.s3, rank) and not rec.s3_removed,
+        has_rank(rec.peer, rank),
+    )
 
 
 def recorded(
@@ -154,21 +169,23 @@ def recorded(
     world_size: int,
     *,
     nvme_lost: bool | Collection[int] = False,
-) -> tuple[dict[int, RankSteps], dict[int, str], dict[int, str]]:
+    replicas_lost: Collection[int] = (),
+) -> tuple[dict[int, RankSteps], dict[int, str], dict[int, str], dict[int, list[int]]]:
     """Every rank's steps among `candidates` as the job state records them, with no look at
     any disk: each rank can read NVMe where the record counts its copy (`counts`), unless its
-    NVMe copies are lost (`nvme_lost`: True for every rank, else the ranks whose node is gone),
-    and object storage where the record counts its object. Returns (reports, unusable, notes)
-    for `choose`: by rank, and step -> why no rank can use it (`unusable`) or what to add to
-    its rejection (its objects were removed by retention)."""
+    NVMe copies are lost (`nvme_lost`: True for every rank, else the ranks whose node is gone);
+    a peer's replica where the record counts one, unless it may be on a lost node (with every
+    NVMe lost, every replica is: they live on NVMe; else `replicas_lost`, the ranks whose
+    replica a lost node holds: a replica is never on the node that saved its copy, so a rank
+    of a lost node reads it from a survivor); and object storage where the record counts its
+    object. Returns (reports, unusable, notes, peer) for `choose`: by rank, step -> why no
+    rank can use it (`unusable`) or what to add to its rejection (its objects were removed by
+    retention), and rank -> the steps it can read from a replica."""
     everyone = (1 << world_size) - 1
-    lost = (
-        everyone
-        if nvme_lost is True
-        else int.from_bytes(bitmap([r for r in (nvme_lost or ()) if r < world_size], world_size),
-                            "little")
-    )  # fmt: skip
+    lost = everyone if nvme_lost is True else _bits(nvme_lost or (), world_size)
+    no_peer = everyone if nvme_lost is True else _bits(replicas_lost, world_size)
     local: dict[int, list[int]] = {r: [] for r in range(world_size)}
+    replica: dict[int, list[int]] = {r: [] for r in range(world_size)}
     remote: dict[int, list[int]] = {r: [] for r in range(world_size)}
     bad: dict[int, str] = {}
     notes: dict[int, str] = {}
@@ -184,12 +201,19 @@ def recorded(
             local[r].append(s)
         for r in _ranks(s3):
             remote[r].append(s)
+        for r in _ranks(int.from_bytes(rec.peer, "little") & everyone & ~no_peer):
+            replica[r].append(s)
         if rec.s3_removed:
             notes[s] = " (objects removed by retention)"
     reports = {
         r: RankSteps(rank=r, local_steps=local[r], s3_steps=remote[r]) for r in range(world_size)
     }
-    return reports, bad, notes
+    return reports, bad, notes, {r: steps for r, steps in replica.items() if steps}
+
+
+def _bits(ranks: Collection[int], world_size: int) -> int:
+    """`ranks` below `world_size` as a bitmap read as one little-endian integer."""
+    return int.from_bytes(bitmap([r for r in ranks if r < world_size], world_size), "little")
 
 
 def _ranks(bits: int) -> list[int]:

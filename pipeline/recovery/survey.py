@@ -7,8 +7,8 @@ digests only where a copy is on disk), whatever the job's size or history. A ran
 sits at a path that follows from (job, step, rank, world size); it counts only if the file's
 header names that shard and hashes to the digest the job state recorded when the copy was
 verified. Its object counts if the record says the store confirmed it (and retention has not
-removed it since); the loader checks the same digest (`sources` reads it) before any byte of
-either reaches a tensor.
+removed it since), its replica on a peer if the record counts one (`Survey.peer`); the loader
+checks the same digest (`sources` reads it) before any byte of either reaches a tensor.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ class Survey:
     local: dict[int, Source] = field(default_factory=dict)
     #: Steps whose object of this rank the job state confirms.
     remote: set[int] = field(default_factory=set)
+    #: Steps of which the job state counts a verified replica of this rank on another node than
+    #: the one that saved it (the `peer` tier: what a replaced node's rank can read there).
+    peer: set[int] = field(default_factory=set)
     #: step -> why this rank has no copy of it.
     missing: dict[int, str] = field(default_factory=dict)
     #: step -> what proved this rank's NVMe copy is not the verified one (to report).
@@ -140,7 +143,8 @@ async def current_head(
     (the saves before a restart; this waits for the coordinator, a flush interval). A job with
     no live coordinator (no agent runs evict, or the holder died and its lease expired) is
     folded up to that event here, as `holder`, under the lease (a dead holder's lease expires
-    within `lease_ttl_s`). At `deadline` (`time.monotonic()`) it goes on with the state as it
+    within `lease_ttl_s`; one its node's record shows gone is taken at once:
+    `tierpipe.control.holder`). At `deadline` (`time.monotonic()`) it goes on with the state as it
     is, logged: that can only cost newer steps, never give a wrong one.
 
     `own`: wait for the node batches that carry this rank's own newest events (`own_events`),
@@ -160,22 +164,26 @@ async def current_head(
                 [await _rank_batch_after(bus, job, kind, r, deadline, settings.ack_wait_s)
                  for r in ranks for kind in _SAVED]
             )  # fmt: skip
-    folded = False
+    folded, bid_at = False, 0.0
     while True:
         head = await store.head(job)
         if not seq or (head is not None and head.seq >= seq):
             return head
-        if not folded:
-            lease = await store.lease(job)
-            if lease is None or lease.expires < time.time():
-                coordinator = Coordinator(settings, bus, store, holder, _no_removal)
-                folded = await coordinator.catch_up(job, seq)
+        if not folded and time.monotonic() >= bid_at:  # (free, expired, or its holder gone)
+            bid_at = time.monotonic() + _BID_S
+            coordinator = Coordinator(settings, bus, store, holder, _no_removal)
+            if folded := await coordinator.catch_up(job, seq):
                 continue
         if time.monotonic() > deadline:
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
         await anyio.sleep(0.05)
 
+
+#: How often a restart waiting for the job's coordinator looks whether it is gone (the lease,
+#: and while it holds, the holder's node record and maybe a connect to its endpoint: every
+#: restarting rank does, so not at the wait's own pace). The first look is at once.
+_BID_S = 0.5
 
 #: The kinds whose fold a restoring rank waits for: what says a copy is there to read.
 _SAVED = ("verified", "flushed")
@@ -280,7 +288,9 @@ async def _check(
     """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
-    nvme, s3 = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    nvme, s3, peer = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
+    if peer:
+        found.peer.add(s)
     if nvme:  # (a copy proven bad, or evicted, stays out)
         path = locate_nvme(reads.job, s, rank, world)
         local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)

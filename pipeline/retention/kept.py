@@ -2,17 +2,24 @@
 
 The job's coordinator moves the retention floors (`tierpipe.control.jobstate`); these functions read
 them, with a step's record, to say what becomes of one copy. The evict stage removes this node's
-NVMe copies with them, the flush stage never uploads (or withdraws) an object of a step object
-storage does not keep, and `tierpipe gc` removes what they say no kept step owns.
+NVMe copies with them, the flush stage uploads only the steps the job wants there (and never
+leaves an object of a step object storage does not keep), and `tierpipe gc` removes what they
+say no kept step owns.
 
 - Object storage keeps a step at or above its floor, a step the floors keep (the newest complete
   step of each tier, a step a restore reads), and a step below the floor whose objects retention
   left there (`Keep.s3_keep_period`: its record says they were not removed).
+- Object storage is sent only the steps the job wants there (`upload_wanted`): the upload
+  target the coordinator names (`Floors.upload`, `tierpipe.control.upload`) and the steps
+  `Keep.s3_keep_period` keeps; every other verified step stays on NVMe alone.
 - NVMe keeps a step at or above its floor, or one the floors keep. Below the floor, a copy that is
-  in object storage goes ("flushed"); one that is not yet stays while object storage keeps its
-  step (it is on its way there: "wait"), and goes once it does not ("not kept": the job keeps the
-  step on no tier any more, so its upload is never started, or withdrawn). A job that keeps no
-  unflushed copies (`Keep.evict_unflushed`) has them all go at once ("unflushed").
+  in object storage goes ("flushed"); one that is not goes once the job keeps its step on no tier
+  any more ("not kept": its upload is never started, or withdrawn); one whose step is wanted in
+  object storage stays while it is on its way there ("wait"); any other is "superseded", and goes
+  once a newer step is safe elsewhere (`Floors.safe`) or is the upload target (this one will
+  never be uploaded, and the job's restores read a newer one). Under disk pressure
+  (`nvme_fate(pressure=True)`) a copy below the floor that is not wanted goes at once. A job
+  that keeps no unflushed copies (`Keep.evict_unflushed`) has them all go at once ("unflushed").
 
 Evidence that a copy is in object storage is about that copy (`in_object_storage`): this node's
 `flushed` event of the same header digest, or the step's record with the rank in `s3` and the
@@ -36,16 +43,26 @@ __all__ = (
     "kept_in_s3",
     "nvme_fate",
     "s3_keeps",
+    "upload_wanted",
 )
 
 #: What becomes of an NVMe copy (`nvme_fate`).
-Fate = Literal["keep", "wait", "flushed", "unflushed", "not kept"]
+Fate = Literal["keep", "wait", "flushed", "unflushed", "not kept", "superseded"]
 #: The `evicted` reason of each fate that removes the copy.
 REASONS: dict[Fate, str] = {
     "flushed": "retention (flushed)",
     "unflushed": "retention (unflushed)",
     "not kept": "retention (not kept)",
+    "superseded": "retention (superseded)",
 }
+
+
+def upload_wanted(step: int, floors: Floors, keep: Keep) -> bool:
+    """Whether the job wants `step` sent to object storage now: it is the upload target
+    (`Floors.upload`), or a step `Keep.s3_keep_period` keeps (at or above the object-storage
+    floor: below it, the coordinator removed it unless it was complete there)."""
+    period = keep.s3_keep_period
+    return step == floors.upload or (bool(period) and step % period == 0 and step >= floors.s3)
 
 
 def s3_keeps(step: int, floors: Floors, record: StepRecord | None) -> bool:
@@ -74,16 +91,22 @@ def in_object_storage(
 
 
 def nvme_fate(
-    step: int, floors: Floors, keep: Keep, *, in_s3: bool, record: StepRecord | None
-) -> Fate:
-    """What becomes of a node's NVMe copy of `step` (see the module's docstring)."""
+    step: int, floors: Floors, keep: Keep, *, in_s3: bool, record: StepRecord | None,
+    pressure: bool = False,
+) -> Fate:  # fmt: skip
+    """What becomes of a node's NVMe copy of `step` (see the module's docstring; `pressure`:
+    the disk is short of room)."""
     if step >= floors.nvme or step in floors.keep:
         return "keep"
     if keep.evict_unflushed:
         return "unflushed"
     if in_s3:
         return "flushed"
-    return "wait" if s3_keeps(step, floors, record) else "not kept"
+    if not s3_keeps(step, floors, record):
+        return "not kept"
+    if upload_wanted(step, floors, keep):
+        return "wait"
+    return "superseded" if pressure or step < max(floors.safe, floors.upload) else "wait"
 
 
 async def kept_in_s3(store: JobStore, job: str, step: int) -> bool:

@@ -7,17 +7,27 @@ answers with an errno (ENOMEM, EMFILE, ENFILE, EAGAIN, ENOBUFS), Python with `Me
 a `ResourceExhaustedError` (an outage of this process, retried as such, and never evidence
 against the copy); `translated` wraps the storage boundary's blocks with it, so a shortage
 never surfaces as a garbled, unreadable or corrupt copy.
+
+NVMe space is such a resource too, with someone to ask for more: the evict stage registers its
+remover of copies here (`room_maker`), and the nvme-write stage of the same process asks it for
+room (`make_room`) before a save waits for space.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 from tierpipe.errors import ResourceExhaustedError
 
-__all__ = ("resource_error", "translated")
+__all__ = ("make_room", "resource_error", "room_maker", "translated")
+
+#: Who frees NVMe space in this process, by NVMe root (`room_maker`): given the bytes a write
+#: needs, it removes copies and says how many bytes it freed.
+RoomMaker = Callable[[int], Awaitable[int]]
+_ROOM: dict[Path, RoomMaker] = {}
 
 #: What ran out, by errno.
 _ERRNOS = {
@@ -59,3 +69,21 @@ def translated(where: str) -> Iterator[None]:
         if found is None:
             raise
         raise found from e
+
+
+@contextlib.contextmanager
+def room_maker(root: Path, make: RoomMaker) -> Iterator[None]:
+    """Have `make` free space under the NVMe `root` for this process's writers in the block."""
+    _ROOM[root] = make
+    try:
+        yield
+    finally:
+        if _ROOM.get(root) is make:
+            del _ROOM[root]
+
+
+async def make_room(root: Path, nbytes: int) -> int:
+    """Ask this process's remover of copies under `root` for room for `nbytes` more: the bytes
+    it freed (0: none registered, or nothing it may remove)."""
+    make = _ROOM.get(root)
+    return 0 if make is None else await make(nbytes)

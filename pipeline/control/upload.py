@@ -1,0 +1,77 @@
+"""The upload target: which step a job names for object storage now, and its safe step.
+
+A step in object storage is useful only once every rank has it there, so every node uploads the
+same step: the one the job's coordinator names in `Floors.upload`. Once that target is settled
+(complete in object storage, or dropped below the object-storage floor, or never to complete: some
+rank has a copy on no tier any more), the next target is the newest step complete on NVMe at
+that moment, at least `Keep.s3_every_steps` after the last one and named at least
+`Keep.s3_every_s` seconds after it (`Floors.upload_ts`, kept in KV so a coordinator taking over
+keeps the cadence). A target never goes down, and the steps in between are never uploaded (but for
+those `Keep.s3_keep_period` keeps: `tierpipe.retention.kept.upload_wanted`).
+
+`Floors.safe` is the newest step that survives the loss of any one node: complete in object
+storage, or complete on the peer tier (a verified replica of every rank on a partner node).
+
+Pure (no I/O, no clock: the coordinator passes the time in), called by the job state
+(`tierpipe.control.jobstate`) whenever its floors move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from tierpipe.schemas import Tier
+from tierpipe.schemas.jobstate import Floors, Keep
+
+__all__ = ("next_upload", "safe_step", "settled", "targets")
+
+#: The tiers on which a complete step survives the loss of any one node.
+_SAFE: tuple[Tier, ...] = ("s3", "peer")
+
+
+def settled(target: int, floors: Floors, complete: Mapping[Tier | None, Sequence[int]]) -> bool:
+    """Whether the job is done with upload target `target` (-1: none yet): complete in object
+    storage, below the object-storage floor (its objects go, or went), or never to complete (some
+    rank has a copy on neither NVMe nor object storage: lost, evicted or corrupt; a dropped step
+    has none)."""
+    return (
+        target < 0
+        or target in complete.get("s3", ())
+        or target < floors.s3
+        or target not in complete.get(None, ())
+    )
+
+
+def next_upload(
+    last: Floors, floors: Floors, complete: Mapping[Tier | None, Sequence[int]], keep: Keep,
+    now: float,
+) -> tuple[int, float]:  # fmt: skip
+    """(target, when it was named): `last`'s while it is not `settled` under the new `floors`
+    or the cadence holds it, else the newest step complete on NVMe (never lower)."""
+    target, named = last.upload, last.upload_ts
+    nvme = complete.get("nvme", ())
+    newest = nvme[-1] if nvme else -1
+    if newest <= target or not settled(target, floors, complete):
+        return target, named
+    if target >= 0 and newest < target + keep.s3_every_steps:
+        return target, named
+    if now < named + keep.s3_every_s:
+        return target, named
+    return newest, now
+
+
+def safe_step(complete: Mapping[Tier | None, Sequence[int]]) -> int:
+    """The newest step complete in object storage or on the peer tier; -1 if none."""
+    done = [steps[-1] for tier in _SAFE if (steps := complete.get(tier))]
+    return max(done, default=-1)
+
+
+def targets(
+    floors: Floors, last: Floors, complete: Mapping[Tier | None, Sequence[int]], keep: Keep,
+    now: float,
+) -> Floors:  # fmt: skip
+    """`floors` with the upload target (`next_upload` after `last`) and the safe step set."""
+    upload, named = next_upload(last, floors, complete, keep, now)
+    return msgspec.structs.replace(floors, upload=upload, upload_ts=named, safe=safe_step(complete))
