@@ -22,7 +22,8 @@ Per trial and mode:
 - `restore_s`: from the restart (the restored ranks' processes told to go) until every rank
   restored.
 - NVMe high-water: the most distinct checkpoints (steps) any node's NVMe held at once, sampled
-  every 0.1 s over the run (own copies and replicas alike, files being written included).
+  every 0.1 s over the run (sealed shard files, `step-<n>/rank-*.shard`: own copies and
+  replicas alike).
 - the stall of each `save()` against a plain memcpy (`copy_` into preallocated tensors) of the
   same state taken right after it, while the backlog builds (storage pressure); and the stall of
   the saves in the second half of a run against those of the first half (`stall_late_vs_early`).
@@ -374,6 +375,8 @@ class _Sampler:
         self.roots: list[Path] = []
         self.highwater = 0
         self.shard_bytes = 0
+        #: Which node's NVMe held which steps at the high-water mark.
+        self.at_highwater = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -391,16 +394,17 @@ class _Sampler:
                 steps: set[int] = set()
                 for dirpath, _, files in os.walk(root):
                     m = _STEP_DIR.search(dirpath)
-                    if m and files:
-                        steps.add(int(m.group(1)))
-                        for f in files:
-                            if f.endswith(".shard"):
-                                try:
-                                    size = (Path(dirpath) / f).stat().st_size
-                                except OSError:
-                                    continue
-                                self.shard_bytes = max(self.shard_bytes, size)
-                self.highwater = max(self.highwater, len(steps))
+                    for f in files if m else ():
+                        if f.endswith(".shard"):  # (a sealed copy; not one being written)
+                            steps.add(int(m.group(1)))  # type: ignore[union-attr]
+                            try:
+                                size = (Path(dirpath) / f).stat().st_size
+                            except OSError:
+                                continue
+                            self.shard_bytes = max(self.shard_bytes, size)
+                if len(steps) > self.highwater:
+                    self.highwater = len(steps)
+                    self.at_highwater = f"{root.name}: steps {sorted(steps)}"
 
 
 def _jsz_consumers(monitor_url: str) -> int:
@@ -561,6 +565,7 @@ def _trial(cfg: _Config, pool: list[_Rank], mode: int, index: int, rng: random.R
             copy_bytes=copies[2],
         )  # fmt: skip
         trial.late_vs_early = _late_vs_early(saved)
+        log(f"  NVMe high-water: node {sampler.at_highwater} (newest saved: {newest})")
     shutil.rmtree(root, ignore_errors=True)
     log(f"  restored step {step} ({', '.join(f'{r}:{t}' for r, t in sorted(trial.tiers.items()))})"
         f": {trial.lost_intervals} intervals ({trial.lost_s:.2f} s) lost; restore "
