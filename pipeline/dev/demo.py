@@ -351,9 +351,8 @@ def _report(
     ready = max(x["t"] for x in restored.values())
     restore_s = max(x["restore_s"] for x in restored.values())
     print(f"    {ready - started - restore_s:5.1f} s  connect (gloo, NATS), find the newest step")
-    print(f"    {restore_s:5.1f} s  restore(): the job state made current (when the job's "
-          "coordinator ran on the lost node, once its lease ran out: lease_ttl_s), the plan, "
-          "every byte read and checked")  # fmt: skip
+    print(f"    {restore_s:5.1f} s  restore(): the job state made current, the plan, every byte "
+          "read and checked")  # fmt: skip
     for r in sorted(restored):
         if restored[r]["tier"] == "none":
             print(f"  rank {r} on {placement[r]}: restored nothing (started over from step 0)")
