@@ -25,6 +25,8 @@ __all__ = (
     "MissingCredentialError",
     "NoCheckpointError",
     "NoSpaceError",
+    "PeerAuthError",
+    "PeerUnavailableError",
     "PermanentError",
     "ResourceExhaustedError",
     "RestoreTimeoutError",
@@ -195,6 +197,25 @@ class ShardFailedError(TierpipeError):
 
 class StorageUnavailableError(UnavailableError):
     """The object store is down, slow or failing (5xx, timeouts, refused connections)."""
+
+
+class PeerUnavailableError(RetryableError):
+    """A node's peer endpoint did not answer, or could not take or serve a copy now (its NVMe
+    full, its source unreachable): tried again later, or another copy is read."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = url, reason
+        super().__init__(f"peer endpoint {url}: {reason}")
+
+
+class PeerAuthError(PermanentError):
+    """A node's peer endpoint refused the request: the agents' `peer_token` settings differ."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        super().__init__(
+            f"peer endpoint {url} refused the token (set the same peer_token on every agent)"
+        )
 
 
 class AgentLockedError(ConfigError):

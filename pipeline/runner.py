@@ -13,6 +13,8 @@ one canonical log line per message). Also, the runner:
 
 - when its stream or consumer disappears (deleted, or lost by the server), creates them again,
   says so once, and goes on (`tierpipe.bus.consumer`);
+- where the agent runs the replicate stage, starts the node's peer endpoint first
+  (`tierpipe.peer.server`) and advertises its URL in the node's record;
 - on SIGTERM/SIGINT stops fetching and lets in-flight work finish for up to `drain_timeout_s`
   (an outage being waited out is handed back at once).
 """
@@ -41,6 +43,8 @@ from tierpipe.errors import TierpipeError
 from tierpipe.log import register_secrets, settings_secrets
 from tierpipe.metrics import METRICS
 from tierpipe.names import consumer_name, local_jobs, node_name
+from tierpipe.peer.server import endpoint_url
+from tierpipe.peer.server import serve as serve_peer
 from tierpipe.settings import Settings
 from tierpipe.worker import Handler, JobWorker, Output
 
@@ -148,13 +152,21 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             tg.start_soon(metrics.serve, settings, bus, JobStore(bus.js, settings).bind())
             tg.start_soon(watch_risk, settings, bus, JobStore(bus.js, settings).bind(), node)
+            # The peer endpoint serves this node's copies and takes partners' replicas
+            # (`tierpipe.peer.server`), where the agent replicates.
+            peer_url = ""
+            if any(s.STAGE == "replicate" for s in stages):
+                peer_url = await tg.start(functools.partial(serve_peer, node=node), settings, bus)
+                endpoint_url.set(peer_url)
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
             log.info("agent_ready", node=node, stages=len(stages))
             # The node's trainers learn from it that an agent serves them, and where it keeps
             # their copies (`tierpipe.control.advert`).
             tg.start_soon(
-                functools.partial(advertise, node=node, stages=[s.STAGE for s in stages]),
+                functools.partial(
+                    advertise, node=node, stages=[s.STAGE for s in stages], peer_url=peer_url
+                ),
                 settings,
                 bus,
             )

@@ -1,5 +1,6 @@
-"""The node agent's stages, one module each, in pipeline order: nvme_write, verify, flush and
-evict. (The first stage, the snapshot, runs in the trainer: `tierpipe.trainer.snapshot`.)
+"""The node agent's stages, one module each, in pipeline order: nvme_write, verify, replicate
+(copies to partner nodes), flush and evict. (The first stage, the snapshot, runs in the
+trainer: `tierpipe.trainer.snapshot`.)
 
 An agent stage module is its contract (`tierpipe.runner.Stage`): `STAGE` (its name), `KINDS`
 (the events it consumes), an optional `open(settings, bus)` (an async context manager that opens
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 AGENT_STAGES: dict[str, str | Stage] = {
     "nvme-write": "tierpipe.stages.nvme_write",
     "verify": "tierpipe.stages.verify",
+    "replicate": "tierpipe.stages.replicate",
     "flush": "tierpipe.stages.flush",
     "evict": "tierpipe.stages.evict",
 }

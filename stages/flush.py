@@ -30,6 +30,7 @@ node's rate and the share applies.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -43,8 +44,10 @@ from anyio.abc import TaskGroup
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
+from tierpipe.bus.consumer import text
 from tierpipe.control.kvstate import JobStore, default_keep
 from tierpipe.control.location import bind_location
+from tierpipe.control.upload import Later
 from tierpipe.errors import RetryableError, ShardFormatError, TierpipeError, UnavailableError
 from tierpipe.log import bind_io, unit_of_work
 from tierpipe.metrics import METRICS
@@ -56,6 +59,7 @@ from tierpipe.schemas import (
     ShardEvicted,
     ShardFlushed,
     ShardVerified,
+    StageFailed,
 )
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
@@ -90,9 +94,9 @@ class Flush:
     jobs: JobThrottles = field(default_factory=JobThrottles)
     #: Jobs whose objects were found bound to this agent's store (`bind_location`).
     bound: set[str] = field(default_factory=set)
-    #: job -> step -> rank -> this node's `verified` of a step newer than the upload target,
-    #: uploaded if the floors name it (`_follow_floors`), forgotten once the target passes it.
-    later: dict[str, dict[int, dict[int, ShardVerified]]] = field(default_factory=dict)
+    #: This node's `verified` of steps newer than the upload target, uploaded if the floors
+    #: name their step (`_follow_floors`), forgotten once the target passes it.
+    later: Later = field(default_factory=Later)
 
 
 @asynccontextmanager
@@ -134,9 +138,9 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         return None
     match await _wanted(ctx, event):
         case "later":
-            ctx.later.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
+            ctx.later.hold(event)
             # The floors may have named the step meanwhile (the watch saw it before this note).
-            if await _wanted(ctx, event) != "now" or not _forget(ctx, event):
+            if await _wanted(ctx, event) != "now" or not ctx.later.take(event):
                 return None  # (or `_follow_floors` took it: it uploads it)
         case "never":
             log.info("upload_skipped", job=event.job, step=event.step, rank=event.rank,
@@ -196,15 +200,6 @@ async def _wanted(ctx: Flush, event: ShardVerified) -> Literal["now", "later", "
     return "later" if event.step > floors.upload else "never"
 
 
-def _forget(ctx: Flush, event: ShardVerified) -> bool:
-    """Take the event from `later`; whether it was there (no one else took it)."""
-    ranks = ctx.later.get(event.job, {}).get(event.step, {})
-    if ranks.get(event.rank) is not event:
-        return False
-    del ranks[event.rank]
-    return True
-
-
 async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
     """At each new upload target of a job, upload this node's remembered shards of its step
     (in the background) and forget those the target passes; through an outage, watch again
@@ -216,13 +211,9 @@ async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
             store = await JobStore(ctx.bus.js, settings).open()
             async for job, floors in store.watch_floors():
                 delay = settings.retry_base_s
-                steps = ctx.later.get(job, {})
-                due = steps.pop(floors.upload, {})
-                for step in [t for t in steps if t <= floors.upload]:
-                    del steps[step]
-                if due:
+                if due := ctx.later.due(job, floors):
                     log.info("upload_due", job=job, step=floors.upload, shards=len(due))
-                    tg.start_soon(_upload_all, ctx, list(due.values()))
+                    tg.start_soon(_upload_all, ctx, due)
         except TierpipeError as e:
             log.warning("flush_floors_unwatched", error=str(e), retry_s=delay)
         await anyio.sleep(delay)
@@ -230,30 +221,36 @@ async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
 
 
 async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
-    """Upload `events`' shards and publish their `flushed` (not messages: the runner is not
-    there to), each retried through an outage; one shard's problem does not stop the rest."""
+    """Upload `events`' shards and publish their `flushed`, in the node's batch too (not
+    messages: the runner is not there to), each retried through an outage; a failure is
+    reported (`failed`) as the runner would; one shard's problem does not stop the rest."""
     settings = ctx.settings
     for event in events:
-        delay = settings.retry_base_s
+        delay, attempt = settings.retry_base_s, 1
         while True:
             try:
                 with unit_of_work(job=event.job, step=event.step, rank=event.rank):
                     # (a step below the floors is skipped: `handle` says None)
                     if (flushed := await handle(ctx, event, 0)) is not None:
                         await ctx.bus.publish(flushed)
-                        batch = Batcher(ctx.bus)  # (and in the node's batch: what is folded)
+                        batch = Batcher(ctx.bus)
                         batch.add(flushed)
                         await batch.flush()
                         log.info("flush_redriven")
                 break
-            except UnavailableError as e:  # an outage: wait it out, like the runner does
-                log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
+            except Exception as e:  # an outage is waited out, like the runner does
+                retry = isinstance(e, UnavailableError)
+                log.warning("flush_redrive_deferred" if retry else "flush_redrive_skipped",
+                            step=event.step, rank=event.rank, error=text(e))  # fmt: skip
+                with contextlib.suppress(Exception):  # (a report is never the failure)
+                    await ctx.bus.publish(event.follow(
+                        StageFailed, node=ctx.node, stage=STAGE, error=type(e).__name__,
+                        message=text(e), retryable=retry, attempt=attempt,
+                    ))  # fmt: skip
+                if not retry:
+                    break
                 await anyio.sleep(delay)
-                delay = min(delay * 2, settings.retry_max_s)
-            except Exception as e:  # one shard's problem must not stop the rest
-                log.warning("flush_redrive_skipped", job=event.job, step=event.step,
-                            rank=event.rank, error=str(e) or type(e).__name__)  # fmt: skip
-                break
+                delay, attempt = min(delay * 2, settings.retry_max_s), attempt + 1
 
 
 async def _upload_while_kept(

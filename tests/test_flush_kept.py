@@ -189,17 +189,21 @@ def flush_one(
     drop: Callable[[], bool],
     *,
     after_upload: bool = False,
+    passed: Floors | None = None,
 ) -> ShardFlushed | None:
-    """The flush stage's handler on `event`, in this process; the job's floors pass its step
-    once `drop()` holds during the upload (or as soon as the object is complete)."""
+    """The flush stage's handler on `event`, in this process, its step the job's upload target;
+    the job's floors pass its step (or become `passed`) once `drop()` holds during the upload
+    (or as soon as the object is complete)."""
 
     async def main() -> ShardFlushed | None:
         async with Bus(settings) as bus:
             await bus.ensure_job_stream(event.job)
             store = await JobStore(bus.js, settings).open()
+            target = Floors(upload=event.step)  # (only the target is uploaded: issue 22)
+            await store.kv.put(floor_key(event.job), msgspec.json.encode(target))
 
             async def pass_the_step() -> None:
-                floors = Floors(nvme=event.step + 2, s3=event.step + 2)
+                floors = passed or Floors(nvme=event.step + 2, s3=event.step + 2)
                 await store.kv.put(floor_key(event.job), msgspec.json.encode(floors))
 
             result: list[ShardFlushed | None] = []

@@ -295,6 +295,8 @@ def test_the_state_agrees_with_a_fold_of_the_whole_history(events: list[Event]) 
     assert head.nvme_steps == catalog.complete_steps("j", ("nvme",))
     assert head.s3_steps == catalog.complete_steps("j", ("s3",))
     assert head.peer_steps == catalog.complete_steps("j", ("peer",))
+    # (complete on some tier, each rank on any: the steps the floors keep the newest of)
+    assert state._complete[None] == catalog.complete_steps("j", ("nvme", "s3", "peer"))
 
 
 @settings(max_examples=200, deadline=None)

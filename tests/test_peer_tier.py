@@ -19,7 +19,8 @@ from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoCheckpointError
 from tierpipe.recovery.kvplan import kv_plan, node_ranks, replica_ranks
-from tierpipe.recovery.plan import choose, recorded
+from tierpipe.recovery.plan import Source, choose, recorded
+from tierpipe.recovery.survey import Reads, replica_sources
 from tierpipe.schemas import (
     Event,
     RankSteps,
@@ -305,6 +306,18 @@ def test_plan_with_a_lost_node_reads_its_ranks_from_peers(settings: Settings, jo
 
     assert anyio.run(ranks) == ([2, 3], [0, 1])
 
+    async def sources(rank: int, step: int = 2, skip: tuple[str, ...] = ()) -> list[Source]:
+        async with Bus(settings) as bus:
+            reads = Reads(await JobStore(bus.js, settings).open(), job)
+            return await replica_sources(bus, reads, step=step, rank=rank, world_size=WORLD,
+                                         skip=skip)  # fmt: skip
+
+    assert anyio.run(sources, 2) == [
+        Source(tier="peer", node="a", location="/nvme/a/peer/2/2", nbytes=4096,
+               header_digest=digest(2, 2))
+    ]  # fmt: skip
+    assert anyio.run(sources, 2, 2, ("a",)) == [] and anyio.run(sources, 2, 1) == []
+
     def plan(*args: str) -> dict[str, object]:
         out = run_cli(settings, "plan", "--job", job, "--json", *args)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -333,3 +346,11 @@ def test_a_self_sourced_replica_does_not_make_a_step_restorable(
     assert out.returncode == 0, out.stdout + out.stderr
     found = json.loads(out.stdout)
     assert (found["step"], found["from_peer"], found["s3_ranks"]) == (1, 0, [2, 3])
+
+    async def sources() -> list[Source]:
+        async with Bus(settings) as bus:
+            await bus.publish(replicated(2, 2, job=job, holder="c", nbytes=1))  # (another size)
+            reads = Reads(await JobStore(bus.js, settings).open(), job)
+            return await replica_sources(bus, reads, step=2, rank=2, world_size=WORLD)
+
+    assert anyio.run(sources) == []  # (b's own "replica", and one not the verified copy)

@@ -231,3 +231,29 @@ def test_a_throttled_node_still_gets_the_newest_steps_into_object_storage(
     # Every node uploaded the same steps: none went to a step another node did not upload.
     by_rank = {r: {e.step for e in flushed if e.rank == r} for r in range(len(nodes))}
     assert by_rank[0] == by_rank[1] == by_rank[2], by_rank
+
+
+@pytest.mark.slow
+def test_an_upload_is_cancelled_once_the_job_names_a_newer_target(
+    settings: Settings, job: str, s3_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job names a newer target while this node uploads the old one (it can never complete:
+    another rank's copy was lost): the upload is cancelled, its multipart upload aborted, and
+    nothing is reported flushed."""
+    import boto3
+
+    from tests.test_flush_kept import flush_one, objects, verified_copy
+    from tierpipe.stages import flush as flush_stage
+
+    monkeypatch.setattr(flush_stage, "KEPT_RECHECK_S", 0.2)
+    slow = settings.replace(flush_max_bytes_per_s=1 << 20)
+    event = verified_copy(slow, job, 1, mib=4)  # ~4 s at 1 MiB/s
+    s3 = boto3.client("s3", **s3_server.client_kwargs())
+
+    def uploading() -> bool:
+        return bool(s3.list_multipart_uploads(Bucket=slow.s3_bucket).get("Uploads"))
+
+    t0 = time.monotonic()
+    assert flush_one(slow, event, uploading, passed=Floors(upload=3)) is None
+    assert time.monotonic() - t0 < 4.0  # (well before the upload could have completed)
+    assert objects(slow, s3_server) == {} and not uploading()

@@ -34,10 +34,11 @@ import structlog
 from tierpipe.bus.client import Bus
 from tierpipe.bus.kv import Bucket, BucketConfig, bind_bucket, open_bucket
 from tierpipe.errors import BucketMissingError, TierpipeError
+from tierpipe.names import local_jobs
 from tierpipe.schemas.node import MISSED_BEATS, NodeRecord
 from tierpipe.settings import Settings, explicit_fields
 
-__all__ = ("ADOPTED", "NodeState", "adopt", "advertise", "bucket_name", "read_node")
+__all__ = ("ADOPTED", "NodeState", "adopt", "advertise", "bucket_name", "job_nodes", "read_node")
 
 log = structlog.get_logger(__name__)
 
@@ -56,10 +57,16 @@ def bucket_name(settings: Settings) -> str:
 # --- the agent's side
 
 
-async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence[str]) -> None:
+async def advertise(
+    settings: Settings, bus: Bus, *, node: str, stages: Sequence[str], peer_url: str = ""
+) -> None:
     """Store `node`'s record now and every `node_heartbeat_s` until cancelled, then mark it
     stopped (unless another agent of the node wrote it since). Never raises: a record that
-    cannot be stored is logged (once per cause) and tried again at the next beat."""
+    cannot be stored is logged (once per cause) and tried again at the next beat.
+
+    The record names the agent's peer endpoint (`peer_url`, "" without one), the node's
+    failure domain, and the jobs it has copies of as of each beat (`local_jobs`): the nodes of a
+    job, and so the partners of each (`tierpipe.peer.ring`), are the records that list it."""
     record = NodeRecord(
         node=node,
         pid=os.getpid(),
@@ -74,13 +81,18 @@ async def advertise(settings: Settings, bus: Bus, *, node: str, stages: Sequence
         s3_region=settings.s3_region,
         s3_bucket=settings.s3_bucket,
         s3_prefix=settings.s3_prefix,
+        peer_url=peer_url,
+        failure_domain=settings.failure_domain,
     )
     kv: Bucket | None = None
     revision: int | None = None
     trouble = ""
     try:
         while True:
-            record = msgspec.structs.replace(record, heartbeat_ts=time.time())
+            jobs = await anyio.to_thread.run_sync(
+                local_jobs, settings.staging_root, settings.nvme_root
+            )
+            record = msgspec.structs.replace(record, heartbeat_ts=time.time(), jobs=sorted(jobs))
             try:
                 kv = kv or await _open_bucket(bus, settings)
                 revision = await kv.put(node, _json.encode(record))
@@ -179,6 +191,34 @@ async def read_node(bus: Bus, settings: Settings, node: str) -> NodeState:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         return NodeState(node, None, unknown=f"unreadable record: {e}")
     return NodeState(node, record)
+
+
+async def job_nodes(
+    bus: Bus, settings: Settings, job: str, *, silent_s: float | None = None
+) -> list[NodeRecord]:
+    """The records of the nodes whose agents list `job`, by name: those alive, or with
+    `silent_s`, also those not stopped and heard from within `silent_s` (one read of the
+    bucket; [] if there is none yet).
+
+    Raises:
+        BusUnavailableError: the bucket could not be read.
+    """
+    try:
+        stored = await bind_bucket(bus.js, bucket_name(settings)).stored(">")
+    except BucketMissingError:
+        return []
+    now, found = time.time(), []
+    for _, value in stored:
+        try:
+            record = msgspec.json.decode(value, type=NodeRecord)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        recent = (
+            silent_s is not None and record.stopped_ts is None and record.silent_s(now) <= silent_s
+        )
+        if job in record.jobs and (record.alive(now) or recent):
+            found.append(record)
+    return sorted(found, key=lambda r: r.node)
 
 
 def adopt(settings: Settings, record: NodeRecord) -> tuple[Settings, dict[str, object]]:

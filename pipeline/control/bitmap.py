@@ -5,7 +5,7 @@ while it changes them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from tierpipe.schemas import Tier
 from tierpipe.schemas.jobstate import (
@@ -105,10 +105,35 @@ class StepBits:
             return False
         bits[i] ^= mask
         self.count[tier] += 1 if on else -1
-        # (the rank's copy on any tier came, or went, with this)
-        if not any(self.bits[t][i] & mask for t in TIERS if t != tier):
+        others = 0
+        for t in TIERS:
+            if t != tier:
+                others |= self.bits[t][i]
+        if not others & mask:  # (the rank's copy on any tier came, or went, with this)
             self.either += 1 if on else -1
         return True
+
+    def update(self, rank: int, on: Container[str]) -> tuple[bool, bool]:
+        """Set `rank` on the tiers in `on`, clear it on the others (`s3` keeps its ranks once
+        retention removed the objects); whether that changed anything, and whether it changed
+        the step's completeness on some tier (or on any)."""
+        i, mask = rank >> 3, 1 << (rank & 7)
+        # One rank moves each count by one at most, and no tier counts more ranks than `either`:
+        # below `world_size - 1` no completeness can change.
+        near = self.either >= self.world_size - 1
+        before, flipped = self._full() if near else (), False
+        for t in TIERS:
+            wanted = t in on
+            if bool(self.bits[t][i] & mask) != wanted and not (t == "s3" and self.s3_removed):
+                flipped |= self.set(t, rank, wanted)
+        return flipped, flipped and near and before != self._full()
+
+    def _full(self) -> tuple[bool, ...]:
+        """Completeness as `status` says it (cheaper where no objects were removed)."""
+        if self.s3_removed:
+            return self.status()
+        w, count = self.world_size, self.count
+        return count["nvme"] == w, count["s3"] == w, count["peer"] == w, self.either == w
 
     def unflushed(self) -> bool:
         """Some rank has a verified NVMe copy that never reached object storage."""

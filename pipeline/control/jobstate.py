@@ -199,23 +199,14 @@ class JobState:
         epoch = max(epoch, s.epoch)
         changed = epoch != s.epoch
         s.epoch = epoch
-        i, mask = rank >> 3, 1 << (rank & 7)
-        # (removed objects: `s3` keeps their ranks)
-        flips = [
-            t for t in TIERS
-            if bool(s.bits[t][i] & mask) != (t in usable) and not (t == "s3" and s.s3_removed)
-        ]  # fmt: skip
-        # Completeness can only change where a count reaches or leaves the world size.
-        before = s.status() if flips else None
-        for t in flips:
-            s.set(t, rank, t in usable)
+        flipped, recount = s.update(rank, usable)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
         copy = usable.get("nvme") or usable.get("s3") or usable.get("peer")
         if copy is not None and s.note_copy(rank, copy.header_digest, copy.nbytes):
             self._changes.digests.add((step, rank // RANKS_PER_CHUNK))
-        if changed or flips:
+        if changed or flipped:
             self._changes.put.add(step)
-        if before is not None and before != s.status():
+        if recount:
             self._recount()
 
     def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:

@@ -50,7 +50,8 @@ class LedgerShard:
         """The newest epoch among the copies, and per tier with a usable copy (verified, not
         evicted, proven bad or superseded) the first such copy with a digest (None: none has
         one). One pass over the copies: this runs for every event of every rank."""
-        epoch, found = 0, dict[str, LedgerCopy | None]()
+        epoch = 0
+        found: dict[str, LedgerCopy | None] = {}
         for (tier, _), c in self.copies.items():
             if c.epoch > epoch:
                 epoch = c.epoch

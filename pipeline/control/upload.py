@@ -13,7 +13,8 @@ those `Keep.s3_keep_period` keeps: `tierpipe.retention.kept.upload_wanted`).
 storage, or complete on the peer tier (a verified replica of every rank on a partner node).
 
 Pure (no I/O, no clock: the coordinator passes the time in), called by the job state
-(`tierpipe.control.jobstate`) whenever its floors move.
+(`tierpipe.control.jobstate`) whenever its floors move. A node's side of it, `Later`: the
+shards of steps newer than the target its flush stage holds back until the floors name them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from tierpipe.schemas import Tier
+from tierpipe.schemas import ShardVerified, Tier
 from tierpipe.schemas.jobstate import Floors, Keep
 
-__all__ = ("next_upload", "safe_step", "settled", "targets")
+__all__ = ("Later", "next_upload", "safe_step", "settled", "targets")
 
 #: The tiers on which a complete step survives the loss of any one node.
 _SAFE: tuple[Tier, ...] = ("s3", "peer")
@@ -75,3 +76,34 @@ def targets(
     """`floors` with the upload target (`next_upload` after `last`) and the safe step set."""
     upload, named = next_upload(last, floors, complete, keep, now)
     return msgspec.structs.replace(floors, upload=upload, upload_ts=named, safe=safe_step(complete))
+
+
+class Later:
+    """This node's `verified` shards of steps newer than their job's upload target, kept (in
+    memory) until the floors name their step or pass it: at most the steps between the target
+    and the newest save."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[int, dict[int, ShardVerified]]] = {}
+
+    def hold(self, event: ShardVerified) -> None:
+        self._held.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
+
+    def take(self, event: ShardVerified) -> bool:
+        """Take `event` back; whether it was still held (no one else took it)."""
+        ranks = self._held.get(event.job, {}).get(event.step, {})
+        if ranks.get(event.rank) is not event:
+            return False
+        del ranks[event.rank]
+        return True
+
+    def due(self, job: str, floors: Floors) -> list[ShardVerified]:
+        """The shards of the step `floors` name for upload, taken; those it passed, dropped."""
+        steps = self._held.get(job, {})
+        due = steps.pop(floors.upload, {})
+        for step in [t for t in steps if t <= floors.upload]:
+            del steps[step]
+        return list(due.values())
+
+    def __len__(self) -> int:
+        return sum(len(ranks) for steps in self._held.values() for ranks in steps.values())

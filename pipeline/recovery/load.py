@@ -1,13 +1,14 @@
-"""Loading this rank's shard back, from either tier, verified before any byte reaches the model.
+"""Loading this rank's shard back, from any tier, verified before any byte reaches the model.
 
-`Loader.load(source, into, step=...)` is the one entry for both tiers: the tier's store
+`Loader.load(source, into, step=...)` is the one entry for every tier: the tier's store
 (`tierpipe.storage`) reads the copy into an `_read.Assembly`, which copies its blobs into the
 targets. A copy on this node's NVMe is read in place at queue depth (as `load_into` does); a
 copy in object storage is downloaded (parallel ranged GETs, capped per node) and read from
-memory (as `load_image`). Either way the shard's identity and header digest are checked against
-the plan first (`Expected`), and each blob's digest before its bytes reach a target. A shard
-read from object storage is staged again once the restore is over (`Loader.settle`), so this
-node's agent writes it back to its NVMe.
+memory (as `load_image`), and so is a replica on a peer node (`tierpipe.peer.reader`). Either
+way the shard's identity and header digest are checked against the plan first (`Expected`),
+and each blob's digest before its bytes reach a target. A shard read from object storage or a
+peer is staged again once the restore is over (`Loader.settle`), so this node's agent writes
+it back to its NVMe.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from tierpipe.errors import (
     TierpipeError,
     UnavailableError,
 )
+from tierpipe.peer.client import PeerClient
+from tierpipe.peer.reader import PeerSource
 from tierpipe.recovery._read import Assembly
 from tierpipe.recovery._short import short_report
 from tierpipe.recovery._writeback import write_back
@@ -94,6 +97,7 @@ class Loader:
         self._stack = contextlib.AsyncExitStack()
         self._nvme = NvmeStore.from_settings(settings)
         self._store: S3Store | None = None
+        self._peers: PeerClient | None = None
         #: The last shard read from object storage (step, sealed image, head), until `settle`.
         self._held: tuple[int, mmap.mmap, Head] | None = None
         #: Write-backs under way. Plain asyncio tasks: each outlives the restore that started
@@ -115,17 +119,21 @@ class Loader:
             StorageUnavailableError, StorageAuthError: object storage is down or refused.
         """
         expected = Expected(self.job, step, self.rank, self.world_size, source.header_digest)
-        store: ShardStore[StagedShard] | ShardStore[SealedFile]
+        store: ShardStore[StagedShard] | ShardStore[SealedFile] | PeerSource
         if source.tier == "nvme":
             if source.node != self.node:
                 raise ShardMissingError(source.location, f"on node {source.node}, not {self.node}")
             store = self._nvme
+        elif source.tier == "peer":  # (read whole into memory, as from object storage)
+            store = PeerSource(self.settings, self.bus, await self._peer_client(), source,
+                               job=self.job, step=step, rank=self.rank,
+                               world_size=self.world_size)  # fmt: skip
         else:
             store = await self._object_store()
         sink = _sink(into, expected)
         with gc_paused():
             got = await store.read_into(source.location, sink, nbytes=source.nbytes)
-        if got.image is not None:  # read whole from object storage: kept for `settle`
+        if got.image is not None:  # read whole (object storage, a peer): kept for `settle`
             self._hold((step, got.image, got.head))
         return _loaded(got.head, sink, got.seconds)
 
@@ -249,7 +257,7 @@ class Loader:
         (idempotent)."""
         await self.written_back()
         self._hold(None)
-        self._store = None
+        self._store = self._peers = None
         await self._stack.aclose()
         self._nvme.close()
 
@@ -263,6 +271,12 @@ class Loader:
             store = S3Store(s, read_slot=reads.hold)
             self._store = await self._stack.enter_async_context(store)
         return self._store
+
+    async def _peer_client(self) -> PeerClient:
+        if self._peers is None:
+            client = PeerClient(token=self.settings.peer_token)
+            self._peers = await self._stack.enter_async_context(client)
+        return self._peers
 
     def _hold(self, held: tuple[int, mmap.mmap, Head] | None) -> None:
         """Keep `held` for `settle` (an image of an earlier round is closed)."""

@@ -7,15 +7,16 @@ digests only where a copy is on disk), whatever the job's size or history. A ran
 sits at a path that follows from (job, step, rank, world size); it counts only if the file's
 header names that shard and hashes to the digest the job state recorded when the copy was
 verified. Its object counts if the record says the store confirmed it (and retention has not
-removed it since), its replica on a peer if the record counts one (`Survey.peer`); the loader
-checks the same digest (`sources` reads it) before any byte of either reaches a tensor.
+removed it since), its replica on a peer if the record counts one (`Survey.peer`; where it is,
+`replica_sources` reads from the holders' `replicated` events); the loader checks the same digest
+(`sources` reads it) before any byte of any copy reaches a tensor.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -30,12 +31,14 @@ from tierpipe.errors import TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source, counts, unusable
-from tierpipe.schemas import decode_event
+from tierpipe.schemas import ShardReplicated, decode_event
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 
-__all__ = ("Reads", "Survey", "current_head", "own_events", "sources", "survey")
+__all__ = (
+    "Reads", "Survey", "current_head", "own_events", "replica_sources", "sources", "survey",
+)  # fmt: skip
 
 log = structlog.get_logger(__name__)
 
@@ -342,6 +345,36 @@ async def sources(
             out.append(Source(tier="s3", node="", location=location, nbytes=digest[1],
                               header_digest=digest[0]))  # fmt: skip
     return out
+
+
+async def replica_sources(
+    bus: Bus, reads: Reads, *, step: int, rank: int, world_size: int, skip: Collection[str] = ()
+) -> list[Source]:
+    """`rank`'s replicas of `step` (the `peer` tier), as their holders announced them: the
+    newest `replicated` event of each holder for the rank (the job state counts a rank's
+    replicas, not where they are; a holder's newer replica hides its older one, which its
+    retention removes soon after), each only if it is the verified copy the job state recorded
+    (digest and size), none on a node in `skip` (lost, or this rank's own) or on its own source.
+    By holder name; the loader checks every digest again.
+
+    Raises:
+        BusUnavailableError, BusError: NATS or the KV could not be read.
+    """
+    digest = await reads.digest(step, rank)
+    if digest is None:
+        return []
+    out = []
+    for _, event in await bus.latest(shard_subject(reads.job, "replicated", "*", rank)):
+        if (
+            isinstance(event, ShardReplicated)
+            and (event.step, event.world_size) == (step, world_size)
+            and (event.header_digest, event.nbytes) == digest
+            and event.node not in skip
+            and event.node != event.source
+        ):
+            out.append(Source(tier="peer", node=event.node, location=event.path,
+                              nbytes=event.nbytes, header_digest=event.header_digest))  # fmt: skip
+    return sorted(out, key=lambda source: source.node)
 
 
 def _absent(path: str) -> str:

@@ -1,0 +1,221 @@
+"""Replicate stage: this node's `verified` -> a replica on each partner node's NVMe.
+
+For every shard this node verified, the stage asks each of its partners in the job
+(`tierpipe.peer.ring`, over the live node records that list the job and serve a peer endpoint)
+to copy it from this node's endpoint (`POST /v1/replicate`). The partner pulls the file agent to
+agent, writes it durably, checks every digest and publishes its own `replicated` event; this
+stage publishes nothing. A partner that does not answer, or whose agent is silent, fails the
+attempt (retryable: the runner tries again); one silent for longer than `PARTNER_GONE_S`, or
+stopped, has left the ring, and the next node takes its place. `peer_replicas` 0, or a job on
+one node: nothing to do.
+
+Retention of the replicas this node holds: the stage follows the jobs' floors in KV (as the evict
+stage does for its own copies) and removes replicas of steps below the NVMe floor that the floors
+do not keep, and replicas a newer timeline superseded (a replica of the same rank from a newer
+epoch at the same or an earlier step), each published as `evicted` (tier `peer`).
+
+The agent's peer endpoint (`tierpipe.peer.server`) is started by the runner beside this stage
+(`endpoint_url`); run on its own, the stage starts one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from tierpipe.bus.batcher import Batcher
+from tierpipe.bus.client import Bus
+from tierpipe.control.advert import job_nodes
+from tierpipe.control.kvstate import JobStore
+from tierpipe.errors import PeerUnavailableError, TierpipeError
+from tierpipe.names import node_name
+from tierpipe.peer.client import PeerClient
+from tierpipe.peer.replicas import Replica, Replicas
+from tierpipe.peer.ring import partners, replica_count
+from tierpipe.peer.server import PeerServer, endpoint_url
+from tierpipe.schemas import ShardEvicted, ShardVerified, shard_event
+from tierpipe.schemas.jobstate import Floors
+from tierpipe.schemas.node import MISSED_BEATS
+from tierpipe.settings import Settings
+
+__all__ = ("KINDS", "STAGE", "Partner", "Replicate", "handle", "open", "superseded")
+
+STAGE = "replicate"
+KINDS = ("verified",)
+log = structlog.get_logger(__name__)
+
+#: How long a job's partners, once read from the node records, are used before reading again.
+PARTNERS_TTL_S = 2.0
+#: A partner silent for longer than this (or three heartbeats, if longer) has left the job:
+#: the next node in the ring takes its place. Until then, copies wait for it.
+PARTNER_GONE_S = 60.0
+#: How often the replicas held here are looked at again (superseded ones), floors or not.
+RECHECK_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Partner:
+    node: str
+    url: str
+
+
+@dataclass
+class Replicate:
+    settings: Settings
+    bus: Bus
+    node: str
+    #: This node's peer endpoint (where partners pull from).
+    url: str
+    client: PeerClient
+    replicas: Replicas
+    store: JobStore
+    floors: dict[str, Floors] = field(default_factory=dict)
+    _partners: dict[str, tuple[float, list[Partner], list[str]]] = field(default_factory=dict)
+    _batcher: Batcher | None = None
+
+    async def partners(self, job: str) -> tuple[list[Partner], list[str]]:
+        """This node's partners in `job` whose agents are alive, and the ones that should be
+        but are silent (read again after `PARTNERS_TTL_S`).
+
+        The ring is made of the nodes whose records list the job, serve an endpoint, and were
+        heard from within `PARTNER_GONE_S` (a node whose agent stopped, or that stayed silent
+        longer, has left the job): so a partner that restarts is waited for, not skipped, while
+        a node gone for good hands its place on to the next one.
+        """
+        cached = self._partners.get(job)
+        if cached is not None and time.monotonic() - cached[0] < PARTNERS_TTL_S:
+            return cached[1], cached[2]
+        gone_s = max(PARTNER_GONE_S, MISSED_BEATS * self.settings.node_heartbeat_s)
+        records = {
+            r.node: r
+            for r in await job_nodes(self.bus, self.settings, job, silent_s=gone_s)
+            if r.peer_url and r.node != self.node
+        }
+        ring = {name: r.failure_domain for name, r in records.items()}
+        ring[self.node] = self.settings.failure_domain
+        n = replica_count(self.settings.peer_replicas, len(ring))
+        now = time.time()
+        order = partners(ring.items(), self.node, len(ring))
+        alive = [Partner(p, records[p].peer_url) for p in order if records[p].alive(now)]
+        found, missing = alive[:n], [p for p in order[:n] if not records[p].alive(now)]
+        if len(found) == n:
+            missing = []
+        self._partners[job] = (time.monotonic(), found, missing)
+        return found, missing
+
+    async def handle(self, event: ShardVerified, attempt: int) -> None:
+        """Have each partner copy the shard (all are asked; then the first failure raises,
+        or, with too few partners alive, a retryable error naming the silent ones)."""
+        if event.node != self.node:
+            return None
+        failed: TierpipeError | None = None
+        found, missing = await self.partners(event.job)
+        for partner in found:
+            try:
+                done = await self.client.replicate(partner.url, event, source_url=self.url)
+            except TierpipeError as e:
+                log.warning("replica_not_made", partner=partner.node, error=str(e))
+                self._partners.pop(event.job, None)  # (read the ring again next time)
+                failed = failed or e
+                continue
+            log.debug("replica_made", partner=partner.node, seconds=done.seconds)
+        if failed is not None:
+            raise failed
+        if missing:
+            self._partners.pop(event.job, None)
+            raise PeerUnavailableError(", ".join(missing), "partner agent silent (waited for)")
+        return None
+
+    # --- retention of the replicas held here
+
+    async def follow_floors(self) -> None:
+        """Apply every job's floors as stored now and at each change, and look at every job's
+        replicas again every `RECHECK_S` (until cancelled)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._recheck)
+            while True:
+                try:
+                    async for job, floors in self.store.watch_floors():
+                        self.floors[job] = floors
+                        await self.prune(job)
+                except TierpipeError as e:
+                    log.warning("floor_watch_interrupted", error=str(e))
+                await anyio.sleep(self.settings.retry_max_s / 10)
+
+    async def _recheck(self) -> None:
+        while True:
+            await anyio.sleep(RECHECK_S)
+            for job in await anyio.to_thread.run_sync(self.replicas.jobs):
+                try:
+                    await self.prune(job)
+                except TierpipeError as e:
+                    log.warning("replica_recheck_failed", job=job, error=str(e))
+
+    async def prune(self, job: str) -> list[Replica]:
+        """Remove the replicas of `job` held here that the floors no longer keep, or that a
+        newer timeline superseded; each published as `evicted` (tier peer). What went."""
+        held = await anyio.to_thread.run_sync(self.replicas.held, job)
+        floors = self.floors.get(job)
+        removed = []
+        for replica in held:
+            if (
+                floors is not None
+                and replica.step < floors.nvme
+                and replica.step not in floors.keep
+            ):
+                reason = "below the nvme floor"
+            elif superseded(replica, held):
+                reason = "superseded by a newer timeline"
+            else:
+                continue
+            if not await self.replicas.remove(replica):
+                continue
+            evicted = shard_event(
+                ShardEvicted, replica, node=self.node, tier="peer",
+                location=str(replica.path), reason=reason,
+            )  # fmt: skip
+            await self.bus.publish(evicted)
+            self._batcher = self._batcher or Batcher(self.bus)
+            self._batcher.add(evicted)
+            removed.append(replica)
+            log.info("copy_evicted", job=job, step=replica.step, rank=replica.rank, tier="peer",
+                     location=str(replica.path), reason=reason)  # fmt: skip
+        if self._batcher is not None:
+            await self._batcher.flush()
+        return removed
+
+
+def superseded(replica: Replica, held: list[Replica]) -> bool:
+    """Whether a replica of the same rank from a newer epoch (a run that rewound) is held at the
+    same or an earlier step: `replica`'s timeline was abandoned there."""
+    return any(
+        r.rank == replica.rank and r.epoch > replica.epoch and r.step <= replica.step for r in held
+    )
+
+
+@asynccontextmanager
+async def open(settings: Settings, bus: Bus) -> AsyncIterator[Replicate]:
+    """The peer client, this node's replicas, its endpoint's URL (the agent's, or one started
+    here) and the retention of the replicas in the background."""
+    node = node_name(settings.node)
+    async with AsyncExitStack() as stack:
+        url = endpoint_url.get()
+        if not url:
+            url = (await stack.enter_async_context(PeerServer(settings, bus, node=node))).url
+        client = await stack.enter_async_context(PeerClient(token=settings.peer_token))
+        replicas = Replicas.from_settings(settings)
+        stack.callback(replicas.close)
+        store = await JobStore(bus.js, settings).open()
+        ctx = Replicate(settings, bus, node, url, client, replicas, store)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ctx.follow_floors)
+            yield ctx
+            tg.cancel_scope.cancel()
+
+
+handle = Replicate.handle
