@@ -272,15 +272,18 @@ def socket_copy_s(path: Path, dest: Path) -> float:
         dest.unlink(missing_ok=True)
 
 
-def replica_copy_s(base_url: str, shard: Any, dest: Path, token: str | None = None) -> float:
+def replica_copy_s(
+    base_url: str, shard: Any, dest: Path, *, token: str | None = None, direct_io: bool = True
+) -> float:
     """Seconds to copy the verified shard of `shard` (a `ShardVerified` event) from the peer
     endpoint at `base_url` (an agent: another process) into `dest`, as a replica is copied
-    (`tierpipe.peer.client.fetch_shard`: streamed, written durably, every digest checked).
+    (`tierpipe.peer.client.fetch_shard`: streamed, written durably, re-read, every digest
+    checked; the re-read with O_DIRECT where `direct_io`, as the agent does by default).
     Raises ReplicasUnavailableError where this build has no peer transport."""
     import anyio
 
     try:
-        from tierpipe.peer.client import fetch_shard  # type: ignore[import-not-found,unused-ignore]
+        from tierpipe.peer.client import fetch_shard
     except ImportError as e:
         raise ReplicasUnavailableError(
             "replicas not available in this build (no tierpipe.peer.client)"
@@ -291,6 +294,7 @@ def replica_copy_s(base_url: str, shard: Any, dest: Path, token: str | None = No
         await fetch_shard(
             base_url, shard.job, shard.step, shard.world_size, shard.rank, dest,
             nbytes=shard.nbytes, header_digest=shard.header_digest, token=token,
+            direct_io=direct_io,
         )  # fmt: skip
         return time.perf_counter() - t0
 
@@ -334,7 +338,8 @@ def _copies(settings: Any, verified: list[Any], nodes: list[str], work: Path, re
                         "endpoint)"
                     )
                 for _ in range(reps):
-                    replica.append(replica_copy_s(url, shard, work / "replica.copy"))
+                    replica.append(replica_copy_s(url, shard, work / "replica.copy",
+                                                  direct_io=settings.direct_io))  # fmt: skip
             except ReplicasUnavailableError as e:
                 log(f"  replica copy: {e}")
             return sock, replica, shard.nbytes
@@ -527,10 +532,13 @@ def _trial(cfg: _Config, pool: list[_Rank], mode: int, index: int, rng: random.R
         for rank, r in enumerate(ranks):
             if rank != victim:
                 r.go(stop=True)  # (torchrun stops the survivors)
+        settings = load_settings(path=None, env=tier_env)
+        tiers = anyio.run(_newest_complete, settings, job)
         seen = _collect(cfg.lines, job, "stopped", cfg.nodes - 1, 60)
         saved = [x for x in seen if x["event"] == "saved" and x["t"] <= t_kill]
         newest = max((x["step"] for x in saved), default=0)
-        log(f"  node {nodes[victim].name} lost at step {newest}")
+        log(f"  node {nodes[victim].name} lost at step {newest}; newest complete at the kill: "
+            + ", ".join(f"{k} {v}" for k, v in tiers.items()))  # fmt: skip
         before = _jsz_consumers(nats.monitor_url)
         nodes[victim] = Node(f"{job}-n{cfg.nodes}", root / "nvme" / "new", shm / "new")
         (nodes[victim].staging / job).mkdir(parents=True)
@@ -549,7 +557,6 @@ def _trial(cfg: _Config, pool: list[_Rank], mode: int, index: int, rng: random.R
         step = min(x["step"] for x in restored.values())
         saved_at = [x["t"] for x in saved if x["step"] == step]
         lost_s = t_kill - (min(saved_at) if step and saved_at else t0)
-        settings = load_settings(path=None, env=tier_env)
         uploads, replicated, verified = anyio.run(_job_events, settings, job)
         copies: Any = ([], [], 0)
         if mode:
@@ -571,6 +578,17 @@ def _trial(cfg: _Config, pool: list[_Rank], mode: int, index: int, rng: random.R
         f": {trial.lost_intervals} intervals ({trial.lost_s:.2f} s) lost; restore "
         f"{trial.restore_s:.2f} s; NVMe high-water {trial.highwater} checkpoints")  # fmt: skip
     return trial
+
+
+async def _newest_complete(settings: Any, job: str) -> dict[str, int | None]:
+    """The newest step complete on each tier, from the job's head in KV."""
+    from tierpipe.bus.client import Bus
+    from tierpipe.control.kvstate import JobStore
+
+    async with Bus(settings, name="bench-rpo") as bus:
+        head = await (await JobStore(bus.js, settings).open()).head(job)
+    lists = {"nvme": "nvme_steps", "peer": "peer_steps", "s3": "s3_steps"}
+    return {k: (getattr(head, a) or [None])[-1] if head else None for k, a in lists.items()}
 
 
 def _stop_agent(node: Any) -> None:
