@@ -109,6 +109,9 @@ def run_demo(
             "TIERPIPE_S3_KEEP_LATEST_K": os.environ.get("TIERPIPE_S3_KEEP_LATEST_K", "3"),
             "TIERPIPE_LOG_LEVEL": os.environ.get("TIERPIPE_LOG_LEVEL", "warning"),
             "TIERPIPE_FLUSH_MAX_BYTES_PER_S": str(throttle),
+            # (the demo compresses time: a node record lists a new job from its next beat, and
+            # partners are chosen among the nodes whose records list the job)
+            "TIERPIPE_NODE_HEARTBEAT_S": os.environ.get("TIERPIPE_NODE_HEARTBEAT_S", "1"),
             "TIERPIPE_METRICS_PORT": "0",  # (two agents on one machine)
             "LOCAL_WORLD_SIZE": str(per_node),
         }
@@ -355,7 +358,8 @@ def _report(
           "read and checked")  # fmt: skip
     for r in sorted(restored):
         if restored[r]["tier"] == "none":
-            print(f"  rank {r} on {placement[r]}: restored nothing (started over from step 0)")
+            print(f"  rank {r} on {placement[r]}: restored nothing (started over from step 0: "
+                  f"{restored[r].get('why', '')})")  # fmt: skip
         else:
             print(f"  rank {r} on {placement[r]}: restored step {restored[r]['step']} from "
                   f"{restored[r]['tier']}")  # fmt: skip

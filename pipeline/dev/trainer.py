@@ -119,16 +119,16 @@ def run_rank(rank: int, world_size: int, steps: int, every: int) -> int:
     ckpt = Checkpointer(JOB, rank=rank, world_size=world_size)
     start = 1
     t = time.perf_counter()
+    restored, why = None, "latest_step() found no step complete on any tier"
     try:  # a restart: every rank restores, in place
-        restored = (
-            ckpt.restore({"model": net, "optim": optim}) if ckpt.latest_step() is not None else None
-        )
-    except NoCheckpointError:  # (steps were saved, but none can be restored now)
-        restored = None
+        if ckpt.latest_step() is not None:
+            restored = ckpt.restore({"model": net, "optim": optim})
+    except NoCheckpointError as e:  # (steps were saved, but none can be restored now)
+        why = f"restore(): {e}"
     if restored is None:  # the job starts over: its first saves supersede what it had
         ckpt.close()
         ckpt = Checkpointer(JOB, rank=rank, world_size=world_size, overwrite=True)
-        _emit(event="restored", rank=rank, step=0, tier="none",
+        _emit(event="restored", rank=rank, step=0, tier="none", why=why,
               restore_s=time.perf_counter() - t, t=time.time())  # fmt: skip
     else:
         torch.set_rng_state(restored.state["rng"])
