@@ -4,15 +4,18 @@ than the saves, peer replicas off and on in the same run.
 Each trial is a fresh simulated cluster on this machine: an embedded nats-server (one per trial;
 one SeaweedFS for the whole run), `NODES` node agents (`tierpipe worker all`, each with its own
 NVMe root, staging root and node name) and one trainer rank per node (a subprocess of this module,
-`python -m bench.rpo --rank`, started and imported ahead of time). Every rank saves a state of
+`python -m bench.rpo --rank`, started and imported ahead of time and reused from trial to trial:
+a command opens a fresh Checkpointer, so no restart is timed importing torch). Every rank saves a
+state of
 `state_mib` MiB every `interval_s` seconds (on a shared wall clock, as ranks of one job in
 lockstep would); each agent's uploads are throttled (`flush_max_bytes_per_s`) to a quarter of its
 node's save rate, so object storage can take one step in four. At a moment drawn from a seeded RNG
 (the seed is printed and in the JSON line) one node is lost: its trainer and agent are SIGKILLed
 and its NVMe and staging folders wiped; the survivors' trainers are stopped (SIGTERM, as torchrun
 would). The job restarts: a replacement node (new agent, new name, empty NVMe) takes the lost
-rank, and every rank restores (`Checkpointer.restore`) in a fresh process. `peer_replicas` is the
-mode (0 off, 1 on); the rest of the settings are the same in both.
+rank (in a spare process), and every rank restores (`Checkpointer.restore`, a new Checkpointer).
+Each trial logs the newest step complete on each tier at the kill (the job's head in KV).
+`peer_replicas` is the mode (0 off, 1 on); the rest of the settings are the same in both.
 
 Per trial and mode:
 - `lost_intervals`: the newest step any rank had saved (its `save()` returned) before the kill
