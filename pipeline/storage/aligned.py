@@ -9,7 +9,10 @@ O_DIRECT (tmpfs, some overlays) refuses the flag with EINVAL; `open_direct` then
 and `pwrite_all` can switch a file to buffered writes when O_DIRECT refuses one buffer.
 `read_direct_unless_cached` lets a read that may use either pick: O_DIRECT for a file the page
 cache does not hold (the usual shard: written with O_DIRECT, verified cold), buffered for one it
-does (`cached_share` asks the kernel with mincore, which reads nothing).
+does (`cached_share` asks the kernel with mincore, which reads nothing). Fresh anonymous memory
+is costly to fault in and to give back on virtual machines (a 210 MiB restore arena: ~0.4 s to
+fault, ~0.3 s to unmap on the reference VM): `populate` faults a range in ahead of use and
+`unmap_later` gives a buffer back in a background thread.
 os.pread/pwrite release the GIL, so these loops run in worker threads beside the event loop.
 """
 
@@ -21,6 +24,7 @@ import fcntl
 import functools
 import mmap
 import os
+import threading
 
 import structlog
 
@@ -33,10 +37,12 @@ __all__ = (
     "cached_share",
     "close_quietly",
     "open_direct",
+    "populate",
     "pread_into",
     "pwrite_all",
     "read_direct_unless_cached",
     "round_up",
+    "unmap_later",
 )
 
 log = structlog.get_logger(__name__)
@@ -72,6 +78,37 @@ def close_quietly(buf: mmap.mmap) -> None:
         buf.close()
     except BufferError:
         pass
+
+
+def unmap_later(buf: mmap.mmap) -> None:
+    """Unmap `buf` in a background thread (munmap releases the GIL), unless a view of it is
+    still exported (then the GC unmaps it later): the caller does not wait for the pages to be
+    freed. Without a thread to be had, it is unmapped here."""
+    try:
+        threading.Thread(
+            target=close_quietly, args=(buf,), name="tierpipe-unmap", daemon=True
+        ).start()
+    except RuntimeError:
+        close_quietly(buf)
+
+
+#: madvise(2) advice (Linux 5.14+): fault a range in, writable, without touching its bytes.
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(buf: mmap.mmap, start: int, length: int) -> bool:
+    """Fault `length` bytes of the anonymous buffer `buf` from `start` in ahead of their use
+    (one madvise call: no trap per page, the GIL released). False where the kernel cannot (older
+    than 5.14, not Linux) or the range is not mapped: the caller stops asking."""
+    libc = _libc()
+    if libc is None:
+        return False
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        address = ctypes.addressof(view)
+    finally:
+        del view
+    return bool(libc.madvise(ctypes.c_void_p(address + start), length, _MADV_POPULATE_WRITE) == 0)
 
 
 def open_direct(
@@ -165,12 +202,14 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library's mmap, mincore and munmap, typed; None where there is none to load."""
+    """The C library's mmap, mincore, munmap and madvise, typed; None where there is none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mincore, mmap_, munmap = libc.mincore, libc.mmap, libc.munmap
+        mincore, mmap_, munmap, madvise = libc.mincore, libc.mmap, libc.munmap, libc.madvise
     except (OSError, AttributeError):
         return None
+    madvise.restype = ctypes.c_int
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     mmap_.restype = ctypes.c_void_p
     mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]  # fmt: skip
