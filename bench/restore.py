@@ -12,10 +12,9 @@ original state afterwards (targets zeroed first); medians are reported.
 
 - `nvme_restore_s`: `tierpipe.recovery.load.load_into(shard, into=targets)` with its defaults
   (reads by 4 threads in 8 MiB chunks into an arena, O_DIRECT since the page cache does not
-  hold the file, a thread faulting the arena in ahead of the readers, every blob's xxh3-128
-  checked before it is copied into its targets in place, the arena unmapped in the
-  background). `nvme_restore_buffered_s`: the same through the page cache (`direct_io=False`,
-  the default before issue 22).
+  hold the file, every blob's xxh3-128 checked before it is copied into its targets in place,
+  the arena unmapped in the background). `nvme_restore_buffered_s`: the same through the page
+  cache (`direct_io=False`, the default before issue 22).
 - `nvme_restore_e2e_s`: wall time of `Checkpointer.restore(into=targets)` for a 1-rank job: replay
   of the job's events from an embedded nats-server, catalog fold, the rank's `ready` report, rank 0
   planning, the load above, `loaded` report, final plan. The events (`written` + `verified` for the

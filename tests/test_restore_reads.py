@@ -20,7 +20,6 @@ from tierpipe.storage.aligned import (
     O_DIRECT,
     aligned_buffer,
     cached_share,
-    populate,
     read_direct_unless_cached,
     unmap_later,
 )
@@ -158,21 +157,6 @@ def test_shard_on_tmpfs_restores(tmp_path: Path) -> None:
         assert torch.equal(into[k], v), k
 
 
-def test_populate_faults_memory_in_without_changing_it() -> None:
-    """populate keeps what a buffer holds (it only faults pages in) and takes any 4 KiB-aligned
-    range; a range past the mapping is refused (False), not an error."""
-    buf = aligned_buffer(8 << 20)
-    try:
-        buf[4096:4100] = b"tier"
-        if not populate(buf, 0, 4 << 20):
-            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
-        assert populate(buf, 4 << 20, 4 << 20)
-        assert buf[4096:4100] == b"tier" and buf[:4096] == bytes(4096)
-        assert not populate(buf, 8 << 20, 1 << 30)
-    finally:
-        buf.close()
-
-
 def test_unmap_later_gives_the_buffer_back_unless_a_view_holds_it() -> None:
     """A buffer nothing views is closed by a background thread; one still viewed stays open,
     quietly (the GC unmaps it later)."""
@@ -196,9 +180,9 @@ def _join_threads(prefix: str) -> None:
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["cold", "cached"])
-def test_a_failed_restore_leaves_no_reader_or_prefault_thread(tmp_path: Path, cached: bool) -> None:
+def test_a_failed_restore_leaves_no_reader_thread(tmp_path: Path, cached: bool) -> None:
     """A corrupt first blob of a shard larger than the arena stops the restore at once: the
-    readers and the prefault thread are joined before it raises, and the arena goes back."""
+    readers are joined before it raises, and the arena goes back."""
     state = {f"t{i}": torch.full((3 << 20,), i, dtype=torch.uint8) for i in range(40)}
     path = tmp_path / "s.shard"
     write_shard(path, state, job="j", step=1)
@@ -213,8 +197,6 @@ def test_a_failed_restore_leaves_no_reader_or_prefault_thread(tmp_path: Path, ca
     with pytest.raises(IntegrityError) as err:
         load_into(str(path), into, queue_depth=2, chunk_bytes=1 << 20)
     assert err.value.what == "tensor t0"
-    alive = [t.name for t in threading.enumerate() if t.name.startswith(("tierpipe-read",
-             "tierpipe-prefault"))]  # fmt: skip
-    assert alive == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith("tierpipe-read")] == []
     _join_threads("tierpipe-unmap")
     assert all(not t.any() for t in into.values())

@@ -10,9 +10,8 @@ and `pwrite_all` can switch a file to buffered writes when O_DIRECT refuses one 
 `read_direct_unless_cached` lets a read that may use either pick: O_DIRECT for a file the page
 cache does not hold (the usual shard: written with O_DIRECT, verified cold), buffered for one it
 does (`cached_share` asks the kernel with mincore, which reads nothing). Fresh anonymous memory
-is costly to fault in and to give back on virtual machines (a 210 MiB restore arena: ~0.4 s to
-fault, ~0.3 s to unmap on the reference VM): `populate` faults a range in ahead of use and
-`unmap_later` gives a buffer back in a background thread.
+is costly to give back on virtual machines (munmap of a 210 MiB restore arena: 0.25-0.4 s on the
+reference VM): `unmap_later` gives a buffer back in a background thread.
 os.pread/pwrite release the GIL, so these loops run in worker threads beside the event loop.
 """
 
@@ -37,7 +36,6 @@ __all__ = (
     "cached_share",
     "close_quietly",
     "open_direct",
-    "populate",
     "pread_into",
     "pwrite_all",
     "read_direct_unless_cached",
@@ -90,25 +88,6 @@ def unmap_later(buf: mmap.mmap) -> None:
         ).start()
     except RuntimeError:
         close_quietly(buf)
-
-
-#: madvise(2) advice (Linux 5.14+): fault a range in, writable, without touching its bytes.
-_MADV_POPULATE_WRITE = 23
-
-
-def populate(buf: mmap.mmap, start: int, length: int) -> bool:
-    """Fault `length` bytes of the anonymous buffer `buf` from `start` in ahead of their use
-    (one madvise call: no trap per page, the GIL released). False where the kernel cannot (older
-    than 5.14, not Linux) or the range is not mapped: the caller stops asking."""
-    libc = _libc()
-    if libc is None:
-        return False
-    view = ctypes.c_char.from_buffer(buf)
-    try:
-        address = ctypes.addressof(view)
-    finally:
-        del view
-    return bool(libc.madvise(ctypes.c_void_p(address + start), length, _MADV_POPULATE_WRITE) == 0)
 
 
 def open_direct(
@@ -202,14 +181,13 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library's mmap, mincore, munmap and madvise, typed; None where there is none."""
+    """The C library's mmap, mincore and munmap, typed; None where there is none to load."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mincore, mmap_, munmap, madvise = libc.mincore, libc.mmap, libc.munmap, libc.madvise
+        mincore, mmap_, munmap = libc.mincore, libc.mmap, libc.munmap
     except (OSError, AttributeError):
         return None
-    madvise.restype = ctypes.c_int
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
     mmap_.restype = ctypes.c_void_p
     mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]  # fmt: skip

@@ -29,7 +29,6 @@ from tierpipe.schemas import ALIGN, ShardHeader
 from tierpipe.storage.aligned import (
     aligned_buffer,
     open_direct,
-    populate,
     pread_into,
     read_direct_unless_cached,
     round_up,
@@ -166,7 +165,7 @@ def read_shard(
             try:
                 pinned = sink.pin(plan.ring) if plan.ring is not None else contextlib.nullcontext()
                 blobs = verified_blobs(fd, head, path, plan, queue_depth)
-                with _Prefault(plan, queue_depth), pinned, contextlib.closing(blobs) as it:
+                with pinned, contextlib.closing(blobs) as it:
                     for i in it:
                         sink.take(i, plan.view(i), reused=passing[i])
             finally:
@@ -344,53 +343,6 @@ class _Readers:
             with self._cond:
                 self._results[k] = got
                 self._cond.notify_all()
-
-
-class _Prefault:
-    """One thread that faults a restore plan's fresh memory in ahead of the readers, in read
-    order (past the reads the readers claim first): the arena's first lap and the buffer of the
-    blobs the caller keeps. On a virtual machine a fault of fresh memory costs microseconds a
-    page, and an O_DIRECT reader faults its buffer in before the device gets the request: the
-    arena's first lap read at 40 % of the device's rate without this. Stops at the first range
-    the kernel cannot populate; joined before the plan's memory is unmapped."""
-
-    _STEP = 2 << 20  # bytes per madvise call: how soon `close` is heard
-
-    def __init__(self, plan: ReadPlan, depth: int) -> None:
-        self._ranges: list[tuple[mmap.mmap, int, int]] = []
-        for r in plan.reads[depth:]:
-            if r.vend > plan.ring_bytes:  # the arena's later laps reuse faulted memory
-                continue
-            last = self._ranges[-1] if self._ranges else None
-            if last is not None and last[0] is r.buffer and last[1] + last[2] == r.buffer_offset:
-                self._ranges[-1] = (last[0], last[1], last[2] + r.length)
-            else:
-                self._ranges.append((r.buffer, r.buffer_offset, r.length))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _Prefault:
-        if self._ranges:
-            thread = threading.Thread(target=self._work, name="tierpipe-prefault", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # no thread to be had: the readers fault their own memory
-                return self
-            self._thread = thread
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _work(self) -> None:
-        for buffer, start, length in self._ranges:
-            for at in range(start, start + length, self._STEP):
-                if self._stop.is_set():
-                    return
-                if not populate(buffer, at, min(self._STEP, start + length - at)):
-                    return
 
 
 def _read_start(fd: int, nbytes: int, size: int) -> bytes:
