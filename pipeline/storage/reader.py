@@ -10,7 +10,8 @@ blobs that only pass through and a buffer of its own for any other). `queue_dept
 the reads in file order, each as soon as its ring space is free, while the caller's thread feeds
 every blob's bytes to a streaming xxh3-128 as they arrive and hands the blob on once its digest
 matched. os.preadv and python-xxhash release the GIL, so reads and hashing overlap on separate
-cores. `BlobReader` verifies whole files with it; `read_shard` reads one into a `BlobSink`;
+cores. `BlobReader` verifies whole files with it; `read_shard` reads one into a `BlobSink`
+(O_DIRECT unless the page cache holds the file; its arena unmapped in the background);
 `deliver_image` and `check_image` do the same for a shard already in memory, blob by blob.
 """
 
