@@ -12,10 +12,10 @@ Only the steps the job wants in object storage are uploaded (`tierpipe.retention
 upload_wanted`, read from the job state in KV): the upload target its coordinator names
 (`Floors.upload`: every node uploads the same step, the newest complete on NVMe once the previous
 one is complete in object storage) and the steps `Keep.s3_keep_period` keeps. A shard verified
-for the target is uploaded at once; one of a newer step is remembered (in memory, acked), and
-uploaded, its `flushed` published by this stage, once the floors (watched in KV) name its step;
-those the target passes are forgotten (the evict stage removes them once superseded). A copy
-of an older step is not uploaded at all; an upload of a step the job no longer wants is
+for the target is uploaded at once; one of another step is remembered (in memory, acked), and
+uploaded, its `flushed` published by this stage, if the floors (watched in KV) name its step
+(a newer one, or a lower one after a rewind); those below a new target are forgotten (the
+evict stage removes them as superseded). An upload of a step the job no longer wants is
 cancelled (its multipart upload aborted); and an object completed just as the floors passed the
 step is removed again, unreported, since the coordinator may have removed the step's objects
 already. A job state that cannot be read defers the upload (an outage), never starts it.
@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import anyio
 import msgspec
@@ -136,25 +135,21 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
         raise ShardFormatError(event.path, f"not this node's shard path {path}")
     if not await _kept(ctx, event, "upload_skipped"):
         return None
-    match await _wanted(ctx, event):
-        case "later":
-            ctx.later.hold(event)
-            # The floors may have named the step meanwhile (the watch saw it before this note).
-            if await _wanted(ctx, event) != "now" or not ctx.later.take(event):
-                return None  # (or `_follow_floors` took it: it uploads it)
-        case "never":
-            log.info("upload_skipped", job=event.job, step=event.step, rank=event.rank,
-                     reason="not the job's upload target")  # fmt: skip
-            return None
+    if event.job not in ctx.bound:  # (a job bound to another team's bucket: refused for good)
+        await bind_location(ctx.state, event.job)
+        ctx.bound.add(event.job)
+    if not await _wanted(ctx, event):
+        # Held: uploaded if the floors name its step (a newer one; a lower one after a rewind).
+        ctx.later.hold(event)
+        # The floors may have named the step meanwhile (the watch saw it before this note).
+        if not await _wanted(ctx, event) or not ctx.later.take(event):
+            return None  # (or `_follow_floors` took it: it uploads it)
     return await _upload(ctx, event, path)
 
 
 async def _upload(ctx: Flush, event: ShardVerified, path: Path) -> ShardFlushed | None:
     """Upload the shard at `path` (`handle`, after the checks)."""
     shard = (event.job, event.step, event.rank, event.world_size)
-    if event.job not in ctx.bound:  # (a job bound to another team's bucket: refused for good)
-        await bind_location(ctx.state, event.job)
-        ctx.bound.add(event.job)
     if not await anyio.Path(path).exists():
         raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
     location = ctx.s3.locate(*shard)
@@ -190,14 +185,11 @@ async def _kept(ctx: Flush, event: ShardVerified, otherwise: str) -> bool:
     return False
 
 
-async def _wanted(ctx: Flush, event: ShardVerified) -> Literal["now", "later", "never"]:
-    """Whether the job wants the event's step in object storage "now" (`upload_wanted`), may
-    want it "later" (newer than the upload target), or "never" (older)."""
+async def _wanted(ctx: Flush, event: ShardVerified) -> bool:
+    """Whether the job wants the event's step in object storage now (`upload_wanted`)."""
     floors = await ctx.state.floors(event.job)
     keep = await ctx.state.keep(event.job) or default_keep(ctx.settings)
-    if upload_wanted(event.step, floors, keep):
-        return "now"
-    return "later" if event.step > floors.upload else "never"
+    return upload_wanted(event.step, floors, keep)
 
 
 async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
@@ -268,7 +260,7 @@ async def _upload_while_kept(
         while True:
             await anyio.sleep(KEPT_RECHECK_S)
             try:
-                wanted = await _wanted(ctx, event) == "now"
+                wanted = await _wanted(ctx, event)
                 kept = wanted and await _kept(ctx, event, "upload_cancelled")
             except TierpipeError:
                 continue

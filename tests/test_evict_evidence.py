@@ -126,10 +126,12 @@ def test_an_unflushed_copy_below_both_floors_goes_even_with_its_record_kept(
 def test_a_record_of_another_copy_in_object_storage_is_no_evidence_for_this_one(
     settings: Settings, job: str, events
 ) -> None:
-    """Below the NVMe floor but kept in object storage, a copy whose rank the record has in
+    """Below the NVMe floor but the job's upload target, a copy whose rank the record has in
     `s3` with another header digest (another save's object) stays until its own is there."""
     path, _ = plant(settings, job, 3)
-    removed = run_evict(settings, job, {3: (record(3, s3=True), "f" * 32)}, floors=Floors(nvme=4))
+    removed = run_evict(
+        settings, job, {3: (record(3, s3=True), "f" * 32)}, floors=Floors(nvme=4, upload=3)
+    )
     assert removed == [] and path.exists()
 
 
@@ -158,9 +160,10 @@ def test_this_nodes_flushed_event_is_evidence_before_the_job_state_has_it(
     [
         (5, False, None, "keep"),  # at or above the NVMe floor
         (2, True, None, "flushed"),
-        (3, False, None, "wait"),  # object storage keeps step 3 (its floor is 3)
+        (3, False, None, "wait"),  # the upload target: on its way to object storage
         (2, False, None, "not kept"),  # below both floors, no record
-        (2, False, StepRecord(step=2, world_size=1), "wait"),  # kept below the floor (period)
+        # Kept in object storage below its floor (period), but not this copy: never uploaded.
+        (2, False, StepRecord(step=2, world_size=1), "superseded"),
         (2, False, StepRecord(step=2, world_size=1, s3_removed=True), "not kept"),
     ],
 )
@@ -168,7 +171,7 @@ def test_the_fate_of_an_nvme_copy(
     step: int, in_s3: bool, rec: StepRecord | None, fate: str
 ) -> None:
     """One rule for every NVMe copy, from the floors, the step's record and the evidence."""
-    floors = Floors(nvme=4, s3=3)
+    floors = Floors(nvme=4, s3=3, upload=3)
     assert nvme_fate(step, floors, Keep(), in_s3=in_s3, record=rec) == fate
     assert nvme_fate(step, floors, Keep(evict_unflushed=True), in_s3=in_s3, record=rec) == (
         "keep" if fate == "keep" else "unflushed"

@@ -19,7 +19,7 @@ from tests.conftest import Agent, Events, run_cli
 from tests.test_resilience import wait_until
 from tierpipe.names import shard_relpath
 from tierpipe.retention.gc import unkept
-from tierpipe.schemas import ShardEvicted
+from tierpipe.schemas import ShardEvicted, ShardFlushed
 from tierpipe.schemas.jobstate import Floors, JobHead, StepRecord
 from tierpipe.settings import Settings
 from tierpipe.storage.s3.commit import commit_key
@@ -56,9 +56,14 @@ def retained(settings: Settings, job: str, agent: Callable[..., Agent], s3) -> S
     agent stopped: what is on the tiers now changes only by what the test does."""
     policy = settings.replace(nvme_keep_latest_k=2, s3_keep_latest_k=2)
     a = agent(settings=policy).wait_ready(60)
+    events = Events(policy, job)
     with Checkpointer(job, rank=0, world_size=1, settings=policy) as ckpt:
         for step in range(1, 5):
             ckpt.save(step, {"w": torch.full((1024,), float(step))})
+            # (each in object storage before the next: each is the job's upload target in turn)
+            events.wait_for(
+                lambda e, t=step: isinstance(e, ShardFlushed) and e.step == t, kind="flushed"
+            )
         ckpt.wait_until_finished(timeout=60)
     wait_until(
         lambda: nvme_steps(policy, job) == [3, 4]

@@ -18,9 +18,9 @@ import torch
 from tests.conftest import Agent, Events
 from tests.test_jobstate import lifecycle
 from tierpipe.control.jobstate import JobState
-from tierpipe.control.upload import next_upload, safe_step, settled, targets
+from tierpipe.control.upload import Later, next_upload, safe_step, settled, targets
 from tierpipe.retention.kept import upload_wanted
-from tierpipe.schemas import Event, ShardEvicted, ShardFlushed
+from tierpipe.schemas import Event, ShardEvicted, ShardFlushed, ShardVerified
 from tierpipe.schemas.jobstate import Floors, Keep
 from tierpipe.settings import Settings
 from tierpipe.trainer.checkpointer import Checkpointer
@@ -128,15 +128,14 @@ def test_a_target_that_can_never_complete_is_skipped() -> None:
 
 
 def test_a_target_never_goes_down() -> None:
+    """Done with (complete in object storage) but newer than anything complete on NVMe now:
+    the target stays; the next one is newer."""
     floors = Floors(upload=5, upload_ts=1.0)
-    complete = {"nvme": [1, 3], "s3": [1], None: [1, 3]}
-    assert next_upload(floors, floors, complete, Keep(), 100.0) == (5, 1.0)  # type: ignore[arg-type]
+    complete = {"nvme": [1, 3], "s3": [1, 5], None: [1, 3, 5]}
     assert settled(5, floors, complete)  # type: ignore[arg-type]
-    # Taken over from the KV: the target stays where the floors say.
-    job = Fold().save(1, 2, 3)
-    taken = JobState("j", KEEP, head=job.state.head(), floors=Floors(upload=5, upload_ts=1.0),
-                     records=job.state.records())  # fmt: skip
-    assert taken.floors().upload == 5
+    assert next_upload(floors, floors, complete, Keep(), 100.0) == (5, 1.0)  # type: ignore[arg-type]
+    complete = {"nvme": [1, 3, 6], "s3": [1, 5], None: [1, 3, 5, 6]}
+    assert next_upload(floors, floors, complete, Keep(), 100.0) == (6, 100.0)  # type: ignore[arg-type]
 
 
 def test_a_target_below_the_object_storage_floor_is_done_with() -> None:
@@ -268,3 +267,21 @@ def test_an_upload_is_cancelled_once_the_job_names_a_newer_target(
     assert flush_one(slow, event, uploading, passed=Floors(upload=3)) is None
     assert time.monotonic() - t0 < 4.0  # (well before the upload could have completed)
     assert objects(slow, s3_server) == {} and not uploading()
+
+
+def test_a_rewound_run_gets_a_lower_target_and_its_held_shards_are_kept_for_it() -> None:
+    """A target superseded by a rewind can never complete: the rewound run's newest step is
+    named, lower; a node holds its shard of it until then, whatever else the floors say."""
+    last = Floors(upload=20, upload_ts=5.0)
+    complete = {"nvme": [10], "s3": [], None: [10]}  # (the old 20 no longer counts)
+    assert next_upload(last, last, complete, Keep(), 9.0) == (10, 9.0)  # type: ignore[arg-type]
+    later = Later()
+    assert later.due("j", Floors(upload=20)) == []  # (the target the node saw named)
+    v = lifecycle(10, 0)[1]
+    assert isinstance(v, ShardVerified)
+    later.hold(v)
+    assert later.due("j", Floors(upload=20)) == [] and len(later) == 1
+    assert later.due("j", Floors(upload=20, nvme=9)) == [] and len(later) == 1
+    assert later.due("j", Floors(upload=10)) == [v] and len(later) == 0
+    later.hold(v)
+    assert later.due("j", Floors(upload=12)) == [] and len(later) == 0  # (a new, newer target)

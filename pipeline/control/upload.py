@@ -6,8 +6,9 @@ same step: the one the job's coordinator names in `Floors.upload`. Once that tar
 rank has a copy on no tier any more), the next target is the newest step complete on NVMe at
 that moment, at least `Keep.s3_every_steps` after the last one and named at least
 `Keep.s3_every_s` seconds after it (`Floors.upload_ts`, kept in KV so a coordinator taking over
-keeps the cadence). A target never goes down, and the steps in between are never uploaded (but for
-those `Keep.s3_keep_period` keeps: `tierpipe.retention.kept.upload_wanted`).
+keeps the cadence). A target never goes down (but a lost one's replacement: a rewound run's
+newest step is lower), and the steps in between are never uploaded (but for those
+`Keep.s3_keep_period` keeps: `tierpipe.retention.kept.upload_wanted`).
 
 `Floors.safe` is the newest step that survives the loss of any one node: complete in object
 storage, or complete on the peer tier (a verified replica of every rank on a partner node).
@@ -51,12 +52,15 @@ def next_upload(
     now: float,
 ) -> tuple[int, float]:  # fmt: skip
     """(target, when it was named): `last`'s while it is not `settled` under the new `floors`
-    or the cadence holds it, else the newest step complete on NVMe (never lower)."""
+    or the cadence holds it, else the newest step complete on NVMe: never lower, but for a
+    target that can never complete (a copy lost, or its timeline rewound), replaced at once."""
     target, named = last.upload, last.upload_ts
     nvme = complete.get("nvme", ())
     newest = nvme[-1] if nvme else -1
-    if newest <= target or not settled(target, floors, complete):
+    if newest in (-1, target) or not settled(target, floors, complete):
         return target, named
+    if target >= 0 and target not in complete.get(None, ()):
+        return newest, now  # (lost, or superseded by a rewind: at once, lower if need be)
     if target >= 0 and newest < target + keep.s3_every_steps:
         return target, named
     if now < named + keep.s3_every_s:
@@ -80,12 +84,14 @@ def targets(
 
 
 class Later:
-    """This node's `verified` shards of steps newer than their job's upload target, kept (in
-    memory) until the floors name their step or pass it: at most the steps between the target
-    and the newest save."""
+    """This node's `verified` shards of steps its job does not want uploaded now, kept (in
+    memory) until the floors name their step, or a newer target: at most the steps saved
+    while one target is uploaded."""
 
     def __init__(self) -> None:
         self._held: dict[str, dict[int, dict[int, ShardVerified]]] = {}
+        #: job -> the target its floors named last.
+        self._named: dict[str, int] = {}
 
     def hold(self, event: ShardVerified) -> None:
         self._held.setdefault(event.job, {}).setdefault(event.step, {})[event.rank] = event
@@ -99,11 +105,14 @@ class Later:
         return True
 
     def due(self, job: str, floors: Floors) -> list[ShardVerified]:
-        """The shards of the step `floors` name for upload, taken; those it passed, dropped."""
+        """The shards of the step `floors` name for upload, taken; if that is a new target,
+        those below it dropped (not before: a rewound run's steps may be named next)."""
         steps = self._held.get(job, {})
         due = steps.pop(floors.upload, {})
-        for step in [t for t in steps if t <= floors.upload]:
-            del steps[step]
+        if self._named.get(job) != floors.upload:
+            self._named[job] = floors.upload
+            for step in [t for t in steps if t < floors.upload]:
+                del steps[step]
         return list(due.values())
 
     def __len__(self) -> int:
