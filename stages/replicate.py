@@ -32,7 +32,7 @@ from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
 from tierpipe.control.advert import job_nodes
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import PeerUnavailableError, TierpipeError
+from tierpipe.errors import PeerUnavailableError, ShardMissingError, TierpipeError
 from tierpipe.names import node_name
 from tierpipe.peer.client import PeerClient
 from tierpipe.peer.replicas import Replica, Replicas
@@ -118,6 +118,15 @@ class Replicate:
         for partner in found:
             try:
                 done = await self.client.replicate(partner.url, event, source_url=self.url)
+            except ShardMissingError as e:
+                if await anyio.Path(event.path).exists():
+                    raise  # (this node holds it: the partner's answer is wrong, not a race)
+                # Retention (or a newer save) removed the copy since its `verified`: nothing to
+                # copy any more, and nothing went wrong.
+                log.info("replica_skipped", partner=partner.node, job=event.job,
+                         step=event.step, rank=event.rank, error=str(e),
+                         reason="the copy is no longer on this node")  # fmt: skip
+                return None
             except TierpipeError as e:
                 log.warning("replica_not_made", partner=partner.node, error=str(e))
                 self._partners.pop(event.job, None)  # (read the ring again next time)

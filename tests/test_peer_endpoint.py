@@ -235,3 +235,44 @@ async def test_fetch_shard_copies_one_file_through_the_endpoint(
         )
     assert landed.nbytes == event.nbytes and same_bytes(dest, path)
     await anyio.lowlevel.checkpoint()
+
+
+async def test_a_copy_removed_before_its_partner_pulled_it_is_skipped_not_failed(
+    settings: Settings, job: str, tmp_path: Path
+) -> None:
+    """Retention (or a newer save) removed the source's copy between its `verified` and the
+    replicate stage's turn: the partner finds no such save to pull (404), and the stage acks
+    the message with nothing to do; no `failed` event (a race, not a fault: the chaos test's
+    node-loss run met it)."""
+    import time
+
+    from tierpipe.control.kvstate import JobStore
+    from tierpipe.peer.replicas import Replicas
+    from tierpipe.stages.replicate import Partner, Replicate
+
+    source = settings.replace(peer_token=TOKEN)
+    holder = source.replace(node=f"{settings.node}-b", nvme_root=str(tmp_path / "nvme-b"))
+    path = own_copy(source, job)
+    event = verified(source, path)
+    path.unlink()  # (retention removed it)
+    async with Bus(settings) as bus:
+        await bus.ensure_stream(job)
+        async with (
+            PeerServer(source, bus, node=source.node or "") as src,
+            PeerServer(holder, bus, node=holder.node or "") as dst,
+            PeerClient(token=TOKEN) as client,
+        ):
+            ctx = Replicate(
+                source, bus, source.node or "", src.url, client, Replicas.from_settings(source),
+                await JobStore(bus.js, source).open(),
+            )  # fmt: skip
+            # (the ring, as the node records would give it)
+            ctx._partners[job] = (time.monotonic(), [Partner(holder.node or "", dst.url)], [])
+            assert await Replicate.handle(ctx, event, 1) is None
+            # A copy still there is not skipped: its partner's refusal fails the message.
+            path = own_copy(source, job, step=4)
+            event = verified(source, path)
+            flip(path)
+            with pytest.raises(ShardFormatError):
+                await Replicate.handle(ctx, event, 1)
+            ctx.replicas.close()
