@@ -1,0 +1,192 @@
+"""A restart restores a replaced node's ranks from their partner's replica, end to end: two nodes
+(agents with the replicate stage, separate NVMe roots, peer endpoints on loopback), object
+storage hung for the newest steps, node b lost with its NVMe, an empty replacement: its rank reads
+the newest replicated step from node a (tier peer), not an older step from object storage; and a
+corrupt replica is refused (a `failed` of tier peer) for an older step."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import signal
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import Agent, Events
+from tests.test_one_planner import agrees, plan_json
+from tests.test_restore_trust import paused
+from tierpipe.dev import S3Server
+from tierpipe.schemas import RestoreReport, ShardFlushed, ShardReplicated, StageFailed
+from tierpipe.settings import Settings
+from tierpipe.trainer.checkpointer import Checkpointer
+
+pytestmark = pytest.mark.slow
+
+#: Elements of each rank's tensor (1 MiB of float32): one blob well past the shard's header.
+N = 1 << 18
+
+
+def value(step: int, rank: int) -> float:
+    return float(step * 10 + rank)
+
+
+def save(job: str, rank: int, step: int, ns: Settings) -> None:
+    with Checkpointer(job, rank=rank, world_size=2, settings=ns) as c:
+        c.save(step, {"w": torch.full((N,), value(step, rank))})
+        c.wait_until_finished(timeout=60)
+
+
+def lose_node_b(
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    s3_server: S3Server,
+    tmp_path: Path,
+) -> tuple[dict[str, Settings], dict[int, ShardReplicated]]:
+    """Two nodes save steps 1-2 into object storage, then 3-4 with object storage hung (both
+    replicated to the partner); node b is lost (agent killed, NVMe gone) while the store is
+    still hung, and an empty node c replaces it. Returns the nodes' settings and, by rank, the
+    `replicated` event of its step 4."""
+    s = settings.replace(
+        lease_ttl_s=2.0, coordinator_flush_s=0.05, peer_replicas=1, nvme_keep_latest_k=4,
+        node_heartbeat_s=1.0,
+    )  # fmt: skip
+    nodes = {
+        n: s.replace(
+            node=f"{s.node}-{n}",
+            nvme_root=str(tmp_path / f"nvme-{n}"),
+            staging_root=f"{s.staging_root}-{n}",
+        )
+        for n in ("a", "b", "c")
+    }
+    agents = {n: agent(settings=nodes[n]) for n in ("a", "b")}
+    for a in agents.values():
+        a.wait_ready(60)
+    on = {0: nodes["a"], 1: nodes["b"]}
+    events = Events(s, job)
+
+    def saved(steps: tuple[int, ...]) -> None:
+        for step in steps:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                for f in [pool.submit(save, job, r, step, ns) for r, ns in on.items()]:
+                    f.result(timeout=120)
+
+    saved((1, 2))
+    for rank in on:
+        events.wait_for(
+            lambda e, r=rank: isinstance(e, ShardFlushed) and e.step == 2 and e.rank == r,
+            kind="flushed",
+            timeout=60,
+        )
+    replicas: dict[int, ShardReplicated] = {}
+    with paused(s3_server):  # (object storage hung: steps 3-4 reach only NVMe and the peer)
+        saved((3, 4))
+        for rank, holder in ((0, nodes["b"].node), (1, nodes["a"].node)):
+            e = events.wait_for(
+                lambda e, r=rank, h=holder: (
+                    isinstance(e, ShardReplicated) and (e.step, e.rank, e.node) == (4, r, h)
+                ),
+                kind="replicated",
+                timeout=60,
+            )
+            assert isinstance(e, ShardReplicated)
+            replicas[rank] = e
+        # Node b is lost: its agent killed, its NVMe gone; node c (empty) replaces it.
+        agents["b"].stop(signal.SIGKILL)
+    shutil.rmtree(nodes["b"].nvme_root)
+    shutil.rmtree(nodes["b"].staging_root, ignore_errors=True)
+    agent(settings=nodes["c"]).wait_ready(60)
+    assert not [e for e in events.all("flushed") if isinstance(e, ShardFlushed) and e.step > 2
+                and e.rank == 1]  # fmt: skip
+    return nodes, replicas
+
+
+def wait_for_plan(nodes: dict[str, Settings], job: str, step: int) -> dict[str, object]:
+    """`tierpipe plan --lost-node b`, once the job state counts the replicas of `step`."""
+    deadline = time.monotonic() + 30
+    while True:
+        plan = plan_json(nodes["a"], job, "--lost-node", nodes["b"].node or "")
+        if plan["step"] == step or time.monotonic() > deadline:
+            return plan
+        time.sleep(0.2)
+
+
+def restore_both(job: str, nodes: dict[str, Settings]) -> dict[int, tuple[int, str]]:
+    """Rank 0 on node a, rank 1 on node c restore at once: (step, tier) by rank, each shard
+    checked against what its rank saved."""
+
+    def restore(rank: int, ns: Settings) -> tuple[int, str]:
+        with Checkpointer(job, rank=rank, world_size=2, settings=ns) as c:
+            got = c.restore()
+            assert torch.equal(got.state["w"], torch.full((N,), value(got.step, rank)))
+            return got.step, got.source.tier
+
+    after = {0: nodes["a"], 1: nodes["c"]}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {r: pool.submit(restore, r, ns) for r, ns in after.items()}
+        return {r: f.result(timeout=180) for r, f in futures.items()}
+
+
+@pytest.mark.timeout(420)
+def test_a_replaced_node_restores_the_newest_step_from_its_partner(
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    s3_server: S3Server,
+    events: Events,
+    tmp_path: Path,
+) -> None:
+    """Node b's rank reads step 4 from node a's replica (its `loaded` says tier peer), not step 2
+    from object storage; rank 0 reads its own NVMe; it is what `tierpipe plan` showed."""
+    nodes, _ = lose_node_b(settings, job, agent, s3_server, tmp_path)
+    plan = wait_for_plan(nodes, job, 4)
+    assert (plan["step"], plan["peer_ranks"], plan["s3_ranks"]) == (4, [1], []), plan
+    restored = restore_both(job, nodes)
+    assert restored == {0: (4, "nvme"), 1: (4, "peer")}
+    agrees(plan, restored)
+    loaded = [
+        e for e in events.all("restore")
+        if isinstance(e, RestoreReport) and e.phase == "loaded" and e.rank == 1
+    ]  # fmt: skip
+    assert [(e.step, e.tier) for e in loaded] == [(4, "peer")]
+
+
+@pytest.mark.timeout(420)
+def test_a_corrupt_replica_is_refused_for_an_older_step(
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    s3_server: S3Server,
+    events: Events,
+    tmp_path: Path,
+) -> None:
+    """A byte of node a's replica of rank 1's step 4 flipped: rank 1 refuses it (a `failed` of
+    tier peer naming it, then its rank's `failed` report), and every rank moves to an older
+    step that rank 1 reads from another good copy."""
+    nodes, replicas = lose_node_b(settings, job, agent, s3_server, tmp_path)
+    assert wait_for_plan(nodes, job, 4)["step"] == 4
+    path = Path(replicas[1].path)
+    data = bytearray(path.read_bytes())
+    at = data.find(struct.pack("<f", value(4, 1)) * 16)
+    assert at > 0, "the tensor's bytes are not in the replica"
+    data[at + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restored = restore_both(job, nodes)
+    assert restored[0][0] == restored[1][0] < 4, restored
+    assert restored[1][1] in ("peer", "s3"), restored
+    refused = [
+        e for e in events.all("failed")
+        if isinstance(e, StageFailed) and e.stage == "restore" and e.tier == "peer"
+        and (e.step, e.rank) == (4, 1)
+    ]  # fmt: skip
+    assert refused and not refused[0].retryable, refused
+    failed = [
+        e for e in events.all("restore")
+        if isinstance(e, RestoreReport) and e.phase == "failed" and (e.step, e.rank) == (4, 1)
+    ]  # fmt: skip
+    assert failed and "peer" in failed[0].error, failed
