@@ -185,8 +185,9 @@ def test_a_corrupt_replica_is_refused_for_an_older_step(
     tmp_path: Path,
 ) -> None:
     """A byte of node a's replica of rank 1's step 4 flipped: rank 1 refuses it (a `failed` of
-    tier peer naming it, then its rank's `failed` report), and every rank moves to an older
-    step that rank 1 reads from another good copy."""
+    tier peer naming its holder, then its rank's `failed` report), every rank moves to an older
+    step that rank 1 reads from its replica there, and the job state stops counting the bad
+    replica (the plan no longer offers its step)."""
     nodes, replicas = lose_node_b(settings, job, agent, s3_server, tmp_path)
     assert wait_for_plan(nodes, job, 4)["step"] == 4
     path = Path(replicas[1].path)
@@ -196,19 +197,26 @@ def test_a_corrupt_replica_is_refused_for_an_older_step(
     data[at + 1] ^= 0xFF
     path.write_bytes(bytes(data))
     restored = restore_both(job, nodes)
-    assert restored[0][0] == restored[1][0] < 4, restored
-    assert restored[1][1] in ("peer", "s3"), restored
+    # (step 3's replica on node a is older than the holder's newest, step 4: still found)
+    assert restored == {0: (3, "nvme"), 1: (3, "peer")}, restored
     refused = [
         e for e in events.all("failed")
         if isinstance(e, StageFailed) and e.stage == "restore" and e.tier == "peer"
         and (e.step, e.rank) == (4, 1)
     ]  # fmt: skip
     assert refused and not refused[0].retryable, refused
+    assert refused[0].node == nodes["a"].node  # (the replica's holder)
     failed = [
         e for e in events.all("restore")
         if isinstance(e, RestoreReport) and e.phase == "failed" and (e.step, e.rank) == (4, 1)
     ]  # fmt: skip
     assert failed and "peer" in failed[0].error, failed
+    # The job state stops counting the corrupt replica: the plan no longer offers step 4.
+    deadline = time.monotonic() + 30
+    while (after := plan_json(nodes["a"], job, "--lost-node", nodes["b"].node or ""))["step"] == 4:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2)
+    assert after["step"] == restored[1][0], after
 
 
 #: One rank of a gloo group restoring (settings from its environment): one JSON line.
