@@ -1,7 +1,8 @@
 """`python -m bench <name> [--size-gib N] [--reps N]`: run one benchmark.
 
 Dispatches to `bench.<name>.run(size_gib, reps)` (`control`: `bench.control.run(nodes,
-ranks_per_node, steps)`, with its own options); progress goes to stderr, and stdout gets exactly
+ranks_per_node, steps)`, with its own options; `rpo`: `bench.rpo.run(trials, quick, seed,
+state_mib)`); progress goes to stderr, and stdout gets exactly
 one JSON line: the benchmark's figures, or `{"error": ...}` if it failed (exit 1).
 """
 
@@ -28,6 +29,9 @@ BENCHMARKS = {
     " (blocking and overlapped, the agent running): overhead_pct",
     "control": "the control plane at scale: real nats-server, coordinator and KV, simulated"
     " agents and ranks (--nodes, --ranks-per-node, --steps)",
+    "rpo": "what a node loss costs with object storage slower than the saves, peer replicas off"
+    " and on: steps lost, restore seconds, NVMe high-water, stall (--reps: trials per mode,"
+    " --size-gib: the state, default 4 MiB; --quick, --seed)",
 }
 #: `control`'s own options (the others take --size-gib and --reps).
 CONTROL_DEFAULTS = {"nodes": 100, "ranks_per_node": 8, "steps": 5}
@@ -52,17 +56,32 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stall: cProfile one extra save; control: cProfile the coordinator (stderr)",
     )
+    rpo = parser.add_argument_group("rpo only")
+    rpo.add_argument("--quick", action="store_true", help="one small trial per mode (the test's)")
+    rpo.add_argument(
+        "--seed", type=int, default=None, help="the kill moments' RNG (default: drawn, printed)"
+    )
     control = parser.add_argument_group("control only")
     for name, default in CONTROL_DEFAULTS.items():
         control.add_argument(
             f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {default}"
         )
     args = parser.parse_args(argv)
-    if args.size_gib is None:
-        args.size_gib = 0.05 if args.name == "overhead" else 2.0
+    if args.name != "rpo" and (args.quick or args.seed is not None):
+        parser.error("--quick and --seed apply to rpo only")
     given = [k for k in CONTROL_DEFAULTS if getattr(args, k) is not None]
     if args.name != "control" and given:
         parser.error(f"--{given[0].replace('_', '-')} applies to control only")
+    if args.name == "rpo":
+        state_mib = None if args.size_gib is None else args.size_gib * 1024
+        if args.reps < 1 or (state_mib is not None and state_mib <= 0):
+            parser.error("--size-gib must be > 0 and --reps >= 1")
+        call = functools.partial(
+            module_run, "rpo", args.reps, quick=args.quick, seed=args.seed, state_mib=state_mib
+        )
+        return _call(call)
+    if args.size_gib is None:
+        args.size_gib = 0.05 if args.name == "overhead" else 2.0
     if args.size_gib <= 0 or args.reps < 1:
         parser.error("--size-gib must be > 0 and --reps >= 1")
     if args.name == "control":
@@ -76,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"WARNING: {args.reps} reps; medians of fewer than 3 reps are not meaningful here")
         kwargs = {"profile": True} if args.profile and args.name == "stall" else {}
         call = functools.partial(module_run, args.name, args.size_gib, args.reps, **kwargs)
+    return _call(call)
+
+
+def _call(call: functools.partial[dict[str, Any]]) -> int:
+    """Run a benchmark; emit its JSON line (or the error's); the exit status."""
     sigterm_as_interrupt()
     try:
         result = call()

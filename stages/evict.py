@@ -8,13 +8,11 @@
 - The NVMe tier: the node watches the jobs' retention floors in KV (`tierpipe.control.kvstate`) and
   applies them to every copy on its disk, with or without events about it
   (`tierpipe.retention.kept`): below the NVMe floor a copy goes once that very copy is in
-  object storage, as "not kept" once the job keeps its step on no tier, or as "superseded"
-  (never to be uploaded: not the job's upload target nor a period step) once a newer step is
-  safe elsewhere or is the upload target; all at once when the job keeps no unflushed copies
-  (`Keep.evict_unflushed`). The steps the floors keep, the upload target, pinned steps and
-  those at or above the floor (`nvme_keep_latest_k`, and what is in flight) stay.
-- Disk pressure: below `nvme_min_free_bytes` free, or when nvme-write finds no room for a save
-  (it asks first: `tierpipe.storage.resources.make_room`), the oldest removable copies go
+  object storage, as "not kept" once the job keeps its step on no tier, as "superseded" if it is
+  never to be uploaded (not the upload target nor a period step); all at once when the
+  job keeps no unflushed copies (`Keep.evict_unflushed`). The steps the floors keep, the upload
+  target and pinned steps stay. Below `nvme_min_free_bytes` free, or when nvme-write finds no
+  room for a save (it asks: `storage.resources.make_room`), the oldest removable copies go
   first (`relieve_pressure`), before any save waits.
 - Object storage: the job's retention coordinator (`tierpipe.control.coordinator`), one per job,
   elected by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
@@ -132,8 +130,10 @@ class Evict:
         self._s3: S3Store | None = None
         self._lock = anyio.Lock()
         self._registered: set[str] = set()
-        #: Jobs with copies below a floor whose save was not in object storage yet.
+        #: Jobs with copies left below a floor to wait; jobs whose floors changed (`_wake`).
         self._waiting: set[str] = set()
+        self._changed: set[str] = set()
+        self._wake = anyio.Event()
         #: (job, step, rank) -> the header digest this node reported flushed since it started
         #: (evidence that a copy is in object storage before the job state says so).
         self.flushed_here: dict[tuple[str, int, int], str] = {}
@@ -198,24 +198,27 @@ class Evict:
     # --- the NVMe tier
 
     async def follow_floors(self) -> None:
-        """Apply every job's floors as stored now, then at each change, and look again every
-        `RECHECK_S` at the copies left below a floor because their save was not in object
-        storage yet (until cancelled)."""
+        """Apply every job's floors as stored now, then the newest at each change (never a
+        backlog of stale ones), and every `RECHECK_S` to copies left waiting (until cancelled)."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._recheck)
+            tg.start_soon(self._apply_changed)
             while True:
                 try:
                     async for job, floors in self.store.watch_floors():
                         self.floors[job] = floors
-                        await self.apply_floors(job)
+                        self._changed.add(job)
+                        self._wake.set()
                 except TierpipeError as e:
                     log.warning("floor_watch_interrupted", error=str(e))
                 await anyio.sleep(self.settings.retry_max_s / 10)
 
-    async def _recheck(self) -> None:
+    async def _apply_changed(self) -> None:
         while True:
-            await anyio.sleep(RECHECK_S)
-            for job in sorted(self._waiting):
+            with anyio.move_on_after(RECHECK_S):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            jobs, self._changed = self._changed | self._waiting, set()
+            for job in sorted(jobs):
                 try:
                     await self.apply_floors(job)
                 except TierpipeError as e:
@@ -253,18 +256,16 @@ class Evict:
         return removed
 
     async def make_room(self, nbytes: int) -> int:
-        """Room for a write of `nbytes` (nvme-write asks: `room_maker`): `relieve_pressure`
-        up to the reserve and `nvme_min_free_bytes`; the bytes freed."""
+        """`relieve_pressure` for a write of `nbytes` (nvme-write asks); the bytes freed."""
         need = max(self.settings.nvme_min_free_bytes, self.nvme.reserve_bytes) + nbytes
         return sum(c.nbytes for c in await self.relieve_pressure(need))
 
     async def relieve_pressure(self, need: int | None = None) -> list[LocalCopy]:
         """Below `need` free bytes (`nvme_min_free_bytes` unless given): remove the oldest
-        removable copies of any job until there is room. Below the NVMe floor, a copy in
-        object storage or whose step the job does not want there (`nvme_fate` under
-        pressure); at or above it, one in object storage. Never a step the floors keep (the
-        newest complete on each tier), the upload target, a pinned step, or a job's newest
-        step here (in flight, or the newest complete)."""
+        removable copies of any job until there is room: below the NVMe floor, those
+        `nvme_fate` removes (if retention did not yet); above it, one in object storage. Never
+        a step the floors keep, the upload target, the newest complete on NVMe, a pinned step,
+        or a job's newest step here (maybe in flight)."""
         need = self.settings.nvme_min_free_bytes if need is None else need
         removed: list[LocalCopy] = []
         async with self._lock:
@@ -274,29 +275,22 @@ class Evict:
             copies = []
             for job in await anyio.to_thread.run_sync(self._local_jobs):
                 copies += await anyio.to_thread.run_sync(self.local_copies, job)
-            newest: dict[str, int] = {}
-            for c in copies:
-                newest[c.job] = max(c.step, newest.get(c.job, -1))
-            keeps: dict[str, Keep] = {}
+            newest = {c.job: c.step for c in sorted(copies, key=lambda c: c.step)}
+            jobs: dict[str, tuple[Keep, int | None]] = {}
             for copy in sorted(copies, key=lambda c: (c.step, c.job, c.rank)):
                 if free >= need:
                     break
                 floors = self.floors.get(copy.job, Floors())
-                if (
-                    copy.step in floors.keep
-                    or copy.step in (floors.upload, newest[copy.job])
-                    or self._pinned(copy)
-                ):
+                kept = (*floors.keep, floors.upload, newest[copy.job])
+                if copy.step in kept or self._pinned(copy):
                     continue
-                if copy.job not in keeps:  # (the defaults while it cannot be read)
-                    keeps[copy.job] = default_keep(self.settings)
-                    with contextlib.suppress(TierpipeError):
-                        keeps[copy.job] = await self.store.keep(copy.job) or keeps[copy.job]
-                if copy.step >= floors.nvme:
-                    removable = await self._in_s3(copy)
+                if copy.job not in jobs:
+                    jobs[copy.job] = await self._policy(copy.job)
+                keep, newest_nvme = jobs[copy.job]
+                if copy.step >= floors.nvme:  # (only keep_latest_k keeps it: if in s3)
+                    removable = copy.step != newest_nvme and await self._in_s3(copy)
                 else:
-                    fate = await self._fate(copy, floors, keeps[copy.job], pressure=True)
-                    removable = fate not in ("keep", "wait")
+                    removable = await self._fate(copy, floors, keep) not in ("keep", "wait")
                 if removable and await self._remove(copy, "disk pressure"):
                     removed.append(copy)
                     free += copy.nbytes
@@ -304,6 +298,16 @@ class Evict:
         if removed:
             log.info("nvme_pressure_relieved", copies=len(removed), free_bytes=free, need=need)
         return removed
+
+    async def _policy(self, job: str) -> tuple[Keep, int | None]:
+        """The job's retention policy and its newest step complete on NVMe (the defaults, and
+        None, while the job state cannot be read: then no copy counts as that step's)."""
+        try:
+            head = await self.store.head(job)
+            newest = head.nvme_steps[-1] if head is not None and head.nvme_steps else -1
+            return await self.store.keep(job) or default_keep(self.settings), newest
+        except TierpipeError:
+            return default_keep(self.settings), None
 
     def _local_jobs(self) -> list[str]:
         return sorted(job_dirs(self.nvme.root))
@@ -334,9 +338,7 @@ class Evict:
         """A restore reads the copy's step, or is planning (retention holds still)."""
         return copy.step in self.pins.steps(copy.job) or self.pins.held(copy.job)
 
-    async def _fate(
-        self, copy: LocalCopy, floors: Floors, keep: Keep, *, pressure: bool = False
-    ) -> Fate:
+    async def _fate(self, copy: LocalCopy, floors: Floors, keep: Keep) -> Fate:
         """What becomes of a copy below the NVMe floor (`nvme_fate`), from its step's record
         and the evidence about it; "wait" while the job state cannot be read."""
         if keep.evict_unflushed:
@@ -344,9 +346,7 @@ class Evict:
         found = await self._evidence(copy)
         if found is None:
             return "wait"
-        return nvme_fate(
-            copy.step, floors, keep, in_s3=found[1], record=found[0], pressure=pressure
-        )
+        return nvme_fate(copy.step, floors, keep, in_s3=found[1], record=found[0])
 
     async def _in_s3(self, copy: LocalCopy) -> bool:
         """Whether this very copy is in object storage (an unreadable job state is none)."""

@@ -258,8 +258,8 @@ async def _upload_while_kept(
 ) -> Uploaded | None:
     """`S3Store.write`, cancelled (its multipart upload aborted) once the job no longer wants
     the step in object storage (`upload_wanted`, `kept_in_s3`), as its floors say every
-    `KEPT_RECHECK_S`; None then. A job state that
-    cannot be read meanwhile lets the upload go on (it is looked at again once it is done)."""
+    `KEPT_RECHECK_S`; None then. A job state that cannot be read meanwhile lets the upload go
+    on (it is looked at again once it is done)."""
     done: Uploaded | None = None
     cancelled = False
 
@@ -357,9 +357,9 @@ async def _abort_orphans(ctx: Flush) -> None:
 
 
 async def _redrive(ctx: Flush) -> None:
-    """Flush every verified shard of this node that has no `flushed` event and is still on
-    NVMe: an agent that gave up on it (older versions did, after `max_deliver` attempts during
-    a long outage) left it unflushed, and retention never removes an unflushed copy."""
+    """Handle again every verified shard of this node that has no `flushed` event and is still
+    on NVMe: an agent that gave up on it (older versions did, after `max_deliver` attempts
+    during a long outage) or held it for a later target when it stopped left it unflushed."""
     settings = ctx.settings
     delay = settings.retry_base_s
     while True:

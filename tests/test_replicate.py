@@ -20,6 +20,7 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.bus.client import Bus
+from tierpipe.control.advert import job_nodes
 from tierpipe.control.kvstate import JobStore, floor_key
 from tierpipe.errors import ShardMissingError
 from tierpipe.peer.client import PeerClient
@@ -99,13 +100,22 @@ def replicated(events: Events, holder: str, step: int, timeout: float = 60) -> S
 
 
 def start_pair(
-    agent: Callable[..., Agent], a: Settings, b: Settings, *, b_too: bool = True
-) -> tuple[Agent, Agent | None]:
-    first = agent("replicate", settings=a)
-    second = agent("replicate", settings=b) if b_too else None
+    agent: Callable[..., Agent], a: Settings, b: Settings, job: str
+) -> tuple[Agent, Agent]:
+    """Both agents, once each one's record lists the job and its endpoint (the ring)."""
+    first, second = agent("replicate", settings=a), agent("replicate", settings=b)
     first.wait_ready()
-    if second is not None:
-        second.wait_ready()
+    second.wait_ready()
+
+    async def ring() -> None:
+        async with Bus(a) as bus:
+            with anyio.fail_after(30):
+                for _ in iter(int, 1):  # (the records are in KV: no event to await)
+                    if len([r for r in await job_nodes(bus, a, job) if r.peer_url]) == 2:
+                        return
+                    await anyio.sleep(0.1)
+
+    anyio.run(ring)
     return first, second
 
 
@@ -115,7 +125,7 @@ def test_a_verified_shard_lands_verified_on_the_partner(
     """A's verified shard is copied to B (its only partner): B's `replicated` event names B as
     holder and A as source, with A's header digest, and B's file is A's, byte for byte."""
     a, b = two_nodes
-    start_pair(agent, a, b)
+    start_pair(agent, a, b, job)
     event = saved(a, job, 3)
     publish_verified(a, event)
     done = replicated(events, b.node or "", 3)
@@ -133,7 +143,7 @@ def test_a_copy_changed_after_its_verify_is_refused_and_not_published(
     """A source file flipped after its verify fails B's digest check: the stage's `failed`
     names it, nothing is published as replicated, and B keeps no file of it."""
     a, b = two_nodes
-    start_pair(agent, a, b)
+    start_pair(agent, a, b, job)
     event = saved(a, job, 4)
     with open(event.path, "r+b") as f:
         f.seek(read_head(event.path).data_offset + 10)
@@ -156,8 +166,7 @@ def test_a_partner_down_gets_the_copy_once_it_is_back(
     """B's agent killed: A's attempts fail (retryable) and are tried again; B restarted (a new
     port, advertised in its record), the copy lands."""
     a, b = two_nodes
-    _, second = start_pair(agent, a, b)
-    assert second is not None
+    _, second = start_pair(agent, a, b, job)
     second.stop(signal.SIGKILL)
     event = saved(a, job, 5)
     publish_verified(a, event)
@@ -176,7 +185,7 @@ def test_replicas_below_the_nvme_floor_are_evicted(
     """With the job's NVMe floor past a replicated step (and the floors keeping none), B
     removes its replica and publishes `evicted` (tier peer, node B); a kept step stays."""
     a, b = two_nodes
-    start_pair(agent, a, b)
+    start_pair(agent, a, b, job)
     for step in (6, 7):
         publish_verified(a, saved(a, job, step))
     old, kept = replicated(events, b.node or "", 6), replicated(events, b.node or "", 7)
@@ -203,7 +212,7 @@ def test_a_restore_reads_the_replica_from_its_holder(
     the restore's sink, every digest checked; the holder is found from `replicated` events
     when the plan names none. A save nobody replicated is missing."""
     a, b = two_nodes
-    start_pair(agent, a, b)
+    start_pair(agent, a, b, job)
     event = saved(a, job, 9)
     publish_verified(a, event)
     replicated(events, b.node or "", 9)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -33,12 +34,17 @@ class Fold:
 
     def __init__(self, keep: Keep = KEEP, *, now: float = 0.0) -> None:
         self.state, self.seq = JobState("j", keep), 0
-        self.state.tick(now)
+        #: The events' time (the fold's clock: `Keep.s3_every_s` counts in it).
+        self.now = now
 
     def feed(self, events: list[Event]) -> Fold:
         for e in events:
             self.seq += 1
-            self.state.apply(self.seq, e)
+            self.state.apply(self.seq, msgspec.structs.replace(e, ts=self.now))
+        return self
+
+    def at(self, now: float) -> Fold:
+        self.now = now
         return self
 
     def save(self, *steps: int) -> Fold:
@@ -87,20 +93,26 @@ def test_cadence_by_steps() -> None:
     assert job.upload == 10  # (the newest complete once step 7 is done with)
 
 
-def test_cadence_by_seconds_with_the_coordinators_clock() -> None:
+def test_cadence_by_seconds_in_the_events_time() -> None:
+    """The fold's clock is the newest event's `ts`: a fold of the same events names the same
+    targets (the KV equals a fresh fold of the stream), and a target is due with the next
+    event once the cadence allows."""
     job = Fold(Keep(nvme_keep_latest_k=1000, s3_keep_latest_k=1000, s3_every_s=10), now=100)
     job.save(1)
     assert (job.upload, job.state.floors().upload_ts) == (1, 100)
     job.flush(1).save(2)
-    job.state.tick(105)
+    job.at(105).save(3)
     assert job.upload == 1  # (5 s after it was named)
-    job.state.tick(110)
-    assert (job.upload, job.state.floors().upload_ts) == (2, 110)
+    job.at(110).save(4)
+    assert (job.upload, job.state.floors().upload_ts) == (4, 110)
     # A coordinator taking over keeps the cadence: the time is in the floors it loads.
     taken = JobState("j", job.state.keep, head=job.state.head(), floors=job.state.floors(),
                      records=job.state.records())  # fmt: skip
-    taken.tick(111)
-    assert (taken.floors().upload, taken.floors().upload_ts) == (2, 110)
+    assert (taken.floors().upload, taken.floors().upload_ts) == (4, 110)
+    # The same events folded afresh name the same targets at the same times.
+    again = Fold(job.state.keep, now=100).save(1).flush(1).save(2)
+    again.at(105).save(3).at(110).save(4)
+    assert again.state.floors() == job.state.floors()
 
 
 def test_a_target_that_can_never_complete_is_skipped() -> None:
@@ -124,7 +136,6 @@ def test_a_target_never_goes_down() -> None:
     job = Fold().save(1, 2, 3)
     taken = JobState("j", KEEP, head=job.state.head(), floors=Floors(upload=5, upload_ts=1.0),
                      records=job.state.records())  # fmt: skip
-    taken.tick(1000.0)
     assert taken.floors().upload == 5
 
 

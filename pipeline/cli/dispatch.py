@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         case "demo":
             return ops.demo(
                 settings, ranks=args.ranks, steps=args.steps, every=args.every, data=args.data,
-                plot=args.plot,
+                plot=args.plot, seed=args.seed,
             )  # fmt: skip
     return 0
 

@@ -261,10 +261,11 @@ def demo_rank(rank: int, ranks: int, steps: int, every: int) -> int:
 
 
 def demo(
-    settings: Settings, *, ranks: int, steps: int, every: int, data: str, plot: str | None
-) -> int:
+    settings: Settings, *, ranks: int, steps: int, every: int, data: str, plot: str | None,
+    seed: int | None = None,
+) -> int:  # fmt: skip
     from tierpipe.dev.demo import run_demo
 
     return run_demo(
-        settings, ranks=ranks, steps=steps, every=every, data=data, plot=plot,
+        settings, ranks=ranks, steps=steps, every=every, data=data, plot=plot, seed=seed,
     )  # fmt: skip

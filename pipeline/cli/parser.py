@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", default="tierpipe-data/demo", help="directory for NVMe, NATS, S3 data and logs"
     )
     demo.add_argument(
+        "--seed", type=int, help="the RNG of the moment node-b is lost (default: drawn, printed)"
+    )
+    demo.add_argument(
         "--plot", nargs="?", const="tierpipe-demo.png", metavar="PNG",
         help="render the timeline of events per tier (default file tierpipe-demo.png; needs "
         "matplotlib: pip install 'tierpipe[plot]')",

@@ -47,6 +47,8 @@ ADOPTED = ("staging_root", "nvme_root", "s3_endpoint", "s3_region", "s3_bucket",
 #: Records of nodes whose agent is gone leave the bucket after this long.
 _RECORD_TTL_S = 7 * 86400.0
 _json = msgspec.json.Encoder()
+#: How often the agent looks for jobs new to its node between heartbeats.
+JOBS_SCAN_S = 1.0
 
 
 def bucket_name(settings: Settings) -> str:
@@ -88,11 +90,9 @@ async def advertise(
     revision: int | None = None
     trouble = ""
     try:
+        jobs = await _jobs(settings)
         while True:
-            jobs = await anyio.to_thread.run_sync(
-                local_jobs, settings.staging_root, settings.nvme_root
-            )
-            record = msgspec.structs.replace(record, heartbeat_ts=time.time(), jobs=sorted(jobs))
+            record = msgspec.structs.replace(record, heartbeat_ts=time.time(), jobs=jobs)
             try:
                 kv = kv or await _open_bucket(bus, settings)
                 revision = await kv.put(node, _json.encode(record))
@@ -103,7 +103,14 @@ async def advertise(
                 if str(e) != trouble:
                     log.warning("node_record_not_stored", node=node, error=str(e))
                 trouble = str(e)
-            await anyio.sleep(settings.node_heartbeat_s)
+            # The next beat, or sooner once the node takes part in another job (its partners
+            # find it in the job's ring before its first shard is verified).
+            next_beat = time.monotonic() + settings.node_heartbeat_s
+            while (left := next_beat - time.monotonic()) > 0:
+                await anyio.sleep(min(left, JOBS_SCAN_S))
+                if (now_jobs := await _jobs(settings)) != jobs:
+                    jobs = now_jobs
+                    break
     finally:
         if kv is not None and revision is not None:
             stopped = msgspec.structs.replace(record, stopped_ts=time.time())
@@ -114,6 +121,12 @@ async def advertise(
                 contextlib.suppress(Exception),
             ):
                 await kv.update(node, _json.encode(stopped), last=revision)
+
+
+async def _jobs(settings: Settings) -> list[str]:
+    return sorted(
+        await anyio.to_thread.run_sync(local_jobs, settings.staging_root, settings.nvme_root)
+    )
 
 
 async def _open_bucket(bus: Bus, settings: Settings) -> Bucket:

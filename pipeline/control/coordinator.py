@@ -243,7 +243,6 @@ class Coordinator:
                                         held=held)  # fmt: skip
                         # (a pin that timed out goes)
                         state.pin(pins.steps(job), hold=held or pins.held(job))
-                        state.tick(time.time())  # (an upload target that came due is named)
                         again = False
                         if time.monotonic() >= renew_at:
                             lease = await self.store.renew(job, lease, s.lease_ttl_s)

@@ -85,7 +85,7 @@ class JobState:
         self.stream = head.stream if head else ""
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
-        self._hold, self._now = False, 0.0  # (`tick`)
+        self._hold, self._now = False, 0.0  # (the newest event's `ts`: `Keep.s3_every_s`)
         self._complete: dict[Tier | None, list[int]] = {t: [] for t in (*TIERS, None)}
         self._changes = Changes()
         #: step -> (record, stored form) of the records the last head carried.
@@ -102,6 +102,8 @@ class JobState:
         if fact.job != self.job:
             return
         self.passed(seq)
+        # The fold's clock is its events' (a fold of the same events names the same targets).
+        self._now = max(self._now, fact.ts)
         if type(fact) is BatchFact:
             fold = self._fold_shard
             for inner in fact.events:  # (of the batch's job: `NodeBatch`, `decode_fact`)
@@ -172,11 +174,6 @@ class JobState:
         if pinned != self._pinned or hold != self._hold:
             self._pinned, self._hold = pinned, hold
             self._move_floors()
-
-    def tick(self, now: float) -> None:
-        """The coordinator's clock (for `Keep.s3_every_s`): an upload target due is named."""
-        self._now = now
-        self._move_floors()
 
     def _refresh(
         self, step: int, rank: int, world_size: int | None, shard: LedgerShard | None = None

@@ -12,7 +12,8 @@ those `Keep.s3_keep_period` keeps: `tierpipe.retention.kept.upload_wanted`).
 `Floors.safe` is the newest step that survives the loss of any one node: complete in object
 storage, or complete on the peer tier (a verified replica of every rank on a partner node).
 
-Pure (no I/O, no clock: the coordinator passes the time in), called by the job state
+Pure (no I/O, no clock: the time is the newest folded event's, so a fold of the same events
+names the same targets), called by the job state
 (`tierpipe.control.jobstate`) whenever its floors move. A node's side of it, `Later`: the
 shards of steps newer than the target its flush stage holds back until the floors name them.
 """

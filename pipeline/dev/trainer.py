@@ -7,11 +7,13 @@ a function of (rank, step) and dropout draws from the saved and restored RNG sta
 run computes every step exactly as the first run did: the demo compares the losses of the steps
 both runs trained.
 
-Lines (one JSON object each): `{"event": "restored", ...}` when the job had a checkpoint to
-resume from, `{"event": "step", "step", "loss"}` per step (the loss as `float.hex`, exact),
-`{"event": "saved", "step", "stall_s"}` per save, and last `{"event": "done", ...}`: after the
-final save is verified, the rank restores it into a fresh model and compares it with its live
-state bitwise, and times `torch.save` (plus fsync) of the same state as the baseline.
+Lines (one JSON object each): `{"event": "restored", ...}` first (`"tier": "none"` and step 0
+when there was nothing to resume from: a fresh job, or a restart that found no step restorable,
+which then starts the job over), `{"event": "step", "step", "loss"}` per step (the loss as
+`float.hex`, exact), `{"event": "saved", "step", "stall_s"}` per save, and last
+`{"event": "done", ...}`: after the final save is verified, the rank restores it into a fresh
+model and compares it with its live state bitwise, and times `torch.save` (plus fsync) of the
+same state as the baseline.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierpipe.errors import NoCheckpointError
 from tierpipe.trainer.checkpointer import Checkpointer
 
 __all__ = ("JOB", "run_rank")
@@ -113,14 +116,26 @@ def run_rank(rank: int, world_size: int, steps: int, every: int) -> int:
     torch.manual_seed(100 + rank)  # this rank's dropout RNG: saved and restored
     stalls: list[float] = []
     step_s: list[float] = []
-    with Checkpointer(JOB, rank=rank, world_size=world_size) as ckpt:
-        start = 1
-        if ckpt.latest_step() is not None:  # a restart: every rank restores, in place
+    ckpt = Checkpointer(JOB, rank=rank, world_size=world_size)
+    start = 1
+    t = time.perf_counter()
+    restored, why = None, "latest_step() found no step complete on any tier"
+    try:  # a restart: every rank restores, in place
+        if ckpt.latest_step() is not None:
             restored = ckpt.restore({"model": net, "optim": optim})
-            torch.set_rng_state(restored.state["rng"])
-            start = restored.state["step"] + 1
-            _emit(event="restored", rank=rank, step=restored.step, tier=restored.source.tier,
-                  restore_s=restored.seconds, t=time.time())  # fmt: skip
+    except NoCheckpointError as e:  # (steps were saved, but none can be restored now)
+        why = f"restore(): {e}"
+    if restored is None:  # the job starts over: its first saves supersede what it had
+        ckpt.close()
+        ckpt = Checkpointer(JOB, rank=rank, world_size=world_size, overwrite=True)
+        _emit(event="restored", rank=rank, step=0, tier="none", why=why,
+              restore_s=time.perf_counter() - t, t=time.time())  # fmt: skip
+    else:
+        torch.set_rng_state(restored.state["rng"])
+        start = restored.state["step"] + 1
+        _emit(event="restored", rank=rank, step=restored.step, tier=restored.source.tier,
+              restore_s=restored.seconds, t=time.time())  # fmt: skip
+    with ckpt:
         for step in range(start, steps + 1):
             t = time.perf_counter()
             loss = _loss(model, _batch(rank, step))

@@ -89,7 +89,7 @@ def run_up(
         if not no_s3:
             env.update(servers.s3(settings, s3_endpoint))
         _write_env(root / "env", env)
-        stages = ["nvme-write", "verify", "evict"] if no_s3 else ["all"]
+        stages = ["nvme-write", "verify", "replicate", "evict"] if no_s3 else ["all"]
         agent = _Supervised(
             "agent",
             lambda: _start_agent(env, stages, root / "agent.log", children),

@@ -358,14 +358,15 @@ def load_into(
     into: Any = None,
     *,
     expected: Expected | None = None,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
     queue_depth: int = 4,
     chunk_bytes: int = 8 << 20,
 ) -> Loaded:
     """Read a sealed shard file, verify every blob, and rebuild its state.
 
     Args:
-        direct_io: O_DIRECT reads (where the filesystem allows) instead of buffered reads.
+        direct_io: O_DIRECT reads (where the filesystem allows; True), buffered reads
+            (False), or O_DIRECT unless the page cache holds the file (None; `read_shard`).
         into: optional targets shaped like the saved state (tensors, or objects with
             `state_dict()`, in nested dicts/lists): a saved tensor whose key path has a target of
             the same shape and dtype is copied into it in place; the rest come back as new CPU

@@ -15,11 +15,12 @@ say no kept step owns.
 - NVMe keeps a step at or above its floor, or one the floors keep. Below the floor, a copy that is
   in object storage goes ("flushed"); one that is not goes once the job keeps its step on no tier
   any more ("not kept": its upload is never started, or withdrawn); one whose step is wanted in
-  object storage stays while it is on its way there ("wait"); any other is "superseded", and goes
-  once a newer step is safe elsewhere (`Floors.safe`) or is the upload target (this one will
-  never be uploaded, and the job's restores read a newer one). Under disk pressure
-  (`nvme_fate(pressure=True)`) a copy below the floor that is not wanted goes at once. A job
-  that keeps no unflushed copies (`Keep.evict_unflushed`) has them all go at once ("unflushed").
+  object storage stays while it is on its way there ("wait"); any other goes as "superseded":
+  it will never be uploaded (a target is always the newest step complete on NVMe when it is
+  named, so never one below the floor), and no restore reads it (a restart with every node
+  reads a newer complete NVMe step, one after a node loss the newest safe step, `Floors.safe`,
+  which the floors keep). A job that keeps no unflushed copies (`Keep.evict_unflushed`) has them
+  all go at once ("unflushed").
 
 Evidence that a copy is in object storage is about that copy (`in_object_storage`): this node's
 `flushed` event of the same header digest, or the step's record with the rank in `s3` and the
@@ -91,11 +92,9 @@ def in_object_storage(
 
 
 def nvme_fate(
-    step: int, floors: Floors, keep: Keep, *, in_s3: bool, record: StepRecord | None,
-    pressure: bool = False,
-) -> Fate:  # fmt: skip
-    """What becomes of a node's NVMe copy of `step` (see the module's docstring; `pressure`:
-    the disk is short of room)."""
+    step: int, floors: Floors, keep: Keep, *, in_s3: bool, record: StepRecord | None
+) -> Fate:
+    """What becomes of a node's NVMe copy of `step` (see the module's docstring)."""
     if step >= floors.nvme or step in floors.keep:
         return "keep"
     if keep.evict_unflushed:
@@ -104,9 +103,7 @@ def nvme_fate(
         return "flushed"
     if not s3_keeps(step, floors, record):
         return "not kept"
-    if upload_wanted(step, floors, keep):
-        return "wait"
-    return "superseded" if pressure or step < max(floors.safe, floors.upload) else "wait"
+    return "wait" if upload_wanted(step, floors, keep) else "superseded"
 
 
 async def kept_in_s3(store: JobStore, job: str, step: int) -> bool:

@@ -93,14 +93,15 @@ class NvmeStore:
         root: str | os.PathLike[str],
         *,
         direct_io: bool = True,
-        read_direct_io: bool = False,
+        read_direct_io: bool | None = None,
         chunk_bytes: int = 8 << 20,
         queue_depth: int = 4,
         reserve_bytes: int = 0,
         fault_point: str = "",
     ) -> None:
         """`direct_io`: O_DIRECT writes and verifies; `read_direct_io`: O_DIRECT `read_into`
-        (restores), else through the page cache (where the filesystem allows either)."""
+        (restores) if True, through the page cache if False, O_DIRECT unless the page cache
+        holds the file if None (where the filesystem allows either; `reader.read_shard`)."""
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a multiple of {ALIGN} (got {chunk_bytes})")
         self.root = Path(root).absolute()
@@ -170,7 +171,7 @@ class NvmeStore:
         )
 
     async def read_into(self, location: str, sink: BlobSink, *, nbytes: int) -> ReadBack:
-        """`reader.read_shard`, O_DIRECT only if `read_direct_io`."""
+        """`reader.read_shard`, O_DIRECT as `read_direct_io` says."""
         t0 = time.perf_counter()
         head = await anyio.to_thread.run_sync(
             lambda: read_shard(location, sink, nbytes=nbytes, direct_io=self.read_direct_io,

@@ -10,7 +10,8 @@ blobs that only pass through and a buffer of its own for any other). `queue_dept
 the reads in file order, each as soon as its ring space is free, while the caller's thread feeds
 every blob's bytes to a streaming xxh3-128 as they arrive and hands the blob on once its digest
 matched. os.preadv and python-xxhash release the GIL, so reads and hashing overlap on separate
-cores. `BlobReader` verifies whole files with it; `read_shard` reads one into a `BlobSink`;
+cores. `BlobReader` verifies whole files with it; `read_shard` reads one into a `BlobSink`
+(O_DIRECT unless the page cache holds the file; its arena unmapped in the background);
 `deliver_image` and `check_image` do the same for a shard already in memory, blob by blob.
 """
 
@@ -26,7 +27,14 @@ import xxhash
 
 from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
 from tierpipe.schemas import ALIGN, ShardHeader
-from tierpipe.storage.aligned import aligned_buffer, open_direct, pread_into, round_up
+from tierpipe.storage.aligned import (
+    aligned_buffer,
+    open_direct,
+    pread_into,
+    read_direct_unless_cached,
+    round_up,
+    unmap_later,
+)
 from tierpipe.storage.layout import ReadPlan, arena_plan, scratch_plan
 from tierpipe.storage.resources import translated
 from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
@@ -118,19 +126,20 @@ def read_shard(
     sink: BlobSink,
     *,
     nbytes: int | None = None,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
     queue_depth: int = 4,
     chunk_bytes: int = 8 << 20,
 ) -> Head:
     """Read a sealed shard file into `sink` (see `store.BlobSink`), every blob verified first.
 
-    Reads go through the page cache unless `direct_io` (O_DIRECT where the filesystem allows):
-    pages already cached are used (every digest is checked anyway) and the pages read stay
-    cached (clean pages the kernel reclaims first; dropping them measured as costly as a third
-    of the reads).
-
     Args:
         nbytes: the file's expected size, if known.
+        direct_io: True: O_DIRECT reads (where the filesystem allows); False: through the page
+            cache (pages already cached are used, every digest is checked anyway, and the pages
+            read stay cached); None: O_DIRECT unless the page cache holds most of the file
+            (`aligned.read_direct_unless_cached`). A shard is written with O_DIRECT and verified
+            cold, so a restore usually finds it on the device alone: read through the page cache,
+            each byte costs a kernel copy and a fresh page-cache page besides the device read.
 
     Raises:
         ShardMissingError: the file is not there.
@@ -141,7 +150,7 @@ def read_shard(
     """
     try:
         with translated(path):
-            fd = open_direct(path, os.O_RDONLY | os.O_CLOEXEC, direct=direct_io)
+            fd = open_direct(path, os.O_RDONLY | os.O_CLOEXEC, direct=direct_io is True)
     except FileNotFoundError as e:
         raise ShardMissingError(path, "file is missing") from e
     try:
@@ -149,14 +158,20 @@ def read_shard(
             size = os.fstat(fd).st_size
             if nbytes is not None and size != nbytes:
                 raise ShardFormatError(path, f"{size} bytes on disk, {nbytes} expected")
+            if direct_io is None:
+                read_direct_unless_cached(fd, size)
             head = read_head_fd(fd, path, size)
             passing = sink.accept(head, path)
             plan = arena_plan(head, passing, queue_depth, chunk_bytes)
-            pinned = sink.pin(plan.ring) if plan.ring is not None else contextlib.nullcontext()
-            blobs = verified_blobs(fd, head, path, plan, queue_depth)
-            with pinned, contextlib.closing(blobs) as it:
-                for i in it:
-                    sink.take(i, plan.view(i), reused=passing[i])
+            try:
+                pinned = sink.pin(plan.ring) if plan.ring is not None else contextlib.nullcontext()
+                blobs = verified_blobs(fd, head, path, plan, queue_depth)
+                with pinned, contextlib.closing(blobs) as it:
+                    for i in it:
+                        sink.take(i, plan.view(i), reused=passing[i])
+            finally:
+                if plan.ring is not None:  # nothing of it is kept: no need to wait for munmap
+                    unmap_later(plan.ring)
             sink.finish()
         return head
     except OSError as e:
