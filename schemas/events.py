@@ -218,11 +218,9 @@ class ShardEvicted(ShardEvent, frozen=True, kw_only=True, tag="evicted"):
 
 
 class StageFailed(_Event, frozen=True, kw_only=True, tag="failed"):
-    """A stage could not process a message.
-
-    Retryable failures are published on every attempt; a permanent one (or the last attempt)
-    terminates the message. Identity fields are absent when the message could not be decoded.
-    """
+    """A stage could not process a message. Retryable failures are published on every attempt;
+    a permanent one (or the last attempt) terminates the message. Identity fields are absent
+    when the message could not be decoded."""
 
     stage: str
     error: str
@@ -257,9 +255,9 @@ class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
 
 class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     """Rank 0's decision for one restart, on `tp.<job>.plan`: the step every rank restores,
-    and which ranks read it from object storage (the others from their own node's NVMe, with
-    object storage as the fallback where it has a copy). Compact at any job size: a bitmap,
-    not a list of sources (each rank derives its paths from job, step, rank and world size).
+    which ranks read it from object storage, which from a peer's replica (the others from their
+    own node's NVMe; object storage is the fallback where it has a copy). Compact at any job
+    size: bitmaps, not sources (a rank derives its paths from job, step, rank and world size).
     A new `round` replaces the plan after a rank found no good copy; `final` confirms that
     every rank loaded the plan of that round."""
 
@@ -278,9 +276,12 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
     #: `from_s3` deflated (zlib), where that is smaller; `from_s3` is then empty. Every rank
     #: receives the plan: at 80,000 ranks a bitmap of all of them is 13 KB as JSON, ~60 B so.
     from_s3_z: bytes = b""
+    #: Ranks that read a replica on a surviving node, as `from_s3` (`peer_bitmap()` reads it).
+    from_peer: bytes = b""
+    from_peer_z: bytes = b""
 
     def __post_init__(self) -> None:
-        self.s3_bitmap()  # (a deflated bitmap that is garbled or too long: no plan at all)
+        self.s3_bitmap(), self.peer_bitmap()  # (a deflated bitmap garbled or too long: no plan)
 
     def s3_bitmap(self) -> bytes:
         """The bitmap of the ranks that read from object storage (`from_s3`, inflated).
@@ -290,11 +291,15 @@ class RecoveryPlanned(_Event, frozen=True, kw_only=True, tag="plan"):
         """
         return inflate_bitmap(self.from_s3_z, self.world_size) if self.from_s3_z else self.from_s3
 
+    def peer_bitmap(self) -> bytes:
+        """The ranks that read a peer's replica (`from_peer`, inflated; raises as `s3_bitmap`)."""
+        return inflate_bitmap(z, self.world_size) if (z := self.from_peer_z) else self.from_peer
+
 
 def deflated_bitmap(bits: bytes) -> tuple[bytes, bytes]:
-    """(plain, deflated) of a rank bitmap (`RecoveryPlanned.from_s3` and `from_s3_z`): the
-    smaller one set, the other empty. A bitmap of many ranks is mostly runs: at 80,000 ranks a
-    full one is 10 KB, ~40 B deflated."""
+    """(plain, deflated) of a rank bitmap (`RecoveryPlanned.from_s3` and `from_s3_z`, or the
+    `from_peer` pair): the smaller one set, the other empty. A bitmap of many ranks is mostly
+    runs: at 80,000 ranks a full one is 10 KB, ~40 B deflated."""
     packed = zlib.compress(bits, 9)
     return (b"", packed) if len(packed) < len(bits) else (bits, b"")
 
@@ -326,6 +331,8 @@ class RankSteps(msgspec.Struct, frozen=True, kw_only=True):
     s3_steps: list[int] = []
     #: Why it lacks a copy of some candidate (short).
     error: str = ""
+    #: Candidate steps with a verified replica of this rank on another node (newest first).
+    peer_steps: list[int] = []
 
 
 #: The most ranks one `ready` speaks for (a node of more ranks reports in several): ~100 B each,
@@ -357,6 +364,8 @@ class RestoreReport(_Event, frozen=True, kw_only=True, tag="restore"):
     error: str = ""
     #: `ready` of a node's local leader: the ranks it checked, each with its own steps.
     covers: list[RankSteps] = []
+    #: Candidate steps with a verified replica of this rank on another node (the `peer` tier).
+    peer_steps: list[int] = []
 
 
 #: The kinds a node's agent also reports per node, as a `NodeBatch` (what stages consume).

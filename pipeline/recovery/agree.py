@@ -10,16 +10,18 @@ its own group) reads the job's state in KV once it has folded the node's newest 
 (`current_head`: the coordinator's work; with none alive, the leader folds the short suffix
 itself), checks each of the node's ranks' copies of a few candidate steps (`survey`: each record
 and digest chunk read once), and publishes one `ready` for them: per rank the steps it can read
-from NVMe and from object storage (at most `READY_RANKS` ranks a report). Rank 0 counts the
-ranks covered, picks the newest step every rank has (`choose`), and publishes a compact plan on
-`tp.<job>.plan`: the step and a bitmap of the ranks that read it from object storage. The other
+from NVMe, from a peer's replica (the job state counts one) and from object storage (at most
+`READY_RANKS` ranks a report). Rank 0 counts the ranks covered, picks the newest step every rank
+has (`choose`), and publishes a compact plan on `tp.<job>.plan`: the step and bitmaps of the
+ranks that read it from object storage and from a replica (a replaced node's ranks). The other
 ranks take plans from a core NATS subscription opened before anything they publish (no consumer
 per rank), and catch up on one published before it (or lost in a reconnect) with a direct get
 of the newest plan when none came for `restore_plan_poll_s`. Ranks that did not survey read
 only the plan step's record and digest chunk. Every rank loads its shard from its first good source
-(`Loader`) and reports `loaded` or `failed`. When all loaded, rank 0 publishes the plan again as
-`final`; when one had no good copy left, rank 0 picks an older step (a new round) and all ranks
-load again. Every wait is under the restore's deadline. With a `collective`
+(`Loader`: a rank sent to a replica reads it from a holder its `replicated` event names, then
+object storage) and reports `loaded` or `failed`. When all loaded, rank 0 publishes the plan
+again as `final`; when one had no good copy left, rank 0 picks an older step (a new round) and
+all ranks load again. Every wait is under the restore's deadline. With a `collective`
 (torch.distributed), every rank surveys its own copies, the reports are gathered and the plans
 broadcast through it instead, and still published on the stream for operators.
 
@@ -57,7 +59,15 @@ from tierpipe.recovery.follower import ANONYMOUS, Plans, follow
 from tierpipe.recovery.leader import abandon, by_rank, last_final_plan, lead, plan, stop_if_short
 from tierpipe.recovery.load import Loaded, Loader
 from tierpipe.recovery.plan import Choice, Source
-from tierpipe.recovery.survey import Reads, Survey, current_head, own_events, sources, survey
+from tierpipe.recovery.survey import (
+    Reads,
+    Survey,
+    current_head,
+    own_events,
+    replica_sources,
+    sources,
+    survey,
+)
 from tierpipe.schemas import (
     READY_RANKS,
     RankSteps,
@@ -89,12 +99,20 @@ class Restored:
     rounds: int
     #: How the ranks agreed: "nats" (reports and plans on the stream) or "torch.distributed".
     agreement: str = "nats"
+    #: The plan's bitmap of the ranks rank 0 sent to a peer's replica (`from_peer` lists them).
+    peer_bitmap: bytes = b""
 
     @property
     def from_s3(self) -> list[int]:
-        """The ranks rank 0 sent to object storage (the others read their own node's NVMe):
-        listed on demand, as a rank of a large job seldom needs every other rank's source."""
+        """The ranks rank 0 sent to object storage (the others read their own node's NVMe or a
+        replica): listed on demand, as a rank of a large job seldom needs every other rank's
+        source."""
         return ranks_of(self.s3_bitmap)
+
+    @property
+    def from_peer(self) -> list[int]:
+        """The ranks rank 0 sent to a peer's replica (a replaced node's ranks)."""
+        return ranks_of(self.peer_bitmap)
 
 
 class Restorer:
@@ -273,9 +291,12 @@ class Restorer:
     async def load_planned(
         self, plan: RecoveryPlanned, round_: int
     ) -> tuple[tuple[Source, Loaded] | None, RestoreReport]:
-        """This rank's shard from its first good source (None if none), and its report."""
+        """This rank's shard from its first good source (None if none), and its report: its
+        NVMe copy unless the plan sends it elsewhere; sent to a peer, the replicas its holders
+        announced, then its object; sent to object storage, its object."""
         step = plan.step
         from_s3 = has_rank(plan.s3_bitmap(), self.rank)
+        from_peer = has_rank(plan.peer_bitmap(), self.rank)
         found = self._surveys.get(self.rank)
         if found is None or step not in found.candidates:
             # Sent to object storage, a rank its leader surveyed has nothing to check first:
@@ -284,14 +305,20 @@ class Restorer:
             found = Survey([step], remote={step}) if from_s3 else await self._survey_step(step)
         srcs = await sources(
             self._reads, found, rank=self.rank, world_size=self.world_size, step=step,
-            nvme=not from_s3,
+            nvme=not (from_s3 or from_peer),
             locate_object=S3Store(self.settings).locate,
         )  # fmt: skip
+        if from_peer:
+            srcs[:0] = await replica_sources(
+                self.bus, self._reads, step=step, rank=self.rank, world_size=self.world_size
+            )
         got = await self._loader.first_good(
             srcs, self._into, step=step, attempt=round_, deadline=self.deadline
         )
         if isinstance(got, str):
-            if not srcs:
+            if not srcs and from_peer:
+                got = "the job state counts a replica, but no holder of it announced one"
+            elif not srcs:
                 got = found.missing.get(step) or got
             _, report = await self._report("failed", round_=round_, step=step, error=got)
             return None, report
@@ -346,6 +373,7 @@ class Restorer:
     ) -> RecoveryPlanned:
         """The event for `plan`; without one, the final word that rank 0 gave up (`error`)."""
         from_s3, from_s3_z = deflated_bitmap(plan.from_s3 if plan else b"")
+        from_peer, from_peer_z = deflated_bitmap(plan.from_peer if plan else b"")
         return RecoveryPlanned(
             job=self.job,
             node=self.node,
@@ -359,6 +387,8 @@ class Restorer:
             error=error,
             from_s3=from_s3,
             from_s3_z=from_s3_z,
+            from_peer=from_peer,
+            from_peer_z=from_peer_z,
         )
 
     def _restored(
@@ -366,8 +396,8 @@ class Restorer:
     ) -> Restored:
         (source, loaded), seconds = mine, time.perf_counter() - t0
         agreement = "nats" if self._collective is None else "torch.distributed"
-        bits = plan.s3_bitmap()
-        return Restored(plan.step, loaded.state, source, bits, seconds, rounds, agreement)
+        bits, peer = plan.s3_bitmap(), plan.peer_bitmap()
+        return Restored(plan.step, loaded.state, source, bits, seconds, rounds, agreement, peer)
 
 
 def _steps(rank: int, found: Survey) -> RankSteps:
@@ -378,6 +408,7 @@ def _steps(rank: int, found: Survey) -> RankSteps:
         local_steps=sorted(found.local, reverse=True),
         s3_steps=sorted(found.remote, reverse=True),
         error=why[:300],
+        peer_steps=sorted(found.peer, reverse=True),
     )
 
 

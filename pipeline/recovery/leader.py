@@ -2,10 +2,11 @@
 
 Rank 0 counts the ranks every node's `ready` covers (`await_reports`: only the newest message
 on each report subject counts, as when the stream is read at one moment), picks the newest step
-every rank has (`plan`: the restore planner, `tierpipe.recovery.plan.choose`), publishes the
-plan, loads its own shard, and counts the `loaded`/`failed` answers of that round; when all
-loaded it publishes the plan again as `final`, and when one had no good copy left it picks an
-older step (a new round). `lead` runs those rounds on the stream.
+every rank has a copy of (`plan`: the restore planner, `tierpipe.recovery.plan.choose`: each
+rank its own NVMe, else a peer's replica, else object storage), publishes the plan, loads its
+own shard, and counts the `loaded`/`failed` answers of that round; when all loaded it publishes
+the plan again as `final`, and when one had no good copy left it picks an older step (a new
+round). `lead` runs those rounds on the stream.
 """
 
 from __future__ import annotations
@@ -76,14 +77,17 @@ def plan(
     excluded: Mapping[int, str],
     round_: int,
 ) -> Choice:
-    """Rank 0's pick from every rank's steps (as the `ready` reports say them), logged."""
-    choice = choose(job, reports, world_size, step=step, exclude=excluded)
+    """Rank 0's pick from every rank's steps (as the `ready` reports say them: its own NVMe,
+    a peer's replica, object storage), logged."""
+    peer = {r: rep.peer_steps for r, rep in reports.items() if rep.peer_steps}
+    choice = choose(job, reports, world_size, step=step, exclude=excluded, peer=peer)
     log.info(
         "recovery_planned",
         job=job,
         step=choice.step,
         round=round_,
         from_s3=len(ranks_of(choice.from_s3)),
+        from_peer=len(ranks_of(choice.from_peer)),
         rejected={str(k): v for k, v in choice.rejected.items()},
     )
     return choice
@@ -242,7 +246,11 @@ def by_rank(reports: Iterable[RestoreReport]) -> dict[int, RankSteps]:
     for rep in reports:
         for steps in rep.covers or [
             RankSteps(
-                rank=rep.rank, local_steps=rep.local_steps, s3_steps=rep.s3_steps, error=rep.error
+                rank=rep.rank,
+                local_steps=rep.local_steps,
+                s3_steps=rep.s3_steps,
+                error=rep.error,
+                peer_steps=rep.peer_steps,
             )
         ]:
             out[steps.rank] = steps

@@ -159,7 +159,7 @@ class Loader:
             except ResourceExhaustedError as e:
                 log.warning("restore_source_failed", **_where(source, step), error=str(e),
                             corrupt=False)  # fmt: skip
-                await self.report(source.tier, step, e, attempt=attempt)
+                await self.report(source.tier, step, e, attempt=attempt, node=_holder(source))
                 return short_report(e)
             except TierpipeError as e:
                 evidence = type(e).__name__ in EVIDENCE_ERRORS
@@ -173,7 +173,8 @@ class Loader:
                     "restore_source_failed", **_where(source, step), error=message, corrupt=evidence
                 )
                 problems.append(f"{source.tier}: {type(e).__name__}")
-                await self.report(source.tier, step, e, message=message, attempt=attempt)
+                await self.report(source.tier, step, e, message=message, attempt=attempt,
+                                  node=_holder(source))  # fmt: skip
         return "no good copy left (" + (", ".join(problems) or "no sources") + ")"
 
     async def report(
@@ -185,14 +186,16 @@ class Loader:
         message: str = "",
         attempt: int = 1,
         rank: int | None = None,
+        node: str | None = None,
     ) -> None:
         """Publish that this rank's copy of `step` on `tier` failed with `e` (a bad copy, if
         `e` is evidence, so the job state stops counting it; else skipped this time only).
-        `rank`: another rank of this node (its local leader checked the copy)."""
+        `rank`: another rank of this node (its local leader checked the copy); `node`: the
+        node holding the copy, where it is not this one (a peer's replica: its holder)."""
         await self.bus.publish(
             StageFailed(
                 job=self.job,
-                node=self.node,
+                node=node or self.node,
                 ts=time.time(),
                 stage="restore",
                 error=type(e).__name__,
@@ -418,6 +421,12 @@ def _loaded(head: Head, sink: Assembly, seconds: float) -> Loaded:
     return Loaded(head.header, state, head.file_nbytes, seconds, in_place)
 
 
+def _holder(source: Source) -> str | None:
+    """The node a failed copy is on, for its report: a replica's holder (None: this node's own
+    copy, or an object, which the report names by tier)."""
+    return (source.node or None) if source.tier == "peer" else None
+
+
 def _where(source: Source, step: int) -> dict[str, object]:
     """A source as its log lines name it."""
-    return {"step": step, "tier": source.tier, "location": source.location}
+    return {"step": step, "tier": source.tier, "node": source.node, "location": source.location}

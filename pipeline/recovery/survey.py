@@ -350,12 +350,13 @@ async def sources(
 async def replica_sources(
     bus: Bus, reads: Reads, *, step: int, rank: int, world_size: int, skip: Collection[str] = ()
 ) -> list[Source]:
-    """`rank`'s replicas of `step` (the `peer` tier), as their holders announced them: the
-    newest `replicated` event of each holder for the rank (the job state counts a rank's
-    replicas, not where they are; a holder's newer replica hides its older one, which its
-    retention removes soon after), each only if it is the verified copy the job state recorded
-    (digest and size), none on a node in `skip` (lost, or this rank's own) or on its own source.
-    By holder name; the loader checks every digest again.
+    """`rank`'s replicas of `step` (the `peer` tier), as their holders announced them: each
+    holder's newest `replicated` event of that step for the rank (the job state counts a rank's
+    replicas, not where they are; a holder keeps its `nvme_keep_latest_k` newest, so an older
+    step's replica is read from the rank's history, as `tierpipe.peer.reader.holders` does),
+    each only if it is the verified copy the job state recorded (digest and size), none on a
+    node in `skip` (lost, or this rank's own) or on its own source. By holder name; the loader
+    checks every digest again.
 
     Raises:
         BusUnavailableError, BusError: NATS or the KV could not be read.
@@ -363,18 +364,21 @@ async def replica_sources(
     digest = await reads.digest(step, rank)
     if digest is None:
         return []
-    out = []
-    for _, event in await bus.latest(shard_subject(reads.job, "replicated", "*", rank)):
+    out: dict[str, Source] = {}
+    for event in reversed(await bus.history(shard_subject(reads.job, "replicated", "*", rank))):
         if (
             isinstance(event, ShardReplicated)
             and (event.step, event.world_size) == (step, world_size)
             and (event.header_digest, event.nbytes) == digest
             and event.node not in skip
+            and event.node not in out
             and event.node != event.source
         ):
-            out.append(Source(tier="peer", node=event.node, location=event.path,
-                              nbytes=event.nbytes, header_digest=event.header_digest))  # fmt: skip
-    return sorted(out, key=lambda source: source.node)
+            out[event.node] = Source(
+                tier="peer", node=event.node, location=event.path, nbytes=event.nbytes,
+                header_digest=event.header_digest,
+            )  # fmt: skip
+    return sorted(out.values(), key=lambda source: source.node)
 
 
 def _absent(path: str) -> str:
