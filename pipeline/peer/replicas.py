@@ -6,22 +6,32 @@ below the `.peer` folder (`.peer/<job>/step-<step>/rank-<rank>-of-<world>.shard`
 no job name (`names.job_dirs` skips it), so the node's own copies, their retention and their
 jobs never see replicas.
 
-`land` writes one as the NVMe writer writes a shard: into a temp file beside the final path
-(preallocated: a full disk fails before the first byte), fsynced; then re-read from the device
-and every digest checked (`NvmeStore.verify_file`) before it is renamed into place and the
-directory fsynced. So a final replica is complete and verified, or absent; one that fails any
-check is removed and never published.
+`land` writes one into a temp file beside the final path (preallocated: a full disk fails before
+the first byte) while it arrives: the event loop receives, a worker thread writes each batch
+and checks it on the way (a bounded queue between them, so receiving and writing overlap). The
+checks run on the bytes received, as they pass: the head first (its prefix, its header digest
+against the prefix and against the `verified` event's, its layout against the expected size,
+the shard's identity), then every blob's xxh3-128 digest (`storage.shard` and `storage.reader`'s
+checks, the hashes the NVMe writer computes while it writes). A wrong byte fails the copy as
+soon as its blob ends. Once every byte came and every digest matched the file is fsynced,
+renamed into place and the directory fsynced. So a final replica is complete, its every digest
+checked on the bytes received, and durable, or absent; one that fails any check is removed and
+never published. It is not re-read from the device before it is placed (that re-read cost as
+much as the copy itself): a restore checks every digest again as it reads the replica back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import xxhash
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.names import job_dirs, shard_relpath
@@ -36,7 +46,8 @@ from tierpipe.storage.durable import (
 )
 from tierpipe.storage.lock import temp_path
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.reader import read_head
+from tierpipe.storage.reader import check_blob, check_header, read_head
+from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 
 __all__ = ("FOLDER", "Landed", "Replica", "Replicas")
 
@@ -45,7 +56,12 @@ FOLDER = ".peer"
 #: The temp files of replicas being received (`storage.lock.temp_path`).
 TEMP_STAGE = "replicate"
 #: Received bytes are written in batches of about this size (one thread hop each).
-_BATCH_BYTES = 8 << 20
+_BATCH_BYTES = 4 << 20
+#: Batches received and not yet written at most (the memory one copy holds: about 3 batches).
+_QUEUED_BATCHES = 2
+#: The device is asked to start writing what was written every this many bytes, so the fsync
+#: at the end finds little left to write (the device works while bytes still arrive).
+_WRITEBACK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +141,9 @@ class Replicas:
         header_digest: str,
         identity: ShardIdentity | None = None,
     ) -> Landed:
-        """Write the `nbytes` bytes `chunks` yields as the replica at `final`, durably, and
-        place it once the device's copy passed every check (see the module docstring) and its
-        header names the shard `identity` names (if given).
+        """Write the `nbytes` bytes `chunks` yields as the replica at `final`, durably, checking
+        every digest on the way, and place it once all passed and its header names the shard
+        `identity` names (if given) (see the module docstring).
 
         Raises:
             NoSpaceError: the NVMe cannot take it (nothing is left behind).
@@ -146,17 +162,13 @@ class Replicas:
                 await anyio.to_thread.run_sync(
                     fallocate, fd, nbytes, final.parent, self.nvme.reserve_bytes
                 )
-                got = await _write_all(fd, chunks, nbytes, str(final))
-                if got != nbytes:
-                    raise ShardFormatError(str(final), f"{got} bytes received, {nbytes} expected")
+                landing = _Landing(fd, str(final), nbytes, header_digest, identity)
+                await _receive(chunks, landing)
                 await anyio.to_thread.run_sync(os.fsync, fd)
             except OSError as e:
                 raise io_error(e, str(final), nbytes, self.nvme.reserve_bytes) from e
             finally:
                 os.close(fd)
-            await self.nvme.verify(tmp, header_digest=header_digest, nbytes=nbytes)
-            if identity is not None:
-                await anyio.to_thread.run_sync(_check_identity, tmp, identity)
             await anyio.to_thread.run_sync(_place, tmp, final)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -169,22 +181,135 @@ class Replicas:
         return await self.nvme.delete(replica.path, header_digest=replica.header_digest)
 
 
-async def _write_all(fd: int, chunks: AsyncIterator[bytes], limit: int, where: str) -> int:
-    """Write what `chunks` yields at the start of `fd`, in batches; the bytes written (a source
-    sending more than `limit` is refused as soon as it does)."""
+class _Landing:
+    """One replica being received, in the writer thread: writes each batch where it belongs
+    and checks the head, then every blob's digest, on the bytes as they pass."""
+
+    def __init__(
+        self, fd: int, where: str, nbytes: int, header_digest: str, identity: ShardIdentity | None
+    ) -> None:
+        self.fd, self.where, self.nbytes = fd, where, nbytes
+        self.header_digest, self.identity = header_digest, identity
+        self.written = self._flushed = 0
+        self.head: Head | None = None
+        self._start = bytearray()  # (the bytes before the head could be parsed)
+        self._blob = 0  # the blob being hashed
+        self._hasher = xxhash.xxh3_128()
+
+    def feed(self, batch: list[bytes]) -> None:
+        """Write `batch` next, and check what it completes."""
+        at = self.written
+        self.written += _pwritev(self.fd, batch, at)
+        if self.written - self._flushed >= _WRITEBACK_BYTES:
+            _start_writeback(self.fd, self._flushed, self.written - self._flushed)
+            self._flushed = self.written
+        for chunk in batch:
+            self._check(chunk, at)
+            at += len(chunk)
+
+    def finish(self) -> None:
+        """Raise unless every byte came and every digest was checked."""
+        if self.written != self.nbytes:
+            raise ShardFormatError(self.where, f"{self.written} bytes received, "
+                                   f"{self.nbytes} expected")  # fmt: skip
+        if self.head is None or self._blob != len(self.head.header.blobs):
+            raise ShardFormatError(self.where, "the file ended before its last blob")
+
+    def _check(self, chunk: bytes, at: int) -> None:
+        if self.head is None:
+            self._start += chunk
+            if (head := self._parse()) is None:
+                return
+            self.head = head
+            chunk, at, self._start = bytes(self._start), 0, bytearray()
+        self._hash(memoryview(chunk), at, self.head)
+
+    def _parse(self) -> Head | None:
+        """The head, once the bytes received hold it (checked against the event's)."""
+        if len(self._start) < PREFIX_NBYTES:
+            return None
+        with memoryview(self._start) as start:  # (released: the bytearray may grow again)
+            if len(start) < PREFIX_NBYTES + parse_prefix(start, self.where)[0]:
+                return None
+            head = parse_head(start, self.where, actual_nbytes=self.nbytes)
+        check_header(head, self.header_digest, self.where)
+        if self.identity is not None:
+            _check_identity(head, self.identity, self.where)
+        return head
+
+    def _hash(self, view: memoryview, at: int, head: Head) -> None:
+        """Hash the blob bytes in `view` (the file's bytes from `at`); check each blob it ends.
+        (Blobs lie in order without overlaps: `parse_head` checked the layout.)"""
+        end = at + len(view)
+        blobs = head.header.blobs
+        while self._blob < len(blobs):
+            lo = head.data_offset + blobs[self._blob].offset
+            hi = lo + blobs[self._blob].nbytes
+            if (s := max(lo, at)) < (e := min(hi, end)):
+                self._hasher.update(view[s - at : e - at])
+            if hi > end:
+                return
+            check_blob(self.where, head.header, self._blob, self._hasher.digest())
+            self._hasher.reset()
+            self._blob += 1
+
+
+async def _receive(chunks: AsyncIterator[bytes], landing: _Landing) -> None:
+    """Receive `chunks` on the event loop while a worker thread writes and checks the batches
+    received before (`landing`); raise the first failure of either (never a group)."""
+    send, recv = anyio.create_memory_object_stream[list[bytes]](_QUEUED_BATCHES)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_write, recv, landing)
+            async with send:
+                await _batch(chunks, send, landing.nbytes, landing.where)
+    except BaseExceptionGroup as group:
+        raise _first(group) from None
+    await anyio.to_thread.run_sync(landing.finish)
+
+
+async def _batch(
+    chunks: AsyncIterator[bytes], send: ObjectSendStream[list[bytes]], limit: int, where: str
+) -> None:
+    """Send what `chunks` yields in batches (a source sending more than `limit` bytes is
+    refused as soon as it does)."""
     batch: list[bytes] = []
-    pending = written = 0
+    pending = total = 0
     async for chunk in chunks:
-        if written + pending + len(chunk) > limit:
+        total += len(chunk)
+        if total > limit:
             raise ShardFormatError(where, f"more than the {limit} bytes expected")
         batch.append(chunk)
         pending += len(chunk)
         if pending >= _BATCH_BYTES:
-            written += await anyio.to_thread.run_sync(_pwritev, fd, batch, written)
+            await send.send(batch)
             batch, pending = [], 0
     if batch:
-        written += await anyio.to_thread.run_sync(_pwritev, fd, batch, written)
-    return written
+        await send.send(batch)
+
+
+async def _write(recv: ObjectReceiveStream[list[bytes]], landing: _Landing) -> None:
+    async with recv:
+        async for batch in recv:
+            await anyio.to_thread.run_sync(landing.feed, batch)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The failure that ended a copy: a project error first (the writer's verdict, not the
+    receiver's cancellation), else the first."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(reversed(e.exceptions))
+        else:
+            leaves.append(e)
+    cancelled = anyio.get_cancelled_exc_class()
+    for kind in (TierpipeError, OSError, Exception):
+        if (found := next((e for e in leaves if isinstance(e, kind)), None)) is not None:
+            return found
+    return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
 
 
 def _pwritev(fd: int, buffers: list[bytes], offset: int) -> int:
@@ -203,12 +328,33 @@ def _pwritev(fd: int, buffers: list[bytes], offset: int) -> int:
     return total
 
 
-def _check_identity(path: Path, want: ShardIdentity) -> None:
-    h = read_head(path).header
+def _writeback_call() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # (not Linux: the fsync at the end does it all)
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _writeback_call()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing the range to the device without waiting (`sync_file_range(2)`); a hint
+    only: durability is the fsync's, so a failure here is ignored."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _check_identity(head: Head, want: ShardIdentity, where: str) -> None:
+    h = head.header
     got = (h.job, h.step, h.rank, h.world_size, h.epoch)
     expected = (want.job, want.step, want.rank, want.world_size, want.epoch)
     if got != expected:
-        raise IntegrityError(str(path), "identity (job, step, rank, world, epoch)",
+        raise IntegrityError(where, "identity (job, step, rank, world, epoch)",
                              str(expected), str(got))  # fmt: skip
 
 
