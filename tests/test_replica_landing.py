@@ -5,17 +5,19 @@ leaves no file; a bad blob fails it when that blob ends, without waiting for the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import io
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
-import anyio.lowlevel
 import pytest
 import torch
 
 from tierpipe.errors import IntegrityError, ShardFormatError
-from tierpipe.peer.replicas import Replicas
+from tierpipe.peer.replicas import ReadInto, Replicas
 from tierpipe.schemas import ShardIdentity
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
@@ -41,11 +43,10 @@ def corrupt(data: bytearray, path: Path, blob: int, at: int = 777) -> None:
     data[head.data_offset + head.header.blobs[blob].offset + at] ^= 0x5A
 
 
-async def pieces(data: bytes | bytearray, size: int = 300_000) -> AsyncIterator[bytes]:
+def pieces(data: bytes | bytearray, size: int = 300_000) -> ReadInto:
     """`data` as a socket delivers it: in pieces that straddle every boundary."""
-    for at in range(0, len(data), size):
-        yield bytes(data[at : at + size])
-        await anyio.lowlevel.checkpoint()
+    source = io.BytesIO(data)
+    return lambda view: source.readinto(view[:size])
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,15 @@ def identity(step: int = 3) -> ShardIdentity:
     return Shard(step=step)
 
 
-async def land(tmp_path: Path, chunks: AsyncIterator[bytes], nbytes: int, digest: str,
-               want: ShardIdentity | None = None) -> Path:  # fmt: skip
+async def land(tmp_path: Path, read_into: ReadInto, nbytes: int, digest: str,
+               want: ShardIdentity | None = None, abort: Callable[[], None] = lambda: None
+               ) -> Path:  # fmt: skip
     replicas = Replicas(NvmeStore(tmp_path / "dst", direct_io=False))
     final = replicas.path("j", 3, 0, 1)
     try:
         with anyio.fail_after(30):
-            await replicas.land(chunks, final, nbytes=nbytes, header_digest=digest,
-                                identity=want)  # fmt: skip
+            await replicas.land(read_into, final, nbytes=nbytes, header_digest=digest,
+                                identity=want, abort=abort)  # fmt: skip
     finally:
         replicas.close()
     return final
@@ -111,13 +113,18 @@ async def test_a_bad_blob_is_refused_without_waiting_for_the_rest(tmp_path: Path
     data = bytearray(path.read_bytes())
     corrupt(data, path, 2)
 
-    async def then_stall() -> AsyncIterator[bytes]:
-        async for piece in pieces(data[: len(data) * 3 // 4]):
-            yield piece
-        await anyio.sleep_forever()
+    sent, aborted = pieces(data[: len(data) * 3 // 4]), threading.Event()
 
+    def then_stall(view: memoryview) -> int:
+        if n := sent(view):
+            return n
+        aborted.wait(60)  # (a socket shut down by `abort` returns at once)
+        return 0
+
+    t0 = time.monotonic()
     with pytest.raises(IntegrityError):
-        await land(tmp_path, then_stall(), len(data), digest)
+        await land(tmp_path, then_stall, len(data), digest, abort=aborted.set)
+    assert time.monotonic() - t0 < 30 and aborted.is_set()
     assert left(tmp_path) == []
 
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import xxhash
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
 from tierpipe.names import job_dirs, shard_relpath
@@ -49,16 +49,18 @@ from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import check_blob, check_header, read_head
 from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 
-__all__ = ("FOLDER", "Landed", "Replica", "Replicas")
+__all__ = ("FOLDER", "Landed", "ReadInto", "Replica", "Replicas")
 
 #: The folder of replicas under the NVMe root.
 FOLDER = ".peer"
 #: The temp files of replicas being received (`storage.lock.temp_path`).
 TEMP_STAGE = "replicate"
-#: Received bytes are written in batches of about this size (one thread hop each).
-_BATCH_BYTES = 4 << 20
-#: Batches received and not yet written at most (the memory one copy holds: about 3 batches).
-_QUEUED_BATCHES = 2
+#: Received bytes are read into buffers of this size, and written a buffer at a time.
+_BUFFER_BYTES = 4 << 20
+#: Buffers per copy (being read into, waiting, being written): the memory one copy holds.
+_BUFFERS = 4
+#: A blocking read into a buffer: the bytes read, 0 at the end.
+ReadInto = Callable[[memoryview], int]
 #: The device is asked to start writing what was written every this many bytes, so the fsync
 #: at the end finds little left to write (the device works while bytes still arrive).
 _WRITEBACK_BYTES = 16 << 20
@@ -134,16 +136,24 @@ class Replicas:
 
     async def land(
         self,
-        chunks: AsyncIterator[bytes],
+        read_into: ReadInto,
         final: Path,
         *,
         nbytes: int,
         header_digest: str,
         identity: ShardIdentity | None = None,
+        abort: Callable[[], None] = lambda: None,
     ) -> Landed:
-        """Write the `nbytes` bytes `chunks` yields as the replica at `final`, durably, checking
-        every digest on the way, and place it once all passed and its header names the shard
-        `identity` names (if given) (see the module docstring).
+        """Write the `nbytes` bytes `read_into` reads as the replica at `final`, durably,
+        checking every digest on the way, and place it once all passed and its header names the
+        shard `identity` names (if given) (see the module docstring).
+
+        Args:
+            read_into: a blocking read into a buffer (the bytes read; 0 at the end), called in
+                a worker thread (e.g. `http.client.HTTPResponse.readinto`); it raises the
+                project's errors.
+            abort: makes a `read_into` blocked in another thread return (e.g. shuts its
+                socket down); called when the copy fails or is cancelled.
 
         Raises:
             NoSpaceError: the NVMe cannot take it (nothing is left behind).
@@ -163,7 +173,7 @@ class Replicas:
                     fallocate, fd, nbytes, final.parent, self.nvme.reserve_bytes
                 )
                 landing = _Landing(fd, str(final), nbytes, header_digest, identity)
-                await _receive(chunks, landing)
+                await _receive(read_into, landing, abort)
                 await anyio.to_thread.run_sync(os.fsync, fd)
             except OSError as e:
                 raise io_error(e, str(final), nbytes, self.nvme.reserve_bytes) from e
@@ -196,7 +206,7 @@ class _Landing:
         self._blob = 0  # the blob being hashed
         self._hasher = xxhash.xxh3_128()
 
-    def feed(self, batch: list[bytes]) -> None:
+    def feed(self, batch: list[memoryview]) -> None:
         """Write `batch` next, and check what it completes."""
         at = self.written
         self.written += _pwritev(self.fd, batch, at)
@@ -215,14 +225,14 @@ class _Landing:
         if self.head is None or self._blob != len(self.head.header.blobs):
             raise ShardFormatError(self.where, "the file ended before its last blob")
 
-    def _check(self, chunk: bytes, at: int) -> None:
+    def _check(self, chunk: memoryview, at: int) -> None:
         if self.head is None:
             self._start += chunk
             if (head := self._parse()) is None:
                 return
             self.head = head
-            chunk, at, self._start = bytes(self._start), 0, bytearray()
-        self._hash(memoryview(chunk), at, self.head)
+            chunk, at, self._start = memoryview(bytes(self._start)), 0, bytearray()
+        self._hash(chunk, at, self.head)
 
     def _parse(self) -> Head | None:
         """The head, once the bytes received hold it (checked against the event's)."""
@@ -254,44 +264,80 @@ class _Landing:
             self._blob += 1
 
 
-async def _receive(chunks: AsyncIterator[bytes], landing: _Landing) -> None:
-    """Receive `chunks` on the event loop while a worker thread writes and checks the batches
-    received before (`landing`); raise the first failure of either (never a group)."""
-    send, recv = anyio.create_memory_object_stream[list[bytes]](_QUEUED_BATCHES)
+async def _receive(read_into: ReadInto, landing: _Landing, abort: Callable[[], None]) -> None:
+    """Receive in one worker thread while another writes and checks what came before
+    (`landing`), through a small pool of buffers; raise the first failure of either (never a
+    group). A cancelled copy aborts the read, so neither thread outlives it."""
+    pool = _Pool()
+
+    async def watch() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            pool.stop()
+            abort()
+
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_write, recv, landing)
-            async with send:
-                await _batch(chunks, send, landing.nbytes, landing.where)
+            tg.start_soon(watch)
+            async with anyio.create_task_group() as copy:
+                copy.start_soon(anyio.to_thread.run_sync, _read, read_into, pool, landing)
+                copy.start_soon(anyio.to_thread.run_sync, _write, pool, landing, abort)
+            tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise _first(group) from None
     await anyio.to_thread.run_sync(landing.finish)
 
 
-async def _batch(
-    chunks: AsyncIterator[bytes], send: ObjectSendStream[list[bytes]], limit: int, where: str
-) -> None:
-    """Send what `chunks` yields in batches (a source sending more than `limit` bytes is
-    refused as soon as it does)."""
-    batch: list[bytes] = []
-    pending = total = 0
-    async for chunk in chunks:
-        total += len(chunk)
-        if total > limit:
-            raise ShardFormatError(where, f"more than the {limit} bytes expected")
-        batch.append(chunk)
-        pending += len(chunk)
-        if pending >= _BATCH_BYTES:
-            await send.send(batch)
-            batch, pending = [], 0
-    if batch:
-        await send.send(batch)
+class _Pool:
+    """Buffers between the reading and the writing thread: `free` ones to read into, `full`
+    ones to write (None: the end, or a stop)."""
+
+    def __init__(self) -> None:
+        self.free: queue.Queue[bytearray | None] = queue.Queue()
+        self.full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+        for _ in range(_BUFFERS):
+            self.free.put(bytearray(_BUFFER_BYTES))
+
+    def stop(self) -> None:
+        self.free.put(None)
+        self.full.put(None)
 
 
-async def _write(recv: ObjectReceiveStream[list[bytes]], landing: _Landing) -> None:
-    async with recv:
-        async for batch in recv:
-            await anyio.to_thread.run_sync(landing.feed, batch)
+def _read(read_into: ReadInto, pool: _Pool, landing: _Landing) -> None:
+    """Fill buffers from `read_into` until it ends; more than the expected bytes fail."""
+    total = 0
+    try:
+        while (buf := pool.free.get()) is not None:
+            with memoryview(buf) as view:
+                # (one byte more than expected is asked for: a longer source is caught)
+                want = view[: min(len(view), landing.nbytes + 1 - total)]
+                n = 0
+                while n < len(want) and (got := read_into(want[n:])):
+                    n += got
+            total += n
+            if total > landing.nbytes:
+                raise ShardFormatError(landing.where, f"more than the {landing.nbytes} bytes "
+                                       "expected")  # fmt: skip
+            pool.full.put((buf, n))
+            if n < len(want) or not n:
+                break
+    finally:
+        pool.full.put(None)
+
+
+def _write(pool: _Pool, landing: _Landing, abort: Callable[[], None]) -> None:
+    """Write and check each buffer filled; a failure stops the reading at once."""
+    try:
+        while (item := pool.full.get()) is not None:
+            buf, n = item
+            with memoryview(buf) as view:
+                landing.feed([view[:n]])
+            pool.free.put(buf)
+    except BaseException:
+        pool.stop()
+        abort()
+        raise
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
@@ -312,7 +358,7 @@ def _first(group: BaseExceptionGroup) -> BaseException:
     return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
 
 
-def _pwritev(fd: int, buffers: list[bytes], offset: int) -> int:
+def _pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
     """Write every buffer at `offset` (all of it, through short writes)."""
     total = sum(map(len, buffers))
     done = 0
