@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tierpipe.errors import IntegrityError, ShardFormatError
-from tierpipe.peer.replicas import ReadInto, Replicas
+from tierpipe.peer.landing import ReadInto
+from tierpipe.peer.replicas import Replicas
 from tierpipe.schemas import ShardIdentity
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
@@ -159,4 +160,25 @@ async def test_garbage_is_refused(tmp_path: Path) -> None:
     """Bytes that are no shard at all are refused on their prefix."""
     with pytest.raises(ShardFormatError):
         await land(tmp_path, pieces(bytes(1 << 20)), 1 << 20, "0" * 32)
+    assert left(tmp_path) == []
+
+
+async def test_a_cancelled_copy_stops_its_threads_and_leaves_nothing(tmp_path: Path) -> None:
+    """A copy cancelled while its source stalls aborts the blocked read (no thread outlives
+    it), raises nothing else and leaves no file."""
+    path, digest = sealed(tmp_path)
+    data = path.read_bytes()
+    sent, aborted = pieces(data[: len(data) // 2]), threading.Event()
+
+    def then_stall(view: memoryview) -> int:
+        if n := sent(view):
+            return n
+        aborted.wait(60)
+        return 0
+
+    t0 = time.monotonic()
+    with anyio.move_on_after(1) as scope:
+        await land(tmp_path, then_stall, len(data), digest, abort=aborted.set)
+    assert scope.cancelled_caught and aborted.is_set()
+    assert time.monotonic() - t0 < 30
     assert left(tmp_path) == []

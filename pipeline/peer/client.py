@@ -37,7 +37,8 @@ from tierpipe.errors import (
     ShardMissingError,
 )
 from tierpipe.names import validate_token
-from tierpipe.peer.replicas import Landed, ReadInto, Replicas
+from tierpipe.peer.landing import ReadInto
+from tierpipe.peer.replicas import Landed, Replicas
 from tierpipe.schemas import ShardIdentity, ShardReplicated, ShardVerified
 from tierpipe.storage.nvme import NvmeStore
 
