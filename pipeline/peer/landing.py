@@ -28,10 +28,11 @@ from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 
 __all__ = ("Landing", "ReadInto", "receive")
 
-#: Received bytes are read into buffers of this size, and written a buffer at a time.
-_BUFFER_BYTES = 4 << 20
+#: Received bytes are read into buffers of this size, and written a buffer at a time (1 MiB
+#: measured faster than 4 MiB: the writer starts sooner and the bytes are still in cache).
+_BUFFER_BYTES = 1 << 20
 #: Buffers per copy (being read into, waiting, being written): the memory one copy holds.
-_BUFFERS = 4
+_BUFFERS = 8
 #: A blocking read into a buffer: the bytes read, 0 at the end.
 ReadInto = Callable[[memoryview], int]
 #: The device is asked to start writing what was written every this many bytes, so the fsync
