@@ -16,7 +16,7 @@ import anyio
 import pytest
 import torch
 
-from tierpipe.errors import IntegrityError, ShardFormatError
+from tierpipe.errors import IntegrityError, PeerUnavailableError, ShardFormatError
 from tierpipe.peer.landing import ReadInto
 from tierpipe.peer.replicas import Replicas
 from tierpipe.schemas import ShardIdentity
@@ -109,7 +109,8 @@ async def test_a_wrong_byte_in_any_blob_is_refused_and_leaves_nothing(
 
 async def test_a_bad_blob_is_refused_without_waiting_for_the_rest(tmp_path: Path) -> None:
     """A source that stalls after sending a corrupt middle blob is refused at once (the check
-    runs as the bytes arrive, not once the file is complete)."""
+    runs as the bytes arrive, not once the file is complete), with the digest's verdict, not
+    the failure of the read it aborted."""
     path, digest = sealed(tmp_path, tensors=8)
     data = bytearray(path.read_bytes())
     corrupt(data, path, 2)
@@ -119,8 +120,8 @@ async def test_a_bad_blob_is_refused_without_waiting_for_the_rest(tmp_path: Path
     def then_stall(view: memoryview) -> int:
         if n := sent(view):
             return n
-        aborted.wait(60)  # (a socket shut down by `abort` returns at once)
-        return 0
+        aborted.wait(60)  # (a socket shut down by `abort` fails the read at once)
+        raise PeerUnavailableError("source", "connection shut down")
 
     t0 = time.monotonic()
     with pytest.raises(IntegrityError):
@@ -157,9 +158,14 @@ async def test_fewer_or_more_bytes_are_refused(tmp_path: Path) -> None:
 
 
 async def test_garbage_is_refused(tmp_path: Path) -> None:
-    """Bytes that are no shard at all are refused on their prefix."""
+    """Bytes that are no shard at all are refused on their prefix, and so is a prefix whose
+    file size is not the event's (before a header of that size is gathered)."""
     with pytest.raises(ShardFormatError):
         await land(tmp_path, pieces(bytes(1 << 20)), 1 << 20, "0" * 32)
+    path, digest = sealed(tmp_path)
+    data = path.read_bytes()
+    with pytest.raises(ShardFormatError, match="the head says"):
+        await land(tmp_path, pieces(data + bytes(4096)), len(data) + 4096, digest)
     assert left(tmp_path) == []
 
 

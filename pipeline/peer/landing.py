@@ -88,7 +88,11 @@ class Landing:
         if len(self._start) < PREFIX_NBYTES:
             return None
         with memoryview(self._start) as start:  # (released: the bytearray may grow again)
-            if len(start) < PREFIX_NBYTES + parse_prefix(start, self.where)[0]:
+            header_nbytes, file_nbytes, _, _ = parse_prefix(start, self.where)
+            if file_nbytes != self.nbytes:  # (before a large header is gathered in memory)
+                raise ShardFormatError(self.where, f"the head says {file_nbytes} bytes, "
+                                       f"{self.nbytes} expected")  # fmt: skip
+            if len(start) < PREFIX_NBYTES + header_nbytes:
                 return None
             head = parse_head(start, self.where, actual_nbytes=self.nbytes)
         check_header(head, self.header_digest, self.where)
@@ -190,8 +194,8 @@ def _write(pool: _Pool, landing: Landing, abort: Callable[[], None]) -> None:
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
-    """The failure that ended a copy: a project error first (the writer's verdict, not the
-    receiver's cancellation), else the first."""
+    """The failure that ended a copy: a verdict on the bytes first (the writer's, not the read
+    it then aborted, which fails too), then any project error, else the first."""
     leaves: list[BaseException] = []
     stack: list[BaseException] = [group]
     while stack:
@@ -201,7 +205,10 @@ def _first(group: BaseExceptionGroup) -> BaseException:
         else:
             leaves.append(e)
     cancelled = anyio.get_cancelled_exc_class()
-    for kind in (TierpipeError, OSError, Exception):
+    kinds: tuple[type[BaseException] | tuple[type[BaseException], ...], ...] = (
+        (IntegrityError, ShardFormatError), TierpipeError, OSError, Exception,
+    )  # fmt: skip
+    for kind in kinds:
         if (found := next((e for e in leaves if isinstance(e, kind)), None)) is not None:
             return found
     return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
