@@ -236,12 +236,9 @@ async def fetch_shard(
 
 
 async def _body(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[bytes]:
-    # (each piece as the socket delivered it: `iter_chunked` would join pieces into a new
-    # buffer, one more copy of every byte on the event loop; the writer takes a list)
     with _translated(url):
-        async for chunk, _ in resp.content.iter_chunks():
-            if chunk:
-                yield chunk
+        async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
+            yield chunk
 
 
 async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
