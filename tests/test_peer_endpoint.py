@@ -51,10 +51,11 @@ def verified(settings: Settings, path: Path) -> ShardVerified:
     )  # fmt: skip
 
 
-def flip(path: Path) -> None:
-    """Flip a byte of the shard's first tensor (a copy changed after its verify)."""
+def flip(path: Path, *, blob: int = 0) -> None:
+    """Flip a byte of the shard's blob `blob` (a copy changed after its verify)."""
+    head = read_head(path)
     with open(path, "r+b") as f:
-        f.seek(read_head(path).data_offset + 100)
+        f.seek(head.data_offset + head.header.blobs[blob].offset + 100)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -276,3 +277,31 @@ async def test_a_copy_removed_before_its_partner_pulled_it_is_skipped_not_failed
             with pytest.raises(ShardFormatError):
                 await Replicate.handle(ctx, event, 1)
             ctx.replicas.close()
+
+
+async def test_a_blob_in_the_middle_corrupt_in_flight_is_refused_and_not_published(
+    settings: Settings, job: str, tmp_path: Path
+) -> None:
+    """A source file whose middle tensor changed after its verify (the head and the other
+    tensors intact) fails that tensor's digest as the bytes arrive: 422 naming it, no file at
+    the holder, nothing published."""
+    holder = settings.replace(node=f"{settings.node}-b", nvme_root=str(tmp_path / "nvme-b"))
+    with NvmeStore.from_settings(settings) as store:
+        path = Path(store.locate(job, 3, 0, 2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"t{i}": torch.full((300_000,), float(i)) for i in range(5)}
+    write_shard(path, state, job=job, step=3, rank=0, world_size=2, node=settings.node)
+    event = verified(settings, path)
+    flip(path, blob=2)
+    async with Bus(settings) as bus:
+        await bus.ensure_stream(job)
+        async with (
+            PeerServer(settings, bus, node=settings.node or "") as src,
+            PeerServer(holder, bus, node=holder.node or "") as dst,
+            PeerClient(token=None) as client,
+        ):
+            with pytest.raises(ShardFormatError, match=r"IntegrityError.*tensor t2"):
+                await client.replicate(dst.url, event, source_url=src.url)
+        assert await bus.history(f"tp.{job}.replicated.>") == []
+    peer = tmp_path / "nvme-b" / ".peer"
+    assert [p for p in peer.rglob("*") if p.is_file()] == []

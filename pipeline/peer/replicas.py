@@ -6,25 +6,31 @@ below the `.peer` folder (`.peer/<job>/step-<step>/rank-<rank>-of-<world>.shard`
 no job name (`names.job_dirs` skips it), so the node's own copies, their retention and their
 jobs never see replicas.
 
-`land` writes one as the NVMe writer writes a shard: into a temp file beside the final path
-(preallocated: a full disk fails before the first byte), fsynced; then re-read from the device
-and every digest checked (`NvmeStore.verify_file`) before it is renamed into place and the
-directory fsynced. So a final replica is complete and verified, or absent; one that fails any
-check is removed and never published.
+`land` writes one into a temp file beside the final path (preallocated: a full disk fails before
+the first byte) while it arrives, and checks it on the bytes received as they pass (`landing`:
+one thread reads, another writes, so receiving and writing overlap): the head, the header
+digest against the `verified` event's, the shard's identity, then every blob's xxh3-128 digest.
+A wrong byte fails the copy as soon as its blob ends. Once every byte came and every digest
+matched, the file is fsynced, renamed into place and the directory fsynced. So a final replica
+is complete, its every digest checked on the bytes received, and durable, or absent; one that
+fails any check is removed and never published. It is not re-read from the device before it is
+placed (that re-read cost as much as the copy itself): a restore checks every digest again as
+it reads the replica back.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
-from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
+from tierpipe.errors import TierpipeError
 from tierpipe.names import job_dirs, shard_relpath
+from tierpipe.peer.landing import Landing, ReadInto, receive
 from tierpipe.schemas import ShardIdentity
 from tierpipe.settings import Settings
 from tierpipe.storage.durable import (
@@ -44,8 +50,6 @@ __all__ = ("FOLDER", "Landed", "Replica", "Replicas")
 FOLDER = ".peer"
 #: The temp files of replicas being received (`storage.lock.temp_path`).
 TEMP_STAGE = "replicate"
-#: Received bytes are written in batches of about this size (one thread hop each).
-_BATCH_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +122,24 @@ class Replicas:
 
     async def land(
         self,
-        chunks: AsyncIterator[bytes],
+        read_into: ReadInto,
         final: Path,
         *,
         nbytes: int,
         header_digest: str,
         identity: ShardIdentity | None = None,
+        abort: Callable[[], None] = lambda: None,
     ) -> Landed:
-        """Write the `nbytes` bytes `chunks` yields as the replica at `final`, durably, and
-        place it once the device's copy passed every check (see the module docstring) and its
-        header names the shard `identity` names (if given).
+        """Write the `nbytes` bytes `read_into` reads as the replica at `final`, durably,
+        checking every digest on the way, and place it once all passed and its header names the
+        shard `identity` names (if given) (see the module docstring).
+
+        Args:
+            read_into: a blocking read into a buffer (the bytes read; 0 at the end), called in
+                a worker thread (e.g. `http.client.HTTPResponse.readinto`); it raises the
+                project's errors.
+            abort: makes a `read_into` blocked in another thread return (e.g. shuts its
+                socket down); called when the copy fails or is cancelled.
 
         Raises:
             NoSpaceError: the NVMe cannot take it (nothing is left behind).
@@ -146,17 +158,13 @@ class Replicas:
                 await anyio.to_thread.run_sync(
                     fallocate, fd, nbytes, final.parent, self.nvme.reserve_bytes
                 )
-                got = await _write_all(fd, chunks, nbytes, str(final))
-                if got != nbytes:
-                    raise ShardFormatError(str(final), f"{got} bytes received, {nbytes} expected")
+                landing = Landing(fd, str(final), nbytes, header_digest, identity)
+                await receive(read_into, landing, abort)
                 await anyio.to_thread.run_sync(os.fsync, fd)
             except OSError as e:
                 raise io_error(e, str(final), nbytes, self.nvme.reserve_bytes) from e
             finally:
                 os.close(fd)
-            await self.nvme.verify(tmp, header_digest=header_digest, nbytes=nbytes)
-            if identity is not None:
-                await anyio.to_thread.run_sync(_check_identity, tmp, identity)
             await anyio.to_thread.run_sync(_place, tmp, final)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -167,49 +175,6 @@ class Replicas:
     async def remove(self, replica: Replica) -> bool:
         """Remove `replica` durably, if it still holds that save."""
         return await self.nvme.delete(replica.path, header_digest=replica.header_digest)
-
-
-async def _write_all(fd: int, chunks: AsyncIterator[bytes], limit: int, where: str) -> int:
-    """Write what `chunks` yields at the start of `fd`, in batches; the bytes written (a source
-    sending more than `limit` is refused as soon as it does)."""
-    batch: list[bytes] = []
-    pending = written = 0
-    async for chunk in chunks:
-        if written + pending + len(chunk) > limit:
-            raise ShardFormatError(where, f"more than the {limit} bytes expected")
-        batch.append(chunk)
-        pending += len(chunk)
-        if pending >= _BATCH_BYTES:
-            written += await anyio.to_thread.run_sync(_pwritev, fd, batch, written)
-            batch, pending = [], 0
-    if batch:
-        written += await anyio.to_thread.run_sync(_pwritev, fd, batch, written)
-    return written
-
-
-def _pwritev(fd: int, buffers: list[bytes], offset: int) -> int:
-    """Write every buffer at `offset` (all of it, through short writes)."""
-    total = sum(map(len, buffers))
-    done = 0
-    views = [memoryview(b) for b in buffers]
-    while done < total:
-        n = os.pwritev(fd, views, offset + done)
-        done += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
-
-
-def _check_identity(path: Path, want: ShardIdentity) -> None:
-    h = read_head(path).header
-    got = (h.job, h.step, h.rank, h.world_size, h.epoch)
-    expected = (want.job, want.step, want.rank, want.world_size, want.epoch)
-    if got != expected:
-        raise IntegrityError(str(path), "identity (job, step, rank, world, epoch)",
-                             str(expected), str(got))  # fmt: skip
 
 
 def _place(tmp: Path, final: Path) -> None:
