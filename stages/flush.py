@@ -203,9 +203,15 @@ async def _follow_floors(ctx: Flush, tg: TaskGroup) -> None:
             store = await JobStore(ctx.bus.js, settings).open()
             async for job, floors in store.watch_floors():
                 delay = settings.retry_base_s
+                last = ctx.later.named(job)
                 if due := ctx.later.due(job, floors):
                     log.info("upload_due", job=job, step=floors.upload, shards=len(due))
                     tg.start_soon(_upload_all, ctx, due)
+                if last is not None and 0 <= floors.upload < last:
+                    # A lower target (a rewind made the last one never to complete): its
+                    # shards were let go when a newer target passed them; found again from
+                    # this node's events, as at start.
+                    tg.start_soon(_redrive, ctx, job, floors.upload)
         except TierpipeError as e:
             log.warning("flush_floors_unwatched", error=str(e), retry_s=delay)
         await anyio.sleep(delay)
@@ -348,15 +354,17 @@ async def _abort_orphans(ctx: Flush) -> None:
         delay = min(delay * 2, settings.retry_max_s)
 
 
-async def _redrive(ctx: Flush) -> None:
+async def _redrive(ctx: Flush, job: str | None = None, step: int | None = None) -> None:
     """Handle again every verified shard of this node that has no `flushed` event and is still
     on NVMe: an agent that gave up on it (older versions did, after `max_deliver` attempts
-    during a long outage) or held it for a later target when it stopped left it unflushed."""
+    during a long outage) or held it for a later target when it stopped left it unflushed.
+    `job`, `step`: only that job's shards (of that step)."""
     settings = ctx.settings
     delay = settings.retry_base_s
     while True:
         try:
-            pending = await _unflushed(ctx.bus, ctx.nvme, ctx.node)
+            pending = await _unflushed(ctx.bus, ctx.nvme, ctx.node, job)
+            pending = [e for e in pending if step is None or e.step == step]
             break
         except UnavailableError as e:
             log.warning("flush_redrive_deferred", error=str(e), retry_s=delay)
@@ -371,13 +379,17 @@ async def _redrive(ctx: Flush) -> None:
     await _upload_all(ctx, pending)
 
 
-async def _unflushed(bus: Bus, nvme: NvmeStore, node: str) -> list[ShardVerified]:
+async def _unflushed(
+    bus: Bus, nvme: NvmeStore, node: str, only: str | None = None
+) -> list[ShardVerified]:
     """This node's newest `verified` per shard with no `flushed` of the same content, not
-    evicted since, whose file is still there. Only this node's subjects are read."""
+    evicted since, whose file is still there (of job `only`, if given). Only this node's
+    subjects are read."""
     verified: dict[tuple[str, int, int], ShardVerified] = {}
     flushed: set[tuple[str, int, int, str]] = set()
     evicted: dict[tuple[str, int, int], float] = {}
-    for job in sorted(job_dirs(nvme.root)):  # (a job with no copy here has nothing to flush)
+    # (a job with no copy here has nothing to flush)
+    for job in sorted(job_dirs(nvme.root) & ({only} if only else job_dirs(nvme.root))):
         for e in await bus.history(shard_subject(job, "verified", node, "*")):
             if isinstance(e, ShardVerified):
                 verified[(e.job, e.step, e.rank)] = e

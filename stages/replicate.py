@@ -75,21 +75,21 @@ class Replicate:
     replicas: Replicas
     store: JobStore
     floors: dict[str, Floors] = field(default_factory=dict)
-    _partners: dict[str, tuple[float, list[Partner], list[str]]] = field(default_factory=dict)
+    _partners: dict[str, tuple[float, list[Partner], int, list[str]]] = field(default_factory=dict)
     _batcher: Batcher | None = None
 
-    async def partners(self, job: str) -> tuple[list[Partner], list[str]]:
-        """This node's partners in `job` whose agents are alive, and the ones that should be
-        but are silent (read again after `PARTNERS_TTL_S`).
+    async def partners(self, job: str) -> tuple[list[Partner], int, list[str]]:
+        """This node's partners in `job` whose agents are alive, in ring order (the first `n`
+        are its partners; the others stand in for one that refuses), `n`, and the silent ones
+        among the first `n` (read again after `PARTNERS_TTL_S`).
 
         The ring is made of the nodes whose records list the job, serve an endpoint, and were
         heard from within `PARTNER_GONE_S` (a node whose agent stopped, or that stayed silent
-        longer, has left the job): so a partner that restarts is waited for, not skipped, while
-        a node gone for good hands its place on to the next one.
+        longer, has left the job and hands its place on to the next one).
         """
         cached = self._partners.get(job)
         if cached is not None and time.monotonic() - cached[0] < PARTNERS_TTL_S:
-            return cached[1], cached[2]
+            return cached[1], cached[2], cached[3]
         gone_s = max(PARTNER_GONE_S, MISSED_BEATS * self.settings.node_heartbeat_s)
         records = {
             r.node: r
@@ -102,20 +102,23 @@ class Replicate:
         now = time.time()
         order = partners(ring.items(), self.node, len(ring))
         alive = [Partner(p, records[p].peer_url) for p in order if records[p].alive(now)]
-        found, missing = alive[:n], [p for p in order[:n] if not records[p].alive(now)]
-        if len(found) == n:
-            missing = []
-        self._partners[job] = (time.monotonic(), found, missing)
-        return found, missing
+        missing = [p for p in order[:n] if not records[p].alive(now)]
+        self._partners[job] = (time.monotonic(), alive, n, missing)
+        return alive, n, missing
 
     async def handle(self, event: ShardVerified, attempt: int) -> None:
-        """Have each partner copy the shard (all are asked; then the first failure raises,
-        or, with too few partners alive, a retryable error naming the silent ones)."""
+        """Have `n` partners copy the shard: the first ones in ring order, the next one alive
+        standing in for any that refuses or cannot be reached (a node killed a moment ago
+        still looks alive in its record); with fewer copies made, the first failure raises
+        (a retryable error naming the silent partners, if none answered at all)."""
         if event.node != self.node:
             return None
         failed: TierpipeError | None = None
-        found, missing = await self.partners(event.job)
-        for partner in found:
+        candidates, n, missing = await self.partners(event.job)
+        made = 0
+        for partner in candidates:
+            if made == n:
+                break
             try:
                 done = await self.client.replicate(partner.url, event, source_url=self.url)
             except ShardMissingError as e:
@@ -132,12 +135,13 @@ class Replicate:
                 self._partners.pop(event.job, None)  # (read the ring again next time)
                 failed = failed or e
                 continue
+            made += 1
             log.debug("replica_made", partner=partner.node, seconds=done.seconds)
-        if failed is not None:
-            raise failed
-        if missing:
+        if made < n:
             self._partners.pop(event.job, None)
-            raise PeerUnavailableError(", ".join(missing), "partner agent silent (waited for)")
+            if failed is not None:
+                raise failed
+            raise PeerUnavailableError(", ".join(missing) or event.job, "no partner alive")
         return None
 
     # --- retention of the replicas held here

@@ -122,7 +122,10 @@ def test_node_loss_restart_resumes_exactly(
     assert len(restored) == WORLD and len(steps) == 1, restored
     step = steps.pop()
     assert step >= 2 * EVERY and step % EVERY == 0
-    assert [restored[r]["tier"] for r in range(WORLD)] == ["nvme", "nvme", "s3", "s3"]
+    # Survivors read their NVMe; the replaced node's ranks a replica on their partner (node a)
+    # or, where none was made yet, object storage.
+    tiers = [restored[r]["tier"] for r in range(WORLD)]
+    assert tiers[:2] == ["nvme", "nvme"] and set(tiers[2:]) <= {"peer", "s3"}, tiers
     for r in range(WORLD):
         assert restored[r]["digest"] == saved[(r, step)], f"rank {r} restored state differs"
         assert finals[r] == expected[r], f"rank {r} did not continue exactly"

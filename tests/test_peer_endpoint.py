@@ -268,9 +268,23 @@ async def test_a_copy_removed_before_its_partner_pulled_it_is_skipped_not_failed
                 await JobStore(bus.js, source).open(),
             )  # fmt: skip
             # (the ring, as the node records would give it)
-            ctx._partners[job] = (time.monotonic(), [Partner(holder.node or "", dst.url)], [])
+            ctx._partners[job] = (time.monotonic(), [Partner(holder.node or "", dst.url)], 1, [])
             assert await Replicate.handle(ctx, event, 1) is None
+            # A partner that cannot be reached (killed a moment ago: its record still looks
+            # alive) is stood in for by the next one alive in the ring.
+            path = own_copy(source, job, step=5)
+            dead = Partner("gone", "http://127.0.0.1:9")  # (nothing listens on the discard port)
+            ctx._partners[job] = (
+                time.monotonic(),
+                [dead, Partner(holder.node or "", dst.url)],
+                1,
+                [],
+            )
+            assert await Replicate.handle(ctx, verified(source, path), 1) is None
+            with NvmeStore.from_settings(holder) as store:
+                assert (Path(store.root) / ".peer" / job / "step-000000000005").is_dir()
             # A copy still there is not skipped: its partner's refusal fails the message.
+            ctx._partners[job] = (time.monotonic(), [Partner(holder.node or "", dst.url)], 1, [])
             path = own_copy(source, job, step=4)
             event = verified(source, path)
             flip(path)

@@ -285,3 +285,17 @@ def test_a_rewound_run_gets_a_lower_target_and_its_held_shards_are_kept_for_it()
     assert later.due("j", Floors(upload=10)) == [v] and len(later) == 0
     later.hold(v)
     assert later.due("j", Floors(upload=12)) == [] and len(later) == 0  # (a new, newer target)
+
+
+def test_a_lower_target_is_told_apart() -> None:
+    """The flush stage finds a lower target's shards again from its events (a rewind made the
+    last target never to complete, and the shards of the lower one were let go when that one
+    passed them): `Later.named` says what was named before."""
+    from tierpipe.control.upload import Later
+
+    later = Later()
+    assert later.named("j") is None
+    later.due("j", Floors(upload=20))
+    assert later.named("j") == 20
+    later.due("j", Floors(upload=16))
+    assert later.named("j") == 16

@@ -104,6 +104,10 @@ class Later:
         del ranks[event.rank]
         return True
 
+    def named(self, job: str) -> int | None:
+        """The target the floors of `job` named last (None: none seen yet)."""
+        return self._named.get(job)
+
     def due(self, job: str, floors: Floors) -> list[ShardVerified]:
         """The shards of the step `floors` name for upload, taken; if that is a new target,
         those below it dropped (not before: a rewound run's steps may be named next)."""
