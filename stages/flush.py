@@ -1,24 +1,20 @@
 """Flush stage: `verified` -> upload to object storage, throttled -> `flushed`.
 
 The shard goes up as a checksummed multipart upload streamed from the NVMe file
-(`S3Store.write`); the runner keeps the message alive with heartbeats during long uploads. A store
-outage (down or hung) is retried in place for as long as it lasts (the NVMe copy stays, since
-only `flushed` lets retention remove it); refused credentials are permanent. On start, multipart
-uploads this node left behind (a killed worker's) are aborted, and every verified shard of this
-node that was never flushed (an older agent gave up on it) is looked at again: uploaded if the
-job wants its step, remembered if it may yet.
+(`S3Store.write`; the runner heartbeats long uploads). A store outage is retried in place for as
+long as it lasts; refused credentials are permanent. On start, multipart uploads a killed worker
+of this node left behind are aborted, and this node's verified shards never flushed are looked at
+again: uploaded if the job wants their step, remembered if it may yet.
 
-Only the steps the job wants in object storage are uploaded (`tierpipe.retention.kept.
-upload_wanted`, read from the job state in KV): the upload target its coordinator names
-(`Floors.upload`: every node uploads the same step, the newest complete on NVMe once the previous
-one is complete in object storage) and the steps `Keep.s3_keep_period` keeps. A shard verified
-for the target is uploaded at once; one of another step is remembered (in memory, acked), and
-uploaded, its `flushed` published by this stage, if the floors (watched in KV) name its step
-(a newer one, or a lower one after a rewind); those below a new target are forgotten (the
-evict stage removes them as superseded). An upload of a step the job no longer wants is
-cancelled (its multipart upload aborted); and an object completed just as the floors passed the
-step is removed again, unreported, since the coordinator may have removed the step's objects
-already. A job state that cannot be read defers the upload (an outage), never starts it.
+Only the steps the job wants in object storage go up (`retention.kept.upload_wanted`, from the
+job state in KV): the upload target its coordinator names (`Floors.upload`: the same step on
+every node) and the steps `Keep.s3_keep_period` keeps. A shard verified for the target is uploaded
+at once; one of another step is remembered (in memory, acked) and uploaded, its `flushed`
+published here, if the floors (watched) name its step (a newer one, or a lower one after a
+rewind: then found again from this node's events); those below a new target are forgotten (evict
+removes them as superseded). An upload of a step the job no longer wants is cancelled (its
+multipart upload aborted), and an object completed just as the floors passed its step is removed
+again, unreported. A job state that cannot be read defers the upload, never starts it.
 
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
@@ -31,6 +27,7 @@ node's rate and the share applies.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -65,6 +62,7 @@ from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.store import S3Store, Uploaded
 from tierpipe.storage.store import SealedFile
 from tierpipe.throttle import JobThrottles, Throttle, also_paced_by
+from tierpipe.worker import OUTAGE_REPORT_EVERY_S
 
 __all__ = ("KINDS", "STAGE", "Flush", "apply_control", "handle", "open")
 
@@ -72,8 +70,7 @@ STAGE = "flush"
 KINDS = ("verified",)
 log = structlog.get_logger(__name__)
 _control_decoder = msgspec.json.Decoder(FlushControl)
-#: How often an upload in progress looks at its job's floors again (direct KV gets: the floors
-#: watch names new targets, but a cancelled upload must not wait behind the watch's handler).
+#: How often an upload in progress looks at its job's floors again (direct KV gets).
 KEPT_RECHECK_S = 5.0
 
 
@@ -86,15 +83,13 @@ class Flush:
     s3: S3Store
     #: The job states in KV (what object storage keeps: `kept_in_s3`).
     state: JobStore
-    #: One upload per key at a time: the start-up re-drive and a redelivered message may meet,
-    #: and an upload aborts earlier uploads at its key.
+    #: One upload per key at a time (a re-drive and a redelivery may meet; each aborts others).
     uploads: _KeyLocks = field(default_factory=lambda: _KeyLocks())
     #: This node's share of each job's flush budget.
     jobs: JobThrottles = field(default_factory=JobThrottles)
     #: Jobs whose objects were found bound to this agent's store (`bind_location`).
     bound: set[str] = field(default_factory=set)
-    #: This node's `verified` of steps newer than the upload target, uploaded if the floors
-    #: name their step (`_follow_floors`), forgotten once the target passes it.
+    #: This node's `verified` of steps not named yet (`_follow_floors` uploads them).
     later: Later = field(default_factory=Later)
 
 
@@ -224,7 +219,7 @@ async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
     reported (`failed`) as the runner would; one shard's problem does not stop the rest."""
     settings = ctx.settings
     for event in events:
-        delay, attempt = settings.retry_base_s, 1
+        delay, attempt, reported = settings.retry_base_s, 1, -OUTAGE_REPORT_EVERY_S
         while True:
             try:
                 with unit_of_work(job=event.job, step=event.step, rank=event.rank):
@@ -239,12 +234,16 @@ async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
             except Exception as e:  # an outage is waited out, like the runner does
                 retry = isinstance(e, UnavailableError)
                 log.warning("flush_redrive_deferred" if retry else "flush_redrive_skipped",
-                            step=event.step, rank=event.rank, error=text(e))  # fmt: skip
-                with contextlib.suppress(Exception):  # (a report is never the failure)
-                    await ctx.bus.publish(event.follow(
-                        StageFailed, node=ctx.node, stage=STAGE, error=type(e).__name__,
-                        message=text(e), retryable=retry, attempt=attempt,
-                    ))  # fmt: skip
+                            step=event.step, rank=event.rank, error_type=type(e).__name__,
+                            error=text(e))  # fmt: skip
+                # (an outage reported at once, then at most every minute: as the runner does)
+                if not retry or time.monotonic() - reported >= OUTAGE_REPORT_EVERY_S:
+                    reported = time.monotonic()
+                    with contextlib.suppress(Exception):  # (a report is never the failure)
+                        await ctx.bus.publish(event.follow(
+                            StageFailed, node=ctx.node, stage=STAGE, error=type(e).__name__,
+                            message=text(e), retryable=retry, attempt=attempt,
+                        ))  # fmt: skip
                 if not retry:
                     break
                 await anyio.sleep(delay)

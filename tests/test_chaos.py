@@ -122,10 +122,12 @@ def test_node_loss_restart_resumes_exactly(
     assert len(restored) == WORLD and len(steps) == 1, restored
     step = steps.pop()
     assert step >= 2 * EVERY and step % EVERY == 0
-    # Survivors read their NVMe; the replaced node's ranks a replica on their partner (node a)
-    # or, where none was made yet, object storage.
+    # Survivors read their NVMe, or object storage where the step restored is one their NVMe no
+    # longer keeps (no replica of the replaced node's ranks of a newer one was made yet: a
+    # loaded machine); the replaced node's ranks a replica on node a, or object storage.
     tiers = [restored[r]["tier"] for r in range(WORLD)]
-    assert tiers[:2] == ["nvme", "nvme"] and set(tiers[2:]) <= {"peer", "s3"}, tiers
+    assert set(tiers[:2]) <= {"nvme", "s3"} and set(tiers[2:]) <= {"peer", "s3"}, tiers
+    assert "peer" not in tiers or tiers[:2] == ["nvme", "nvme"], tiers
     for r in range(WORLD):
         assert restored[r]["digest"] == saved[(r, step)], f"rank {r} restored state differs"
         assert finals[r] == expected[r], f"rank {r} did not continue exactly"

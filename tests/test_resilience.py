@@ -244,8 +244,8 @@ def test_a_deleted_stream_is_recreated_by_the_running_agent_and_trainer(
         recreated = ("stream_recreated", "consumer_recreated")
         return collections.Counter(x["stage"] for x in lines if x["event"] in recreated)
 
-    wait_until(lambda: len(said()) == 4, what="every stage to rebind")
-    assert said() == {"nvme-write": 1, "verify": 1, "flush": 1, "evict": 1}, said()
+    wait_until(lambda: len(said()) == 5, what="every stage to rebind")
+    assert said() == {"nvme-write": 1, "verify": 1, "replicate": 1, "flush": 1, "evict": 1}, said()
     assert running.proc is not None and running.proc.poll() is None
 
 
