@@ -37,9 +37,11 @@ Per trial and mode:
 The replica copy rate: the same shard-sized file copied between two local processes over a
 loopback TCP socket (`socket_copy_s`: `sendfile` on one side, write + fsync on the other) against
 the replica transport's copy (`replica_copy_s`); `replica_vs_socket` is null where the build has no
-peer transport. The copies are of the newest shard a survivor still holds after a replicas-on
-trial, fetched from its agent's peer endpoint (`tierpipe.peer.client.fetch_shard`: written
-durably, every digest checked) and sent by a socket copy, twice each, interleaved. The replica
+peer transport. The copies are of a 128 MiB shard (`COPY_BYTES`: a run's own few-MiB shards
+would measure a request's fixed cost, not a rate) written beside the newest shard a survivor
+still holds after a replicas-on trial, fetched from its agent's peer endpoint
+(`tierpipe.peer.client.fetch_shard`: written durably, every digest checked as the bytes arrive)
+and sent by a socket copy, twice each, interleaved. The replica
 events' own rate (`ShardReplicated` nbytes / seconds) is reported beside it
 (`replica_event_mib_s`).
 
@@ -280,8 +282,8 @@ def replica_copy_s(
 ) -> float:
     """Seconds to copy the verified shard of `shard` (a `ShardVerified` event) from the peer
     endpoint at `base_url` (an agent: another process) into `dest`, as a replica is copied
-    (`tierpipe.peer.client.fetch_shard`: streamed, written durably, re-read, every digest
-    checked; the re-read with O_DIRECT where `direct_io`, as the agent does by default).
+    (`tierpipe.peer.client.fetch_shard`: streamed, every digest checked as the bytes arrive,
+    written durably; `direct_io` is accepted and no longer changes anything).
     Raises ReplicasUnavailableError where this build has no peer transport."""
     import anyio
 
@@ -317,18 +319,53 @@ async def _peer_url(settings: Any, node: str) -> str:
     return str(getattr(record, "peer_url", "") or "")
 
 
-def _copies(settings: Any, verified: list[Any], nodes: list[str], work: Path, reps: int) -> Any:
-    """(socket copy seconds, replica copy seconds, nbytes) of the newest verified shard on one
-    of `nodes` that its agent still serves, each `reps` times, interleaved; no replica copies
-    (and a log line saying why) where there is no peer transport or no copy worked."""
+#: The size of the shard the copy rates are measured with: a run's own shards (a few MiB here)
+#: would measure a request's fixed cost, not a copy's rate (real shards are GiB).
+COPY_BYTES = 128 << 20
+#: The step of that shard (beside the run's steps on the serving node's NVMe; removed after).
+_COPY_STEP = 10**9
+
+
+def _copy_shard(shard: Any, nbytes: int) -> Any:
+    """A sealed shard of about `nbytes` at its own key beside `shard` (another step and world
+    size of the same job, on the same node's NVMe, so its agent's endpoint serves it), and its
+    identity as `replica_copy_s` reads it."""
+    import types
+
+    import torch
+
+    from tierpipe.storage.reader import read_head
+    from tierpipe.storage.shardfile import write_shard
+
+    root = Path(shard.path).parents[2]
+    path = root / shard.job / f"step-{_COPY_STEP:012d}" / "rank-00000-of-00001.shard"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"w": torch.rand(nbytes // 4)}
+    write_shard(path, state, job=shard.job, step=_COPY_STEP, rank=0, world_size=1, node=shard.node)
+    head = read_head(path)
+    return types.SimpleNamespace(
+        job=shard.job, step=_COPY_STEP, world_size=1, rank=0, path=str(path), node=shard.node,
+        nbytes=path.stat().st_size, header_digest=head.header_digest.hex(),
+    )  # fmt: skip
+
+
+def _copies(
+    settings: Any, verified: list[Any], nodes: list[str], work: Path, reps: int,
+    copy_bytes: int = COPY_BYTES,
+) -> Any:  # fmt: skip
+    """(socket copy seconds, replica copy seconds, nbytes) of a shard of `copy_bytes` beside
+    the newest verified shard on one of `nodes` that its agent still serves, each `reps` times,
+    interleaved; no replica copies (and a log line saying why) where there is no peer transport
+    or no copy worked."""
     import anyio
 
     tried: list[str] = []
-    for shard in sorted(verified, key=lambda e: e.step, reverse=True):
-        if shard.node not in nodes or not Path(shard.path).exists() or len(tried) >= 3:
+    for found in sorted(verified, key=lambda e: e.step, reverse=True):
+        if found.node not in nodes or not Path(found.path).exists() or len(tried) >= 3:
             continue
         sock: list[float] = []
         replica: list[float] = []
+        shard = _copy_shard(found, copy_bytes)
         try:
             for _ in range(reps):
                 sock.append(socket_copy_s(Path(shard.path), work / "socket.copy"))
@@ -348,6 +385,8 @@ def _copies(settings: Any, verified: list[Any], nodes: list[str], work: Path, re
             return sock, replica, shard.nbytes
         except Exception as e:  # (retention removed it meanwhile, ...): the next one
             tried.append(f"{type(e).__name__}: {e}")
+        finally:
+            shutil.rmtree(Path(shard.path).parent, ignore_errors=True)
     log(f"  no copy of a shard worked: {tried or 'no shard left'}")
     return [], [], 0
 
