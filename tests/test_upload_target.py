@@ -299,3 +299,25 @@ def test_a_lower_target_is_told_apart() -> None:
     assert later.named("j") == 20
     later.due("j", Floors(upload=16))
     assert later.named("j") == 16
+
+
+def test_a_target_older_than_a_restored_step_is_done_with() -> None:
+    """A node lost with the target's upload in flight: no event says its NVMe copies went, so
+    the target still looks completable, and object storage would wait for it for ever (the demo
+    met it: nothing reached S3 after the restart). Once a restart loaded a newer step, the job
+    names the newest complete NVMe step instead."""
+    from tierpipe.schemas import RestoreReport
+
+    job = Fold().save(1, 2, 3)
+    assert job.upload == 1
+    job.flush(1, range(2))  # rank 2's upload dies with its node
+    assert job.upload == 1
+    loaded = [RestoreReport(job="j", node="a", ts=0.0, restart="r", rank=r, world_size=WORLD,
+                            phase="loaded", step=3, tier="nvme") for r in range(WORLD)]  # fmt: skip
+    job.feed(loaded)
+    assert job.upload == 3
+    # A restore of the target itself (or older) leaves it be.
+    job = Fold().save(1, 2)
+    job.feed([RestoreReport(job="j", node="a", ts=0.0, restart="r", rank=0, world_size=WORLD,
+                            phase="loaded", step=1, tier="nvme")])  # fmt: skip
+    assert job.upload == 1

@@ -34,6 +34,7 @@ from tierpipe.schemas.facts import (
     EvictedFact,
     Fact,
     FailedFact,
+    RestoreFact,
     ShardFact,
     fact_of,
 )
@@ -86,6 +87,8 @@ class JobState:
         self._floors = floors or Floors()
         self._pinned: frozenset[int] = frozenset()
         self._hold, self._now = False, 0.0  # (the newest event's `ts`: `Keep.s3_every_s`)
+        #: The newest step a restart loaded (an upload target older than it is done with).
+        self._restored = -1
         self._complete: dict[Tier | None, list[int]] = {t: [] for t in (*TIERS, None)}
         self._changes = Changes()
         #: step -> (record, stored form) of the records the last head carried.
@@ -113,6 +116,9 @@ class JobState:
         elif (step := getattr(fact, "step", None)) is not None and (
             rank := getattr(fact, "rank", None)
         ) is not None:  # (a verdict on a copy, or a restore's report; not a plan)
+            if type(fact) is RestoreFact and fact.phase == "loaded" and step > self._restored:
+                self._restored = step
+                self._move_floors()
             if step in self._record_only:
                 self._apply_to_record(step, rank, fact)
             elif step in self._steps or not self._gone(step):
@@ -284,7 +290,8 @@ class JobState:
             s3=max(s3, self._floors.s3),
             keep=sorted(t for t in kept if t < max(nvme, s3, self._floors.nvme, self._floors.s3)),
         )
-        floors = targets(floors, self._floors, self._complete, self.keep, self._now)
+        floors = targets(floors, self._floors, self._complete, self.keep, self._now,
+                         self._restored)  # fmt: skip
         if floors != self._floors:
             self._floors = floors
             self._changes.floors = True

@@ -34,22 +34,27 @@ __all__ = ("Later", "next_upload", "safe_step", "settled", "targets")
 _SAFE: tuple[Tier, ...] = ("s3", "peer")
 
 
-def settled(target: int, floors: Floors, complete: Mapping[Tier | None, Sequence[int]]) -> bool:
+def settled(
+    target: int, floors: Floors, complete: Mapping[Tier | None, Sequence[int]], restored: int = -1
+) -> bool:
     """Whether the job is done with upload target `target` (-1: none yet): complete in object
-    storage, below the object-storage floor (its objects go, or went), or never to complete (some
+    storage, below the object-storage floor (its objects go, or went), never to complete (some
     rank has a copy on neither NVMe nor object storage: lost, evicted or corrupt; a dropped step
-    has none)."""
+    has none), or older than the step a restart restored (`restored`): a node lost with the
+    target's upload in flight leaves its NVMe copies counted, since no event says they went, and
+    the job would wait for them for ever; the restarted run's steps are newer anyway."""
     return (
         target < 0
         or target in complete.get("s3", ())
         or target < floors.s3
+        or target < restored
         or target not in complete.get(None, ())
     )
 
 
 def next_upload(
     last: Floors, floors: Floors, complete: Mapping[Tier | None, Sequence[int]], keep: Keep,
-    now: float,
+    now: float, restored: int = -1,
 ) -> tuple[int, float]:  # fmt: skip
     """(target, when it was named): `last`'s while it is not `settled` under the new `floors`
     or the cadence holds it, else the newest step complete on NVMe: never lower, but for a
@@ -57,9 +62,9 @@ def next_upload(
     target, named = last.upload, last.upload_ts
     nvme = complete.get("nvme", ())
     newest = nvme[-1] if nvme else -1
-    if newest in (-1, target) or not settled(target, floors, complete):
+    if newest in (-1, target) or not settled(target, floors, complete, restored):
         return target, named
-    if target >= 0 and target not in complete.get(None, ()):
+    if target >= 0 and (target not in complete.get(None, ()) or target < restored):
         return newest, now  # (lost, or superseded by a rewind: at once, lower if need be)
     if target >= 0 and newest < target + keep.s3_every_steps:
         return target, named
@@ -76,10 +81,10 @@ def safe_step(complete: Mapping[Tier | None, Sequence[int]]) -> int:
 
 def targets(
     floors: Floors, last: Floors, complete: Mapping[Tier | None, Sequence[int]], keep: Keep,
-    now: float,
+    now: float, restored: int = -1,
 ) -> Floors:  # fmt: skip
     """`floors` with the upload target (`next_upload` after `last`) and the safe step set."""
-    upload, named = next_upload(last, floors, complete, keep, now)
+    upload, named = next_upload(last, floors, complete, keep, now, restored)
     return msgspec.structs.replace(floors, upload=upload, upload_ts=named, safe=safe_step(complete))
 
 
