@@ -47,6 +47,7 @@ __all__ = (
     "UnavailableError",
     "UnsupportedStateError",
     "WorldSizeMismatchError",
+    "leaves",
 )
 
 #: Error classes that prove a copy bad (as opposed to unreachable, missing or refused): only
@@ -418,3 +419,16 @@ class JobBusyError(ConfigError):
             f"job {job!r} looks in use ({'; '.join(reasons)}): not deleted (--force deletes "
             "it anyway)"
         )
+
+
+def leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions of a (nested) exception group, in order."""
+    found: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(reversed(e.exceptions))
+        else:
+            found.append(e)
+    return found

@@ -387,8 +387,8 @@ async def _unflushed(
     verified: dict[tuple[str, int, int], ShardVerified] = {}
     flushed: set[tuple[str, int, int, str]] = set()
     evicted: dict[tuple[str, int, int], float] = {}
-    # (a job with no copy here has nothing to flush)
-    for job in sorted(job_dirs(nvme.root) & ({only} if only else job_dirs(nvme.root))):
+    jobs = job_dirs(nvme.root)  # (a job with no copy here has nothing to flush)
+    for job in sorted(jobs & {only} if only else jobs):
         for e in await bus.history(shard_subject(job, "verified", node, "*")):
             if isinstance(e, ShardVerified):
                 verified[(e.job, e.step, e.rank)] = e

@@ -17,7 +17,13 @@ from tierpipe.cli.parser import parse_rate
 from tierpipe.control.confirm import confirmed_list
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import BusUnavailableError, ConfigError, NoCheckpointError, TierpipeError
+from tierpipe.errors import (
+    BusUnavailableError,
+    ConfigError,
+    NoCheckpointError,
+    TierpipeError,
+    leaves,
+)
 from tierpipe.names import (
     consumer_name,
     filter_subject,
@@ -52,18 +58,11 @@ def worker(settings: Settings, names: list[str]) -> int:
     except BaseExceptionGroup as group:
         # A stage that refused to start (e.g. AgentLockedError) arrives wrapped by the task
         # groups: surface it as the one-line error it is, not a traceback.
-        errors = _leaves(group)
+        errors = leaves(group)
         if len(errors) == 1 and isinstance(errors[0], TierpipeError):
             raise errors[0] from None
         raise
     return 0
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
 
 
 def flush(

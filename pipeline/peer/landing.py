@@ -21,7 +21,7 @@ from collections.abc import Callable
 import anyio
 import xxhash
 
-from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError
+from tierpipe.errors import IntegrityError, ShardFormatError, TierpipeError, leaves
 from tierpipe.schemas import ShardIdentity
 from tierpipe.storage.reader import check_blob, check_header
 from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
@@ -196,22 +196,15 @@ def _write(pool: _Pool, landing: Landing, abort: Callable[[], None]) -> None:
 def _first(group: BaseExceptionGroup) -> BaseException:
     """The failure that ended a copy: a verdict on the bytes first (the writer's, not the read
     it then aborted, which fails too), then any project error, else the first."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(reversed(e.exceptions))
-        else:
-            leaves.append(e)
+    found = leaves(group)
     cancelled = anyio.get_cancelled_exc_class()
     kinds: tuple[type[BaseException] | tuple[type[BaseException], ...], ...] = (
         (IntegrityError, ShardFormatError), TierpipeError, OSError, Exception,
     )  # fmt: skip
     for kind in kinds:
-        if (found := next((e for e in leaves if isinstance(e, kind)), None)) is not None:
-            return found
-    return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
+        if (first := next((e for e in found if isinstance(e, kind)), None)) is not None:
+            return first
+    return next((e for e in found if not isinstance(e, cancelled)), found[0])
 
 
 def _pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:

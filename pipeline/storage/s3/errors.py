@@ -33,6 +33,7 @@ from tierpipe.errors import (
     StorageUnavailableError,
     StorageUnsupportedError,
     TierpipeError,
+    leaves,
 )
 from tierpipe.storage.resources import resource_error
 
@@ -112,35 +113,22 @@ async def translate_errors(key: str) -> AsyncIterator[None]:
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
     """The error that sank a group of part uploads (a project error if there is one)."""
-    leaves = _leaves(group)
-    return next((e for e in leaves if isinstance(e, TierpipeError)), leaves[0])
+    errors = leaves(group)
+    return next((e for e in errors if isinstance(e, TierpipeError)), errors[0])
 
 
 def download_error(group: BaseExceptionGroup, location: str) -> BaseException:
     """The one error a failed download raises: a missing object first, then the project's
     own errors, else the first cause as an outage; never a private class or a group."""
-    leaves = _leaves(group)
+    errors = leaves(group)
     for kind in (ShardMissingError, TierpipeError):
-        found = next((e for e in leaves if isinstance(e, kind)), None)
+        found = next((e for e in errors if isinstance(e, kind)), None)
         if found is not None:
             return found
-    for leaf in leaves:  # (e.g. no thread left for a worker: this process, not the store)
+    for leaf in errors:  # (e.g. no thread left for a worker: this process, not the store)
         if (short := resource_error(leaf, location)) is not None:
             return short
-    first = leaves[0]
+    first = errors[0]
     if not isinstance(first, Exception) or isinstance(first, anyio.get_cancelled_exc_class()):
         return first  # cancellation and interpreter exits pass through as they are
     return StorageUnavailableError(f"{location}: download failed ({type(first).__name__}: {first})")
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    """The exceptions of a (nested) group, in order."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(reversed(e.exceptions))
-        else:
-            leaves.append(e)
-    return leaves
