@@ -316,8 +316,20 @@ def test_a_target_older_than_a_restored_step_is_done_with() -> None:
                             phase="loaded", step=3, tier="nvme") for r in range(WORLD)]  # fmt: skip
     job.feed(loaded)
     assert job.upload == 3
-    # A restore of the target itself (or older) leaves it be.
+    # A restore of the target itself: a replaced node's ranks read it from a peer's replica (or
+    # object storage) and never upload it, so object storage would wait for it for ever (CI met
+    # it: test_chaos's final step never reached S3). It stays named until a newer step is
+    # complete on NVMe, then the job names that one.
     job = Fold().save(1, 2)
+    assert job.upload == 1
+    job.flush(1, range(2))  # rank 2's node is lost; its replacement loads step 1 from a peer
+    job.feed([RestoreReport(job="j", node="a", ts=0.0, restart="r", rank=r, world_size=WORLD,
+                            phase="loaded", step=1, tier="peer" if r == 2 else "nvme")
+              for r in range(WORLD)])  # fmt: skip
+    assert job.upload == 2
+    job = Fold().save(1)
     job.feed([RestoreReport(job="j", node="a", ts=0.0, restart="r", rank=0, world_size=WORLD,
                             phase="loaded", step=1, tier="nvme")])  # fmt: skip
-    assert job.upload == 1
+    assert job.upload == 1  # (no newer step yet)
+    job.save(2)
+    assert job.upload == 2

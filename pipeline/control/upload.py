@@ -40,14 +40,16 @@ def settled(
     """Whether the job is done with upload target `target` (-1: none yet): complete in object
     storage, below the object-storage floor (its objects go, or went), never to complete (some
     rank has a copy on neither NVMe nor object storage: lost, evicted or corrupt; a dropped step
-    has none), or older than the step a restart restored (`restored`): a node lost with the
+    has none), or no newer than the step a restart restored (`restored`): a node lost with the
     target's upload in flight leaves its NVMe copies counted, since no event says they went, and
-    the job would wait for them for ever; the restarted run's steps are newer anyway."""
+    its replacement's ranks read the restored step from a peer or object storage without
+    uploading it, so the job would wait for them for ever; the restarted run's steps are newer
+    (`next_upload` keeps the target named until one is complete on NVMe)."""
     return (
         target < 0
         or target in complete.get("s3", ())
         or target < floors.s3
-        or target < restored
+        or target <= restored
         or target not in complete.get(None, ())
     )
 
@@ -64,7 +66,7 @@ def next_upload(
     newest = nvme[-1] if nvme else -1
     if newest in (-1, target) or not settled(target, floors, complete, restored):
         return target, named
-    if target >= 0 and (target not in complete.get(None, ()) or target < restored):
+    if target >= 0 and (target not in complete.get(None, ()) or target <= restored):
         return newest, now  # (lost, or superseded by a rewind: at once, lower if need be)
     if target >= 0 and newest < target + keep.s3_every_steps:
         return target, named
