@@ -21,6 +21,7 @@ __all__ = (
     "InvalidNameError",
     "JobBusyError",
     "JobStateMissingError",
+    "LayoutMismatchError",
     "LeaseLostError",
     "MissingCredentialError",
     "NoCheckpointError",
@@ -325,6 +326,12 @@ class NoCheckpointError(TierpipeError):
 
 class WorldSizeMismatchError(ConfigError):
     """The checkpoint was saved with another world size (resharding is not supported)."""
+
+
+class LayoutMismatchError(ConfigError):
+    """A saved tensor cannot be loaded into its target: another global shape or dtype, a
+    target that is sharded where the saved value is not (or the reverse), or a layout no
+    resharding rule covers (the message names the key path and both layouts)."""
 
 
 class RestoreTimeoutError(TierpipeError, TimeoutError):

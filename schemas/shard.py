@@ -16,12 +16,26 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ("ALIGN", "FORMAT_VERSION", "MAGIC", "BlobEntry", "ShardHeader", "TensorEntry")
+__all__ = (
+    "ALIGN",
+    "BLOCK_BYTES",
+    "BLOCK_DIGEST_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "BlobEntry",
+    "ShardHeader",
+    "ShardedEntry",
+    "TensorEntry",
+)
 
 MAGIC = b"TPSHARD\x00"
 FORMAT_VERSION = 1
 #: Alignment of the data region and of every blob: the O_DIRECT and page granularity.
 ALIGN = 4096
+#: The unit a partial read checks: a sharded tensor's blob carries one xxh3-64 digest per block
+#: (the last block shorter), so a resharded restore reads and checks only the blocks it needs.
+BLOCK_BYTES = 1 << 20
+BLOCK_DIGEST_BYTES = 8
 
 
 class BlobEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -32,6 +46,10 @@ class BlobEntry(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
     #: xxh3-128 of the blob's bytes; all zeros in an unsealed (staging) image.
     digest: bytes
+    #: xxh3-64 of each `BLOCK_BYTES` block of the blob, concatenated (`BLOCK_DIGEST_BYTES` a
+    #: block); all zeros unsealed. Empty but for a blob that holds a sharded tensor's local
+    #: shard (a `ShardedEntry`): only those are read in part.
+    blocks: bytes = b""
 
 
 class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -46,6 +64,30 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
     blob: int
     #: Offset into the blob in elements of `dtype` (non-zero only for shared storages).
     offset: int
+
+
+class ShardedEntry(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor of the state that is this rank's part of a global tensor (a DTensor's local
+    shard), with the global layout a restore into another mesh or world size plans from.
+
+    Placements, one per mesh dimension, as strings: `R` (replicated), `S<d>` (sharded on tensor
+    dim d), `SS<d>:<split_factor>` (torch's `_StridedShard`). Partial placements are refused at
+    save (they are not values yet). The local shard is the box `offsets` + the tensor's shape
+    in the global tensor (torch's `compute_local_shape_and_global_offset`, as DCP records it).
+    """
+
+    #: Index of the local shard in `ShardHeader.tensors`.
+    tensor: int
+    global_shape: tuple[int, ...]
+    #: Where the local shard starts in the global tensor, per tensor dimension.
+    offsets: tuple[int, ...]
+    #: The device mesh: its shape, its dimension names (or empty), the global ranks in it
+    #: (row-major, `mesh.mesh.flatten()`), and this rank's coordinate in it.
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    mesh_ranks: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    placements: tuple[str, ...]
 
 
 class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,3 +105,5 @@ class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):
     blobs: tuple[BlobEntry, ...]
     #: The save's timeline (see `tierpipe.schemas.events.ShardEvent.epoch`); 0 in older files.
     epoch: int = 0
+    #: The tensors that are local shards of global (DTensor) tensors; empty for a plain state.
+    sharded: tuple[ShardedEntry, ...] = ()

@@ -136,7 +136,7 @@ def set_slot_generation(image: memoryview | bytearray, generation: int) -> None:
 def seal_header(header: ShardHeader, digests: list[bytes]) -> ShardHeader:
     """The header with each blob's digest filled in."""
     blobs = tuple(
-        BlobEntry(b.offset, b.nbytes, d) for b, d in zip(header.blobs, digests, strict=True)
+        msgspec.structs.replace(b, digest=d) for b, d in zip(header.blobs, digests, strict=True)
     )
     return msgspec.structs.replace(header, blobs=blobs)
 
