@@ -1,0 +1,12 @@
+"""Resharding on load: a restore into another world size or mesh than the one that saved.
+
+- `layout`: the planner (pure): which parts of which saved shards each new local shard needs,
+  the whole blocks to read for them, and the copy of each part into its target;
+- `reads`: ranged reads of saved shards from this node's NVMe, a peer or object storage, every
+  block checked against its digest before its bytes are used;
+- `restore`: the resharded restore itself (the step, the agreement, the reads, the copies).
+
+Import from the modules: this package imports nothing.
+"""
+
+__all__: tuple[str, ...] = ()
