@@ -45,7 +45,7 @@ from tierpipe.state import KeyPath, blob_view, flatten_targets
 from tierpipe.storage.shard import Head
 from tierpipe.tree import decode_tree
 
-__all__ = ("Assembled", "ValueRank", "assemble", "value_rank_of")
+__all__ = ("Assembled", "ValueRank", "assemble", "holds_dtensor", "value_rank_of")
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +67,16 @@ def value_rank_of(rule: ValueRank, rank: int, old_world: int) -> int:
         raise LayoutMismatchError(f"value_rank gave {v!r} for rank {rank}: the step has "
                                   f"{old_world} saved ranks")  # fmt: skip
     return v
+
+
+def holds_dtensor(into: Any) -> bool:
+    """Whether any target in `into` (as `restore` walks it) is a DTensor."""
+    if into is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    targets, _ = flatten_targets(into)
+    return any(isinstance(t, DTensor) for t in targets.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from tierpipe.errors import (
     NoCheckpointError,
     ShardMissingError,
     TierpipeError,
+    WorldSizeMismatchError,
 )
 from tierpipe.names import shard_subject
 from tierpipe.recovery.agree import Restored
@@ -48,16 +50,45 @@ from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Expected
 from tierpipe.recovery.plan import counts
 from tierpipe.recovery.survey import Reads, current_head
-from tierpipe.reshard.assemble import ValueRank, assemble
+from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor
 from tierpipe.reshard.reads import Origin, Tiers
 from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, Tier
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.keys import object_key
 
-__all__ = ("Resharder",)
+__all__ = ("Resharder", "ValueRank", "restore_or_reshard")
 
 log = structlog.get_logger(__name__)
+
+
+async def restore_or_reshard(
+    restore: Callable[[], Awaitable[Restored]],
+    resharder: Callable[[], Resharder],
+    into: Any,
+    *,
+    step: int | None,
+    value_rank: ValueRank,
+) -> Restored:
+    """`Checkpointer.restore`'s choice: `resharder()`'s run where `into` holds a DTensor (or
+    `value_rank` is given) and the job's newest step was saved by another world size, or the
+    normal `restore()` raised that the world size or a DTensor target's layout differs; else
+    `restore()`'s (which, without DTensors and `value_rank`, raises WorldSizeMismatchError as
+    before: a plain state saved by other ranks is refused unless the caller names a rule)."""
+    if value_rank is None and not holds_dtensor(into):
+        return await restore()
+    reshard = resharder()
+    try:
+        saved = await reshard.saved_world()
+        if not saved or saved == reshard.world_size:
+            try:
+                return await restore()
+            except (WorldSizeMismatchError, LayoutMismatchError) as e:
+                log.info("restore_resharded_instead", job=reshard.job, rank=reshard.rank,
+                         why=f"{type(e).__name__}: {e}")  # fmt: skip
+        return await reshard.run(into, step=step, value_rank=value_rank)
+    finally:
+        reshard.close()
 
 
 class _Choice(msgspec.Struct, frozen=True):
@@ -91,7 +122,6 @@ class Resharder:
         bus: Bus,
         settings: Settings,
         store: JobStore,
-        *,
         job: str,
         rank: int,
         world_size: int,
