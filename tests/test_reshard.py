@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
-from collections.abc import Sequence
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tests.conftest import Agent, Events
 from tierpipe.errors import LayoutMismatchError, ShardMissingError
+from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected
 from tierpipe.reshard.assemble import assemble, value_rank_of
 from tierpipe.reshard.layout import (
@@ -30,10 +37,11 @@ from tierpipe.reshard.layout import (
     parse_placement,
 )
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
-from tierpipe.schemas import BLOCK_BYTES, BlobEntry, ShardedEntry, SourceRef
+from tierpipe.schemas import BLOCK_BYTES, BlobEntry, ShardedEntry, ShardFlushed, SourceRef
 from tierpipe.settings import Settings
 from tierpipe.state import plan_state
 from tierpipe.storage.shard import encode_head, file_nbytes, parse_head
+from tierpipe.trainer.checkpointer import Checkpointer
 
 MB = BLOCK_BYTES
 
@@ -376,3 +384,71 @@ async def test_assemble_gathers_a_sharded_save_into_a_full_target(tmp_path: Path
     assert torch.equal(target["w"], g) and got.state["w"] is not None
     assert int(target["r"]) == 1 and got.value_rank == 1 and got.in_place == 2
     assert sum(got.tally.nbytes.values()) > g.numel() * 4
+
+
+# --- restores into another world, end to end (a real agent, NATS, object storage; gloo ranks)
+
+
+def run_ranks(
+    settings: Settings, job: str, world: int, tmp_path: Path, *args: str
+) -> list[dict[str, Any]]:
+    """`tests/reshard_rank.py` as `world` processes of one gloo group; their JSON lines."""
+    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning"}
+    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.reshard_rank",
+                job,
+                str(r),
+                str(world),
+                str(store),
+                *args,
+            ],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def expected_sums() -> dict[str, str]:
+    from tests.reshard_rank import global_state, sha
+
+    return {k: sha(v) for k, v in global_state().items()}
+
+
+@pytest.mark.slow
+def test_a_single_process_checkpoint_loads_into_a_sharded_model(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+) -> None:
+    """Plain tensors saved by one process are the whole of the DTensors two ranks restore
+    into: each reads its part from NVMe; with that copy gone, from object storage. The
+    gathered tensors are bitwise the saved ones; plain values come from saved rank 0."""
+    from tests.reshard_rank import global_state
+
+    agent()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
+        c.save(1, {"model": global_state(), "r": 0})
+        c.wait_until_finished(timeout=60)
+    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 1, kind="flushed")
+    want = expected_sums()
+    for tier in ("nvme", "s3"):
+        if tier == "s3":
+            os.remove(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, 0, 1))
+        for r in run_ranks(settings, job, 2, tmp_path, "restore", "2"):
+            assert (r["step"], r["tier"], r["agreement"], r["r"]) == (
+                1, tier, "torch.distributed", 0
+            ), r  # fmt: skip
+            assert r["sums"] == want
