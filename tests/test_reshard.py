@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import torch
@@ -21,8 +22,11 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.conftest import Agent, Events
+from tierpipe.bus.client import Bus
+from tierpipe.dev import S3Server
 from tierpipe.errors import LayoutMismatchError, ShardMissingError
 from tierpipe.names import shard_relpath
+from tierpipe.peer.server import PeerServer
 from tierpipe.recovery.load import Expected
 from tierpipe.reshard.assemble import assemble, value_rank_of
 from tierpipe.reshard.layout import (
@@ -40,6 +44,8 @@ from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import BLOCK_BYTES, BlobEntry, ShardedEntry, ShardFlushed, SourceRef
 from tierpipe.settings import Settings
 from tierpipe.state import plan_state
+from tierpipe.storage.nvme import NvmeStore
+from tierpipe.storage.s3.keys import object_key
 from tierpipe.storage.shard import encode_head, file_nbytes, parse_head
 from tierpipe.trainer.checkpointer import Checkpointer
 
@@ -350,7 +356,7 @@ async def test_a_flipped_byte_in_a_block_read_fails_that_copy_not_one_never_read
         assert torch.equal(into, g[1024 * pos : 1024 * (pos + 1)])
         assert len(tally.failed) == failed and tally.nbytes["nvme"] >= 4 * MB
         if failed:
-            assert "block 6" in str(tally.failed[0][1])
+            assert "block 6" in str(tally.failed[0][2])
 
 
 @pytest.mark.anyio
@@ -452,3 +458,55 @@ def test_a_single_process_checkpoint_loads_into_a_sharded_model(
                 1, tier, "torch.distributed", 0
             ), r  # fmt: skip
             assert r["sums"] == want
+
+
+@pytest.mark.anyio
+async def test_ranged_reads_from_a_peer_then_object_storage_when_its_block_is_bad(
+    settings: Settings, job: str, s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A peer's endpoint serves the blocks by ranged GETs; once a block it serves is corrupt,
+    the same blocks come from the object by ranged GETs, each checked."""
+    import boto3
+
+    g = torch.randn(2048, 1024)
+    peer = settings.replace(node=f"{settings.node}-p", nvme_root=str(tmp_path / "peer"))
+    path = Path(NvmeStore.from_settings(peer).locate(job, 3, 0, 1))
+    (o,) = saved_world(tmp_path, g, (1,), ("R",), job=job).values()
+    path.parent.mkdir(parents=True)
+    shutil.copy(o.copies[0].location, path)
+    key = object_key(settings.s3_prefix.strip("/"), job, 3, 0, 1)
+    boto3.client("s3", **s3_server.client_kwargs()).put_object(
+        Bucket=settings.s3_bucket, Key=key, Body=await anyio.Path(path).read_bytes()
+    )
+    ref = o.copies[0]
+    copies = [
+        msgspec.structs.replace(ref, tier="peer", node=peer.node, location=str(path)),
+        msgspec.structs.replace(
+            ref, tier="s3", node="", location=f"s3://{settings.s3_bucket}/{key}"
+        ),
+    ]
+    origin = Origin(o.expected, o.nbytes, copies)
+    box = box_of(g.shape, (2,), (1,), ("S0",))
+    (piece,) = overlaps(box, [(0, full_box(g.shape))])
+
+    def need(head: Any) -> list[Span]:
+        return blocks([(0, *piece.byte_span(g.shape, 4))])
+
+    async with Bus(peer) as bus, PeerServer(peer, bus, node=peer.node or "") as server:
+        for flipped, tier in ((False, "peer"), (True, "s3")):
+            if flipped:
+                flip(str(path), block_offset(str(path), 0, 5))
+            into = torch.empty(box.shape)
+            tally = Tally()
+
+            def take(head: Any, span: Span, data: memoryview, into: Any = into) -> None:
+                copy_piece(
+                    piece, torch.frombuffer(data, dtype=torch.uint8), span.first * MB, g.shape, into
+                )
+
+            async with Tiers(
+                settings, None, node="n", endpoints={peer.node or "": server.url}
+            ) as tiers:
+                await read_parts(tiers, origin, need, take, tally)
+            assert torch.equal(into, g[1024:]) and tally.nbytes[tier] >= 4 * MB
+            assert len(tally.failed) == flipped

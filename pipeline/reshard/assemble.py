@@ -127,10 +127,12 @@ async def assemble(
     old_world: int,
     value_rank: ValueRank = None,
     local: frozenset[int] = frozenset(),
+    tally: Tally | None = None,
 ) -> Assembled:
     """Rebuild new `rank`'s state from the step whose saved ranks `origin` gives (see the
     module docstring); `local`: the saved ranks whose copy is on this node's NVMe (preferred
-    among the holders of a replicated part).
+    among the holders of a replicated part); `tally`: where the bytes read and the copies
+    that failed are counted (also when this raises).
 
     Raises:
         LayoutMismatchError: a saved tensor does not fit its target (names the key path).
@@ -139,7 +141,7 @@ async def assemble(
     targets, loaders = flatten_targets(into) if into is not None else ({}, [])
     v = value_rank_of(value_rank, rank, old_world)
     plan = _Plan(v)
-    tally = Tally()
+    tally = Tally() if tally is None else tally
 
     def pick(holders: list[int]) -> int:
         mine = [h for h in holders if h in local]

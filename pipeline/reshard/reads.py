@@ -69,10 +69,11 @@ class Origin:
 
 @dataclass(slots=True)
 class Tally:
-    """Bytes read per tier (heads and blocks), and the copies that failed."""
+    """Bytes read per tier (heads and blocks), and the copies that failed: (saved rank, the
+    copy, why)."""
 
     nbytes: dict[str, int] = field(default_factory=dict)
-    failed: list[tuple[SourceRef, TierpipeError]] = field(default_factory=list)
+    failed: list[tuple[int, SourceRef, TierpipeError]] = field(default_factory=list)
 
     def add(self, tier: str, n: int) -> None:
         self.nbytes[tier] = self.nbytes.get(tier, 0) + n
@@ -133,7 +134,7 @@ async def read_parts(
             log.warning("reshard_source_failed", rank=origin.expected.rank,
                         step=origin.expected.step, tier=copy.tier, node=copy.node,
                         location=copy.location, error=str(e), corrupt=evidence)  # fmt: skip
-            tally.failed.append((copy, e))
+            tally.failed.append((origin.expected.rank, copy, e))
             problems.append(f"{copy.tier}: {type(e).__name__}")
     where = f"rank {origin.expected.rank} of step {origin.expected.step}"
     raise ShardMissingError(where, "no good copy left (" + (", ".join(problems) or "none") + ")")
@@ -227,14 +228,22 @@ def _tensor_name(head: Head, blob: int) -> str:
 
 class Tiers:
     """Opens copies for ranged reads: this node's NVMe files, peers' endpoints (by their node
-    records), object storage (one client, opened on first use). An async context manager."""
+    records, or `endpoints`: node -> URL), object storage (one client, opened on first use).
+    An async context manager."""
 
-    def __init__(self, settings: Settings, bus: Bus | None, *, node: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        bus: Bus | None,
+        *,
+        node: str,
+        endpoints: dict[str, str] | None = None,
+    ) -> None:
         self.settings, self.bus, self.node = settings, bus, node
         self._stack = contextlib.AsyncExitStack()
         self._peers: PeerClient | None = None
         self._s3: S3Store | None = None
-        self._urls: dict[str, str] = {}
+        self._urls: dict[str, str] = dict(endpoints or {})
 
     async def __aenter__(self) -> Tiers:
         return self

@@ -38,6 +38,7 @@ import structlog
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
+    EVIDENCE_ERRORS,
     LayoutMismatchError,
     NoCheckpointError,
     ShardMissingError,
@@ -51,8 +52,8 @@ from tierpipe.recovery.load import Expected
 from tierpipe.recovery.plan import counts
 from tierpipe.recovery.survey import Reads, current_head
 from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor
-from tierpipe.reshard.reads import Origin, Tiers
-from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, Tier
+from tierpipe.reshard.reads import Origin, Tally, Tiers
+from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.keys import object_key
@@ -162,19 +163,23 @@ class Resharder:
                     choice.error if self._leads() else f"rank 0: {choice.error}"
                 )
             saved = Saved(choice.step, choice.world_size)
-            done: tuple[_Result, dict[str, int]] | TierpipeError
+            done: _Result | TierpipeError
+            tally = Tally()
             try:
-                done = await self._assemble(saved, into, value_rank)
+                done = await self._assemble(saved, into, value_rank, tally)
                 outcome = _Outcome()
             except (ShardMissingError, LayoutMismatchError) as e:
                 done, outcome = e, _Outcome(type(e).__name__, str(e))
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._report_bad(saved, tally, round_)
             bad = [(r, o) for r, o in enumerate(await self._gather(outcome)) if o.kind]
-            if isinstance(done, tuple) and not bad:
-                restored, tally = done
+            if isinstance(done, _Result) and not bad:
+                restored = done
                 seconds = time.perf_counter() - t0
                 log.info("checkpoint_resharded", job=self.job, rank=self.rank, step=saved.step,
                          saved_world_size=saved.world_size, world_size=self.world_size,
-                         values_from=restored.source.location, bytes_by_tier=tally,
+                         values_from=restored.source.location, bytes_by_tier=tally.nbytes,
                          seconds=round(seconds, 3), rounds=round_)  # fmt: skip
                 return Restored(
                     saved.step, restored.state, restored.source, b"", seconds, round_,
@@ -195,9 +200,28 @@ class Resharder:
                         why=excluded[saved.step])  # fmt: skip
         raise NoCheckpointError(f"no step of job {self.job!r} could be read ({excluded})")
 
+    async def _report_bad(self, saved: Saved, tally: Tally, round_: int) -> None:
+        """Report every copy the reads proved bad (a digest, an identity), as the normal
+        restore does (`Loader.report`): the job state stops counting it. Outages, missing
+        copies and refusals are no verdict on a copy: only logged (`reshard_source_failed`)."""
+        for rank, copy, e in tally.failed:
+            if type(e).__name__ not in EVIDENCE_ERRORS:
+                continue
+            try:
+                await self.bus.publish(
+                    StageFailed(
+                        job=self.job, node=copy.node or self.node, ts=time.time(),
+                        stage="restore", error=type(e).__name__, message=str(e),
+                        retryable=False, attempt=round_, step=saved.step, rank=rank,
+                        world_size=saved.world_size, tier=copy.tier,
+                    )
+                )  # fmt: skip
+            except TierpipeError as failed:
+                log.warning("reshard_report_failed", job=self.job, error=str(failed))
+
     async def _assemble(
-        self, saved: Saved, into: Any, value_rank: ValueRank
-    ) -> tuple[_Result, dict[str, int]]:
+        self, saved: Saved, into: Any, value_rank: ValueRank, tally: Tally
+    ) -> _Result:
         origins: dict[int, Origin] = {}
 
         async def origin(r: int) -> Origin:
@@ -212,7 +236,7 @@ class Resharder:
         async with Tiers(self.settings, self.bus, node=self.node) as tiers:
             got = await assemble(
                 tiers, origin, into, rank=self.rank, old_world=saved.world_size,
-                value_rank=value_rank, local=local,
+                value_rank=value_rank, local=local, tally=tally,
             )  # fmt: skip
         by_tier = got.tally.nbytes
         tier = Counter(by_tier).most_common(1)[0][0] if by_tier else "nvme"
@@ -224,7 +248,7 @@ class Resharder:
             nbytes=sum(by_tier.values()),
             header_digest=value.expected.header_digest,
         )
-        return _Result(got.state, source), dict(by_tier)
+        return _Result(got.state, source)
 
     async def origin(self, saved: Saved, rank: int) -> Origin:
         """Where saved `rank`'s shard of the step is, best first (see the module docstring)."""
