@@ -510,3 +510,49 @@ async def test_ranged_reads_from_a_peer_then_object_storage_when_its_block_is_ba
                 await read_parts(tiers, origin, need, take, tally)
             assert torch.equal(into, g[1024:]) and tally.nbytes[tier] >= 4 * MB
             assert len(tally.failed) == flipped
+
+
+@pytest.mark.slow
+def test_dtensors_saved_by_four_ranks_restore_on_two(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+) -> None:
+    """DTensors saved on a 2x2 mesh restore onto two ranks (a 1-D mesh, other placements):
+    the gathered tensors are bitwise the saved ones; new rank 1, whose saved ranks 2 and 3
+    lost their NVMe copies, reads their blocks from object storage; plain values come from
+    saved rank `r % 4`."""
+    agent()
+    assert [r["saved"] for r in run_ranks(settings, job, 4, tmp_path, "save", "2x2")] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    for rank in range(4):
+        events.wait_for(
+            lambda e, rank=rank: isinstance(e, ShardFlushed) and e.rank == rank, kind="flushed"
+        )
+    for rank in (2, 3):
+        os.remove(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, rank, 4))
+    results = run_ranks(settings, job, 2, tmp_path, "restore", "2")
+    assert [(r["step"], r["tier"], r["r"]) for r in results] == [(1, "nvme", 0), (1, "s3", 1)]
+    assert all(r["sums"] == expected_sums() for r in results)
+
+
+@pytest.mark.slow
+def test_value_rank_takes_another_ranks_plain_state_into_a_smaller_world(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events
+) -> None:
+    """A plain state saved by two ranks restores on one when `value_rank` names the saved rank
+    to take (no torch.distributed: the rank chooses the step from the job state alone)."""
+    agent()
+    saved = {r: {"w": torch.full((1000,), float(r)), "r": r} for r in range(2)}
+    for r in range(2):
+        with Checkpointer(job, rank=r, world_size=2, settings=settings) as c:
+            c.save(1, saved[r])
+            c.wait_until_finished(timeout=60)
+    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.rank == 1, kind="flushed")
+    target = {"w": torch.zeros(1000)}
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
+        restored = c.restore(target, value_rank=1)
+    assert (restored.step, restored.state["r"], restored.source.tier) == (1, 1, "nvme")
+    assert torch.equal(target["w"], saved[1]["w"]) and restored.agreement == "nats"

@@ -17,6 +17,7 @@ step, to be resharded into).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -251,11 +252,19 @@ def _saved_boxes(
             f"{name}: saved local shard {tuple(e.shape)} at {tuple(se.offsets)} is not what its "
             f"placements {se.placements} give ({own.shape} at {own.offsets})"
         )
-    return [
-        (r, box_of(se.global_shape, se.mesh_shape, coordinate_of(i, se.mesh_shape),
-                   se.placements))
-        for i, r in enumerate(se.mesh_ranks)
-    ]  # fmt: skip
+    boxes = _mesh_boxes(tuple(se.global_shape), tuple(se.mesh_shape), tuple(se.placements))
+    return list(zip(se.mesh_ranks, boxes, strict=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_boxes(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[str, ...]
+) -> tuple[Box, ...]:
+    """The box of each mesh position, row-major (the tensors of a model share few layouts)."""
+    return tuple(
+        box_of(global_shape, mesh_shape, coordinate_of(i, mesh_shape), placements)
+        for i in range(math.prod(mesh_shape))
+    )
 
 
 def _target_box(target: torch.Tensor) -> tuple[Box, torch.Tensor]:
