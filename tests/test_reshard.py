@@ -516,10 +516,10 @@ async def test_ranged_reads_from_a_peer_then_object_storage_when_its_block_is_ba
 def test_dtensors_saved_by_four_ranks_restore_on_two(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
-    """DTensors saved on a 2x2 mesh restore onto two ranks (a 1-D mesh, other placements):
-    the gathered tensors are bitwise the saved ones; new rank 1, whose saved ranks 2 and 3
-    lost their NVMe copies, reads their blocks from object storage; plain values come from
-    saved rank `r % 4`."""
+    """DTensors saved on a 2x2 mesh restore onto two ranks (a 1-D mesh, other placements), and
+    onto four on a 1-D mesh: the gathered tensors are bitwise the saved ones; a new rank that
+    needs saved ranks 2 and 3, whose NVMe copies are gone, reads their blocks from object
+    storage; plain values come from saved rank `r % 4`."""
     agent()
     assert [r["saved"] for r in run_ranks(settings, job, 4, tmp_path, "save", "2x2")] == [
         0,
@@ -535,6 +535,15 @@ def test_dtensors_saved_by_four_ranks_restore_on_two(
         os.remove(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, rank, 4))
     results = run_ranks(settings, job, 2, tmp_path, "restore", "2")
     assert [(r["step"], r["tier"], r["r"]) for r in results] == [(1, "nvme", 0), (1, "s3", 1)]
+    assert all(r["sums"] == expected_sums() for r in results)
+    # The same world size on another mesh (1-D): the in-place restore cannot, this one does.
+    results = run_ranks(settings, job, 4, tmp_path, "restore", "4")
+    assert [(r["tier"], r["r"]) for r in results] == [
+        ("nvme", 0),
+        ("nvme", 1),
+        ("s3", 2),
+        ("s3", 3),
+    ]
     assert all(r["sums"] == expected_sums() for r in results)
 
 

@@ -46,7 +46,9 @@ from tierpipe.state import KeyPath, blob_view, flatten_targets
 from tierpipe.storage.shard import Head
 from tierpipe.tree import decode_tree
 
-__all__ = ("Assembled", "ValueRank", "assemble", "holds_dtensor", "value_rank_of")
+__all__ = (
+    "Assembled", "ValueRank", "assemble", "holds_dtensor", "layout_differs", "value_rank_of",
+)  # fmt: skip
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +80,32 @@ def holds_dtensor(into: Any) -> bool:
 
     targets, _ = flatten_targets(into)
     return any(isinstance(t, DTensor) for t in targets.values())
+
+
+def layout_differs(header: ShardHeader, into: Any) -> str:
+    """The first DTensor target in `into` whose layout is not the one `header` saved at its key
+    path (global shape, mesh, placements, this rank's coordinate; a plain saved tensor counts
+    as another layout), named; "" if none."""
+    from torch.distributed.tensor import DTensor
+
+    targets, _ = flatten_targets(into) if into is not None else ({}, [])
+    sharded = {s.tensor: s for s in header.sharded}
+    for i, e in enumerate(header.tensors):
+        target = targets.get(e.path)
+        if not isinstance(target, DTensor):
+            continue
+        se = sharded.get(i)
+        mesh = target.device_mesh
+        coordinate = mesh.get_coordinate()
+        if se is None or (
+            tuple(se.global_shape), tuple(se.mesh_shape), tuple(se.mesh_ranks),
+            tuple(se.coordinate), tuple(se.placements),
+        ) != (
+            tuple(target.shape), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+            tuple(coordinate or ()), placements_of(target.placements),
+        ):  # fmt: skip
+            return _name(e.path)
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

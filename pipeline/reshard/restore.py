@@ -51,8 +51,8 @@ from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Expected
 from tierpipe.recovery.plan import counts
 from tierpipe.recovery.survey import Reads, current_head
-from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor
-from tierpipe.reshard.reads import Origin, Tally, Tiers
+from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor, layout_differs
+from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, StageFailed, Tier
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
@@ -72,16 +72,15 @@ async def restore_or_reshard(
     value_rank: ValueRank,
 ) -> Restored:
     """`Checkpointer.restore`'s choice: `resharder()`'s run where `into` holds a DTensor (or
-    `value_rank` is given) and the job's newest step was saved by another world size, or the
-    normal `restore()` raised that the world size or a DTensor target's layout differs; else
-    `restore()`'s (which, without DTensors and `value_rank`, raises WorldSizeMismatchError as
-    before: a plain state saved by other ranks is refused unless the caller names a rule)."""
+    `value_rank` is given) and the step was saved by another world size or a DTensor target's
+    layout is not the saved one (`Resharder.needed`), or the normal `restore()` raised that;
+    else `restore()`'s (which, without DTensors and `value_rank`, raises WorldSizeMismatchError
+    as before: a plain state saved by other ranks is refused unless the caller names a rule)."""
     if value_rank is None and not holds_dtensor(into):
         return await restore()
     reshard = resharder()
     try:
-        saved = await reshard.saved_world()
-        if not saved or saved == reshard.world_size:
+        if not await reshard.needed(into, step):
             try:
                 return await restore()
             except (WorldSizeMismatchError, LayoutMismatchError) as e:
@@ -135,12 +134,26 @@ class Resharder:
         self._reads = Reads(store, job)
         self._nvme = NvmeStore.from_settings(settings)
 
-    async def saved_world(self) -> int:
-        """The world size of the job's newest step (the head's; rank 0's, shared with the
-        others through `collective`); 0 if the job has none."""
-        head = await self.store.head(self.job) if self._leads() else None
-        choice = _Choice(world_size=head.world_size if head is not None else 0)
-        return (await self._share(choice)).world_size
+    async def needed(self, into: Any, step: int | None) -> bool:
+        """Whether the step to restore (the newest complete one, or `step`) needs resharding
+        into `into`: saved by another world size, or a DTensor target whose layout (global
+        shape, mesh, placements, coordinate) is not the one this rank saved (this rank's head
+        read; any rank's answer counts for all). False where nothing can be chosen (the normal
+        restore says why)."""
+        choice = await self._share(await self._choose(step, {}) if self._leads() else None)
+        differs = ""
+        if not choice.error:
+            saved = Saved(choice.step, choice.world_size)
+            if saved.world_size != self.world_size:
+                return True
+            try:
+                async with Tiers(self.settings, self.bus, node=self.node) as tiers:
+                    origin = await self.origin(saved, self.rank)
+                    head = await read_parts(tiers, origin, lambda h: [], _skip, Tally())
+                differs = layout_differs(head.header, into)
+            except TierpipeError as e:  # (the normal restore finds its copies, or says why)
+                log.info("reshard_check_skipped", job=self.job, rank=self.rank, error=str(e))
+        return any(o.kind for o in await self._gather(_Outcome(differs)))
 
     async def run(
         self, into: Any, *, step: int | None = None, value_rank: ValueRank = None
@@ -343,6 +356,10 @@ class Resharder:
 
     def close(self) -> None:
         self._nvme.close()
+
+
+def _skip(*_: object) -> None:
+    """(nothing to take: only the head is read)"""
 
 
 @dataclass(frozen=True, slots=True)
