@@ -41,7 +41,14 @@ from tierpipe.reshard.layout import (
     parse_placement,
 )
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
-from tierpipe.schemas import BLOCK_BYTES, BlobEntry, ShardedEntry, ShardFlushed, SourceRef
+from tierpipe.schemas import (
+    BLOCK_BYTES,
+    BlobEntry,
+    ShardedEntry,
+    ShardFlushed,
+    SourceRef,
+    StageFailed,
+)
 from tierpipe.settings import Settings
 from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
@@ -437,27 +444,49 @@ def expected_sums() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_a_single_process_checkpoint_loads_into_a_sharded_model(
-    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+    settings: Settings,
+    job: str,
+    agent: Callable[..., Agent],
+    events: Events,
+    tmp_path: Path,
+    s3_server: S3Server,
 ) -> None:
     """Plain tensors saved by one process are the whole of the DTensors two ranks restore
-    into: each reads its part from NVMe; with that copy gone, from object storage. The
-    gathered tensors are bitwise the saved ones; plain values come from saved rank 0."""
+    into, each reading its part from NVMe, bitwise; plain values come from saved rank 0. With
+    the newest step corrupt on NVMe and in object storage, the bad copies are reported and
+    both ranks restore the step before, in a second round."""
+    import boto3
+
     from tests.reshard_rank import global_state
 
     agent()
     with Checkpointer(job, rank=0, world_size=1, settings=settings) as c:
-        c.save(1, {"model": global_state(), "r": 0})
+        for step in (1, 2):
+            c.save(step, {"model": global_state(), "r": 0})
         c.wait_until_finished(timeout=60)
-    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 1, kind="flushed")
+    events.wait_for(lambda e: isinstance(e, ShardFlushed) and e.step == 2, kind="flushed")
     want = expected_sums()
+    for r in run_ranks(settings, job, 2, tmp_path, "restore", "2"):
+        assert (r["step"], r["tier"], r["agreement"], r["r"], r["rounds"]) == (
+            2, "nvme", "torch.distributed", 0, 1
+        ), r  # fmt: skip
+        assert r["sums"] == want
+    path = Path(settings.nvme_root).absolute() / shard_relpath(job, 2, 0, 1)
+    at = block_offset(str(path), 0, 1)
+    flip(str(path), at)
+    s3 = boto3.client("s3", **s3_server.client_kwargs())
+    key = object_key(settings.s3_prefix.strip("/"), job, 2, 0, 1)
+    body = bytearray(s3.get_object(Bucket=settings.s3_bucket, Key=key)["Body"].read())
+    body[at] ^= 1
+    s3.delete_object(Bucket=settings.s3_bucket, Key=key)
+    s3.put_object(Bucket=settings.s3_bucket, Key=key, Body=bytes(body))
+    for r in run_ranks(settings, job, 2, tmp_path, "restore", "2"):
+        assert (r["step"], r["rounds"], r["sums"]) == (1, 2, want), r
     for tier in ("nvme", "s3"):
-        if tier == "s3":
-            os.remove(Path(settings.nvme_root).absolute() / shard_relpath(job, 1, 0, 1))
-        for r in run_ranks(settings, job, 2, tmp_path, "restore", "2"):
-            assert (r["step"], r["tier"], r["agreement"], r["r"]) == (
-                1, tier, "torch.distributed", 0
-            ), r  # fmt: skip
-            assert r["sums"] == want
+        events.wait_for(
+            lambda e, tier=tier: isinstance(e, StageFailed) and (e.step, e.tier) == (2, tier),
+            kind="failed",
+        )
 
 
 @pytest.mark.anyio

@@ -4,7 +4,8 @@
   the whole blocks to read for them, and the copy of each part into its target;
 - `reads`: ranged reads of saved shards from this node's NVMe, a peer or object storage, every
   block checked against its digest before its bytes are used;
-- `restore`: the resharded restore itself (the step, the agreement, the reads, the copies).
+- `assemble`: one rank's state from parts of the saved shards (the value rule, the copies);
+- `restore`: the resharded restore itself (when it is needed, the step, the agreement).
 
 Import from the modules: this package imports nothing.
 """

@@ -1,9 +1,11 @@
 """The resharded restore: a step saved by another world size (or mesh) loaded into this one.
 
-`Resharder.run` is what `Checkpointer.restore` calls when the job's step was saved by another
-number of ranks, or a DTensor target's layout differs from the saved one (same world size,
-another mesh). It chooses the step, then every rank assembles its state from the saved shards
-(`tierpipe.reshard.assemble`: only the blocks overlapping its new local shards, each checked).
+`Checkpointer.restore` calls `restore_or_reshard`: with DTensor targets (or a `value_rank`), it
+asks `Resharder.needed` whether the step to restore was saved by another number of ranks, or
+with another layout than a DTensor target's (this rank's saved head read and compared); if so,
+`Resharder.run` restores it, else the normal restore does (in place, `tierpipe.recovery`). Every
+rank then assembles its state from the saved shards (`tierpipe.reshard.assemble`: only the
+blocks overlapping its new local shards, each checked).
 
 The step: the newest one of the job state's candidates (`JobHead.candidates`) that is complete,
 every saved rank with a verified copy counted on some tier (NVMe, a peer's replica, object
@@ -13,6 +15,7 @@ broadcasts its choice, every rank reports how its reads went (an all-gather), an
 no good copy of a part it needs, rank 0 chooses an older step and all read again. Without it,
 every rank chooses from the job state by itself (the same records give the same step) and a
 rank that finds no good copy raises: there is no way to move the others to an older step.
+Copies proven bad are reported (`failed`), as the normal restore does.
 
 Each saved rank's copies, best first: its file on this node's NVMe (where the job state counts
 an NVMe copy and the file is there), the nodes that announced that very save (their `verified`
