@@ -140,11 +140,18 @@ class _Plan:
     fills: list[_Fill] = field(default_factory=list)
     #: Index in the value rank's header -> the target it goes into (filled by resharding).
     filled: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: The value rank's blobs read whole for its plain values.
+    #: The value rank's blobs read whole for its plain values, and each blob's tensors.
     whole: set[int] = field(default_factory=set)
+    members: dict[int, list[int]] = field(default_factory=dict)
     tensors: list[torch.Tensor | None] = field(default_factory=list)
     #: Per header read (by identity): key path -> index of its tensor.
     paths: dict[int, dict[KeyPath, int]] = field(default_factory=dict)
+    #: Saved rank -> the pieces it holds; and, once its header is read, by blob, with the
+    #: saved entry and the piece's bytes in it.
+    by_source: dict[int, list[tuple[_Fill, Piece]]] = field(default_factory=dict)
+    parts: dict[int, dict[int, list[tuple[_Fill, Piece, TensorEntry, int, int]]]] = field(
+        default_factory=dict
+    )
 
 
 async def assemble(
@@ -187,7 +194,7 @@ async def assemble(
     def take_value(head: Head, span: Span, data: memoryview) -> None:
         if span.blob in plan.whole:
             _take_whole(head.header, plan, span.blob, data, targets)
-        _take_pieces(head.header, plan, v, span, data)
+        _take_pieces(plan, v, span, data)
 
     head = await read_parts(tiers, await origin(v), need_value, take_value, tally)
     header = head.header
@@ -201,7 +208,7 @@ async def assemble(
                 return _spans(h.header, plan, s)
 
             def take(h: Head, span: Span, data: memoryview) -> None:
-                _take_pieces(h.header, plan, s, span, data)
+                _take_pieces(plan, s, span, data)
 
             await read_parts(tiers, await origin(s), need, take, tally)
 
@@ -238,6 +245,7 @@ def _plan(
     sharded = {s.tensor: s for s in header.sharded}
     plan.tensors = [None] * len(header.tensors)
     for i, e in enumerate(header.tensors):
+        plan.members.setdefault(e.blob, []).append(i)
         target = targets.get(e.path)
         se = sharded.get(i)
         if target is None or (se is None and not isinstance(target, DTensor)):
@@ -334,35 +342,27 @@ def _entry(plan: _Plan, header: ShardHeader, path: KeyPath, fill: _Fill) -> Tens
 
 
 def _spans(header: ShardHeader, plan: _Plan, source: int) -> list[Span]:
-    """The byte spans of `source`'s shard that hold its pieces, as whole merged blocks."""
-    raw = []
-    for fill in plan.fills:
-        for piece in fill.pieces:
-            if piece.source == source:
-                e = _entry(plan, header, fill.path, fill)
-                start, stop = piece.byte_span(e.shape, fill.local.element_size())
-                raw.append((e.blob, start, stop))
-    return blocks(raw)
+    """The byte spans of `source`'s shard that hold its pieces, as whole merged blocks (and
+    its pieces by blob, for `_take_pieces`)."""
+    if not plan.by_source:
+        for fill in plan.fills:
+            for piece in fill.pieces:
+                plan.by_source.setdefault(piece.source, []).append((fill, piece))
+    parts: dict[int, list[tuple[_Fill, Piece, TensorEntry, int, int]]] = {}
+    for fill, piece in plan.by_source.get(source, []):
+        e = _entry(plan, header, fill.path, fill)
+        lo, hi = piece.byte_span(e.shape, fill.local.element_size())
+        parts.setdefault(e.blob, []).append((fill, piece, e, lo, hi))
+    plan.parts[source] = parts
+    return blocks((blob, lo, hi) for blob, got in parts.items() for *_, lo, hi in got)
 
 
-def _take_pieces(
-    header: ShardHeader, plan: _Plan, source: int, span: Span, data: memoryview
-) -> None:
+def _take_pieces(plan: _Plan, source: int, span: Span, data: memoryview) -> None:
     """Copy every piece of `source` that lies in `span` (checked bytes) into its target."""
     start = span.first * BLOCK_BYTES
-    raw: torch.Tensor | None = None
-    for fill in plan.fills:
-        for piece in fill.pieces:
-            if piece.source != source:
-                continue
-            e = _entry(plan, header, fill.path, fill)
-            if e.blob != span.blob:
-                continue
-            lo, hi = piece.byte_span(e.shape, fill.local.element_size())
-            if lo < start or hi > start + len(data):
-                continue
-            if raw is None:
-                raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+    for fill, piece, e, lo, hi in plan.parts.get(source, {}).get(span.blob, []):
+        if start <= lo and hi <= start + len(data):
             copy_piece(piece, raw, start, e.shape, fill.local)
 
 
@@ -378,8 +378,9 @@ def _take_whole(
     if len(data) != header.blobs[blob].nbytes:
         raise ShardFormatError(f"rank {header.rank}", f"blob {blob} read in part")
     own = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else None
-    for i, e in enumerate(header.tensors):
-        if e.blob != blob or i in plan.filled:
+    for i in plan.members.get(blob, []):
+        e = header.tensors[i]
+        if i in plan.filled:
             continue
         view = (
             blob_view(own, e)
