@@ -151,7 +151,7 @@ class Resharder:
                 return True
             try:
                 async with Tiers(self.settings, self.bus, node=self.node) as tiers:
-                    origin = await self.origin(saved, self.rank)
+                    origin = await self.origin(saved, self.rank, peers=False)
                     head = await read_parts(tiers, origin, lambda h: [], _skip, Tally())
                 differs = layout_differs(head.header, into)
             except TierpipeError as e:  # (the normal restore finds its copies, or says why)
@@ -266,8 +266,9 @@ class Resharder:
         )
         return _Result(got.state, source)
 
-    async def origin(self, saved: Saved, rank: int) -> Origin:
-        """Where saved `rank`'s shard of the step is, best first (see the module docstring)."""
+    async def origin(self, saved: Saved, rank: int, *, peers: bool = True) -> Origin:
+        """Where saved `rank`'s shard of the step is, best first (see the module docstring;
+        `peers=False`: not on peers, whose lookup reads the rank's event history)."""
         step, world = saved.step, saved.world_size
         digest = await self._reads.digest(step, rank)
         rec = await self._reads.record(step)
@@ -286,7 +287,8 @@ class Resharder:
         path = self._nvme.locate(self.job, step, rank, world)
         if nvme and await anyio.to_thread.run_sync(os.path.exists, path):
             add("nvme", self.node, path)
-        if nvme or peer:  # (the node that saved it serves its own copy; partners, replicas)
+        # The node that saved it serves its own copy, partners their replicas.
+        if peers and (nvme or peer):
             for node in await self._holders(saved, rank, header_digest):
                 if node != self.node or not copies:
                     add("peer", node, node)
