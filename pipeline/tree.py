@@ -12,6 +12,7 @@ pickle: a tree holds data only.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Mapping
@@ -250,58 +251,71 @@ def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedE
             outside the mesh, a shard that is not one box of the global tensor, a non-default
             shard order.
     """
+    spec = v._spec  # (placements, mesh and shard order in one: a DTensor always has it)
+    order = None if spec.use_strided_shard_as_shard_order else spec.shard_order
+    try:
+        layout, shape = _layout(spec.mesh, spec.placements, tuple(v.shape), order)
+    except UnsupportedStateError as e:
+        raise UnsupportedStateError(path, e.reason) from None
+    local = v._local_tensor.detach()
+    if tuple(local.shape) != shape:
+        raise UnsupportedStateError(
+            path, f"DTensor's local tensor has shape {tuple(local.shape)}, its layout {shape}"
+        )
+    return local, layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int, ...], order: Any
+) -> tuple[ShardedEntry, tuple[int, ...]]:
+    """`describe_dtensor`'s layout and local shape: the same for every DTensor of one mesh,
+    placements and shape, so worked out once (a save describes every DTensor of the state
+    each time, and torch's arithmetic takes ~0.2 ms a tensor)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = v.device_mesh
-    placements: list[str] = []
-    for p in v.placements:
+    strings: list[str] = []
+    for p in placements:
         if isinstance(p, _StridedShard):
-            placements.append(f"SS{p.dim}:{int(p.split_factor)}")
+            strings.append(f"SS{p.dim}:{int(p.split_factor)}")
         elif isinstance(p, Shard):
-            placements.append(f"S{p.dim}")
+            strings.append(f"S{p.dim}")
         elif isinstance(p, Replicate):
-            placements.append("R")
+            strings.append("R")
         elif isinstance(p, Partial):
             raise UnsupportedStateError(
-                path, f"DTensor with a Partial placement ({p}): a pending reduction, not a value "
+                (), f"DTensor with a Partial placement ({p}): a pending reduction, not a value "
                 "yet (redistribute it to Replicate or Shard before saving)"
             )  # fmt: skip
         else:
-            raise UnsupportedStateError(path, f"DTensor placement {p!r} is not supported")
-    spec = getattr(v, "_spec", None)
-    if (
-        spec is not None
-        and not spec.use_strided_shard_as_shard_order
-        and spec.shard_order != spec.compute_default_shard_order(spec.placements)
-    ):
-        order = spec.shard_order
-        raise UnsupportedStateError(path, f"DTensor with a non-default shard order {order}")
+            raise UnsupportedStateError((), f"DTensor placement {p!r} is not supported")
+    if order is not None and order != DTensorSpec.compute_default_shard_order(placements):
+        raise UnsupportedStateError((), f"DTensor with a non-default shard order {order}")
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise UnsupportedStateError(path, "DTensor on a mesh this rank is not part of")
-    local = v.to_local().detach()
-    global_shape = tuple(map(int, v.shape))
-    shape, offsets = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
+        raise UnsupportedStateError((), "DTensor on a mesh this rank is not part of")
+    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     layout = ShardedEntry(
         tensor=0,
-        global_shape=global_shape,
+        global_shape=tuple(map(int, global_shape)),
         offsets=tuple(map(int, offsets)),
         mesh_shape=tuple(map(int, mesh.shape)),
         mesh_dims=tuple(mesh.mesh_dim_names or ()),
         mesh_ranks=tuple(map(int, mesh.mesh.flatten().tolist())),
         coordinate=tuple(map(int, coordinate)),
-        placements=tuple(placements),
+        placements=tuple(strings),
     )
-    box = local_box(global_shape, layout.mesh_shape, layout.coordinate, layout.placements)
-    if box != (layout.offsets, tuple(local.shape)) or tuple(shape) != tuple(local.shape):
+    box = local_box(layout.global_shape, layout.mesh_shape, layout.coordinate, layout.placements)
+    if box != (layout.offsets, tuple(shape)):
         raise UnsupportedStateError(
-            path, f"DTensor of shape {global_shape} with placements {v.placements}: this "
-            f"rank's shard (shape {tuple(local.shape)} at {layout.offsets}) is not one box of "
-            "the global tensor"
+            (), f"DTensor of shape {global_shape} with placements {placements}: this rank's "
+            f"shard (shape {tuple(shape)} at {layout.offsets}) is not one box of the global "
+            "tensor"
         )  # fmt: skip
-    return local, layout
+    return layout, tuple(map(int, shape))
 
 
 def dtype_name(dtype: torch.dtype, path: KeyPath = ()) -> str:

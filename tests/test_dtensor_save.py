@@ -331,6 +331,8 @@ def _run_ranks(settings: Settings, mode: str, job: str, world: int, store: Path)
     return results
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_fsdp2_tp_state_saves_and_restores_in_place_bitwise(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
