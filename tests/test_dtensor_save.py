@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.conftest import Agent, Events
 from tierpipe.errors import IntegrityError, LayoutMismatchError, UnsupportedStateError
 from tierpipe.recovery.load import load_into, load_shard
-from tierpipe.schemas import BLOCK_BYTES, ShardFlushed, ShardHeader
+from tierpipe.schemas import BLOCK_BYTES, ShardedEntry, ShardFlushed, ShardHeader
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
@@ -174,40 +174,77 @@ def test_dtensor_target_of_the_same_layout_is_filled_in_place(
     assert isinstance(loaded.state["w"], DTensor)
 
 
+def _saved_as_second_half(path: Path) -> None:
+    """Rewrite the shard at `path` (one (4, 3) float32 tensor at m/w) as rank 1's half of an
+    (8, 3) tensor sharded on dim 0 over a 2-rank mesh, sealed again: a shard of a layout no
+    one-process mesh has."""
+    head = read_head(path)
+    data = path.read_bytes()[head.data_offset :]
+    blob = head.header.blobs[0]
+    entry = ShardedEntry(0, (8, 3), (4, 0), (2,), ("dp",), (0, 1), (1,), ("S0",))
+    blocks = block_digests(data[blob.offset : blob.offset + blob.nbytes])
+    header = msgspec.structs.replace(
+        head.header,
+        blobs=(msgspec.structs.replace(blob, blocks=blocks),),
+        sharded=(entry,),
+    )
+    sealed = encode_head(header, sealed=True)
+    assert len(sealed) == head.data_offset
+    path.write_bytes(sealed + data)
+
+
 @pytest.mark.parametrize(
     "target",
     [
-        lambda mesh: distribute_tensor(torch.zeros(64, 3), mesh, [Replicate()]),
-        lambda mesh: distribute_tensor(torch.zeros(32, 3), mesh, [Shard(0)]),
-        lambda mesh: distribute_tensor(torch.zeros(64, 3, dtype=torch.float64), mesh, [Shard(0)]),
-        lambda mesh: torch.zeros(64, 3),
+        lambda mesh: distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
+        lambda mesh: distribute_tensor(torch.zeros(8, 3), mesh, [Replicate()]),
+        lambda mesh: torch.zeros(4, 3),
+        lambda mesh: torch.zeros(8, 3),
     ],
-    ids=["other-placements", "other-global-shape", "other-dtype", "plain-target"],
+    ids=["other-global-shape", "replicated-whole", "plain-of-local-shape", "plain-of-global-shape"],
 )
 def test_target_of_another_layout_is_a_layout_mismatch(
     tmp_path: Path, mesh: DeviceMesh, target: Callable[[DeviceMesh], torch.Tensor]
 ) -> None:
     """A target whose layout is not the saved one raises LayoutMismatchError naming the key path
     and both layouts, and no byte reaches it."""
-    saved = distribute_tensor(torch.randn(64, 3), mesh, [Shard(0)])
-    write_shard(tmp_path / "s.shard", {"m": {"w": saved}}, job="j", step=1)
+    path = tmp_path / "s.shard"
+    write_shard(path, {"m": {"w": torch.randn(4, 3)}}, job="j", step=1)
+    _saved_as_second_half(path)
     t = target(mesh)
-    with pytest.raises(LayoutMismatchError, match=r"m/w: saved as a shard of shape \(64, 3\)"):
-        load_into(str(tmp_path / "s.shard"), {"m": {"w": t}})
+    with pytest.raises(
+        LayoutMismatchError, match=r"m/w: saved as a shard of shape \(4, 3\) at \(4, 0\) of a"
+    ):
+        load_into(str(path), {"m": {"w": t}})
     local = t.to_local() if isinstance(t, DTensor) else t
     assert not local.any()
 
 
-def test_dtensor_target_of_a_plain_saved_tensor_is_a_layout_mismatch(
+def test_dtensor_target_of_another_dtype_is_a_layout_mismatch(
     tmp_path: Path, mesh: DeviceMesh
 ) -> None:
-    """A plain saved tensor and a DTensor target: LayoutMismatchError (a resharded restore reads
-    its part of the full tensor)."""
-    write_shard(tmp_path / "s.shard", {"w": torch.ones(8)}, job="j", step=1)
-    with pytest.raises(LayoutMismatchError, match="w: saved as a plain tensor"):
-        load_into(
-            str(tmp_path / "s.shard"), {"w": distribute_tensor(torch.zeros(8), mesh, [Shard(0)])}
-        )
+    """A DTensor target of the saved layout but another dtype: LayoutMismatchError."""
+    saved = distribute_tensor(torch.randn(64, 3), mesh, [Shard(0)])
+    write_shard(tmp_path / "s.shard", {"w": saved}, job="j", step=1)
+    target = distribute_tensor(torch.zeros(64, 3, dtype=torch.float64), mesh, [Shard(0)])
+    with pytest.raises(LayoutMismatchError, match=r"\(float32\), the target is .* \(float64\)"):
+        load_into(str(tmp_path / "s.shard"), {"w": target})
+
+
+def test_whole_tensors_go_between_plain_and_dtensor_targets_in_place(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    """Where the saved tensor and the target both hold the whole global tensor (a plain tensor,
+    a replicated DTensor, a DTensor on a mesh of one), the bytes go into the target in place,
+    whichever of them is the DTensor."""
+    saved_d = distribute_tensor(torch.randn(16, 3), mesh, [Shard(0)])
+    saved_p = torch.randn(5)
+    write_shard(tmp_path / "s.shard", {"d": saved_d, "p": saved_p}, job="j", step=1)
+    plain = torch.zeros(16, 3)
+    replicated = distribute_tensor(torch.zeros(5), mesh, [Replicate()])
+    loaded = load_into(str(tmp_path / "s.shard"), {"d": plain, "p": replicated})
+    assert torch.equal(plain, saved_d.to_local()) and torch.equal(replicated.to_local(), saved_p)
+    assert loaded.in_place == 2
 
 
 def _dmodel(mesh: DeviceMesh, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

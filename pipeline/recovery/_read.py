@@ -153,33 +153,45 @@ class Assembly:
 
 
 def _local_target(target: torch.Tensor, e: TensorEntry, saved: ShardedEntry | None) -> torch.Tensor:
-    """The tensor a saved local shard goes into: the DTensor target's local tensor, where the
-    target has the saved layout (global shape, dtype, mesh shape, placements and this rank's
-    box in the global tensor)."""
-    where = "/".join(map(str, e.path)) or "<root>"
-    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
-    if not is_dtensor(target):
-        raise LayoutMismatchError(
-            f"{where}: saved as {saved_text}, the target is a plain tensor of shape "
-            f"{tuple(target.shape)}"
-        )
-    try:
-        local, layout = describe_dtensor(target, e.path)
-    except UnsupportedStateError as err:
-        raise LayoutMismatchError(f"{where}: saved as {saved_text}; {err.reason}") from err
-    target_text = _layout_text(layout, tuple(local.shape))
-    mine = (layout.global_shape, layout.offsets, layout.mesh_shape, layout.placements)
-    if (
-        saved is None
-        or (saved.global_shape, saved.offsets, saved.mesh_shape, saved.placements) != mine
-        or tuple(local.shape) != e.shape
-        or getattr(torch, e.dtype) != local.dtype
+    """The tensor a saved tensor goes into, where it or its target is sharded: a DTensor
+    target's local tensor, where the target has the saved layout (global shape, mesh shape,
+    placements and this rank's box in the global tensor) and dtype; or, where both the saved
+    tensor and the target hold the whole global tensor (a plain tensor, a replicated DTensor, a
+    DTensor on a mesh of one), the target's (local) tensor."""
+    if is_dtensor(target):
+        try:
+            local, layout = describe_dtensor(target, e.path)
+        except UnsupportedStateError as err:
+            where = "/".join(map(str, e.path)) or "<root>"
+            raise LayoutMismatchError(f"{where}: the target's layout: {err.reason}") from err
+        target_text = _layout_text(layout, tuple(local.shape))
+    else:
+        local, layout = target, None
+        target_text = f"a plain tensor of shape {tuple(target.shape)}"
+    fits = tuple(local.shape) == e.shape and local.dtype == getattr(torch, e.dtype)
+    if fits and (
+        _same_layout(saved, layout) or (_whole(saved, e.shape) and _whole(layout, e.shape))
     ):
-        raise LayoutMismatchError(
-            f"{where}: saved as {saved_text} ({e.dtype}), the target is {target_text} "
-            f"({str(local.dtype).removeprefix('torch.')})"
-        )
-    return local
+        return local
+    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
+    raise LayoutMismatchError(
+        f"{'/'.join(map(str, e.path)) or '<root>'}: saved as {saved_text} ({e.dtype}), the "
+        f"target is {target_text} ({str(local.dtype).removeprefix('torch.')})"
+    )
+
+
+def _same_layout(a: ShardedEntry | None, b: ShardedEntry | None) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and (a.global_shape, a.offsets, a.mesh_shape, a.placements)
+        == (b.global_shape, b.offsets, b.mesh_shape, b.placements)
+    )
+
+
+def _whole(s: ShardedEntry | None, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` with layout `s` (None: plain) is its whole global tensor."""
+    return s is None or (s.global_shape == shape and not any(s.offsets))
 
 
 def _layout_text(s: ShardedEntry, shape: tuple[int, ...]) -> str:
