@@ -24,15 +24,25 @@ from typing import Any
 
 import torch
 
-from tierpipe.schemas import BlobEntry, ShardHeader, TensorEntry
+from tierpipe.errors import LayoutMismatchError, UnsupportedStateError
+from tierpipe.schemas import BlobEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.storage.shard import DTYPE_SIZES, align_up, blocks_nbytes, encode_head
-from tierpipe.tree import KeyPath, decode_tree, dtype_name, encode_tree, is_dtensor
+from tierpipe.tree import (
+    KeyPath,
+    decode_tree,
+    describe_dtensor,
+    dtype_name,
+    encode_tree,
+    is_dtensor,
+)
 
 __all__ = (
     "StatePlan",
     "blob_view",
     "flatten_targets",
     "gc_paused",
+    "layout_mismatch",
+    "local_target",
     "plan_state",
     "rebuild_state",
     "tensor_buffer",
@@ -308,6 +318,77 @@ def _init_sharded_optimizer(optimizer: torch.optim.Optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
+
+
+def local_target(target: torch.Tensor, e: TensorEntry, saved: ShardedEntry | None) -> torch.Tensor:
+    """The tensor a saved tensor (entry `e`, with its layout `saved` if it is a local shard)
+    goes into in place, where it or its target is sharded: a DTensor target's local tensor,
+    where the target has the saved layout (global shape, mesh shape, placements and this
+    rank's box in the global tensor) and dtype; or, where both the saved tensor and the target
+    hold the whole global tensor (a plain tensor, a replicated DTensor, a DTensor on a mesh of
+    one), the target's (local) tensor. The one rule both the in-place restore and the choice
+    to reshard (`layout_mismatch`) follow.
+
+    Raises:
+        LayoutMismatchError: any other pairing (names the key path and both layouts).
+    """
+    if is_dtensor(target):
+        try:
+            local, layout = describe_dtensor(target, e.path)
+        except UnsupportedStateError as err:
+            where = "/".join(map(str, e.path)) or "<root>"
+            raise LayoutMismatchError(f"{where}: the target's layout: {err.reason}") from err
+        target_text = _layout_text(layout, tuple(local.shape))
+    else:
+        local, layout = target, None
+        target_text = f"a plain tensor of shape {tuple(target.shape)}"
+    fits = tuple(local.shape) == e.shape and local.dtype == getattr(torch, e.dtype)
+    if fits and (
+        _same_layout(saved, layout) or (_whole(saved, e.shape) and _whole(layout, e.shape))
+    ):
+        return local
+    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
+    raise LayoutMismatchError(
+        f"{'/'.join(map(str, e.path)) or '<root>'}: saved as {saved_text} ({e.dtype}), the "
+        f"target is {target_text} ({str(local.dtype).removeprefix('torch.')})"
+    )
+
+
+def _same_layout(a: ShardedEntry | None, b: ShardedEntry | None) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and (a.global_shape, a.offsets, a.mesh_shape, a.placements)
+        == (b.global_shape, b.offsets, b.mesh_shape, b.placements)
+    )
+
+
+def _whole(s: ShardedEntry | None, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` with layout `s` (None: plain) is its whole global tensor."""
+    return s is None or (s.global_shape == shape and not any(s.offsets))
+
+
+def _layout_text(s: ShardedEntry, shape: tuple[int, ...]) -> str:
+    return (
+        f"a shard of shape {tuple(shape)} at {s.offsets} of a {s.global_shape} DTensor, "
+        f"placements {'/'.join(s.placements)} on a {'x'.join(map(str, s.mesh_shape))} mesh"
+    )
+
+
+def layout_mismatch(header: ShardHeader, into: Any) -> LayoutMismatchError | None:
+    """The first saved tensor of `header` that cannot go into its target in `into` in place
+    (`local_target`), where it or its target is sharded; None where every one can (the
+    in-place restore then loads the shard, else it has to be resharded)."""
+    targets, _ = flatten_targets(into) if into is not None else ({}, [])
+    layouts = {s.tensor: s for s in header.sharded}
+    for index, e in enumerate(header.tensors):
+        t = targets.get(e.path)
+        if t is not None and (index in layouts or is_dtensor(t)):
+            try:
+                local_target(t, e, layouts.get(index))
+            except LayoutMismatchError as err:
+                return err
+    return None
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:

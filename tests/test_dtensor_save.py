@@ -29,6 +29,7 @@ from tierpipe.errors import IntegrityError, LayoutMismatchError, UnsupportedStat
 from tierpipe.recovery.load import load_into, load_shard
 from tierpipe.schemas import BLOCK_BYTES, ShardedEntry, ShardFlushed, ShardHeader
 from tierpipe.settings import Settings
+from tierpipe.state import layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.shard import block_digests, encode_head
@@ -168,6 +169,7 @@ def test_dtensor_target_of_the_same_layout_is_filled_in_place(
     write_shard(tmp_path / "s.shard", {"w": saved}, job="j", step=1)
     target = distribute_tensor(torch.zeros(64, 3), mesh, [Shard(0)])
     ptr = target.to_local().data_ptr()
+    assert layout_mismatch(read_head(tmp_path / "s.shard").header, {"w": target}) is None
     loaded = load_into(str(tmp_path / "s.shard"), {"w": target})
     assert torch.equal(target.to_local(), saved.to_local())
     assert target.to_local().data_ptr() == ptr and loaded.in_place == 1
@@ -214,8 +216,10 @@ def test_target_of_another_layout_is_a_layout_mismatch(
     t = target(mesh)
     with pytest.raises(
         LayoutMismatchError, match=r"m/w: saved as a shard of shape \(4, 3\) at \(4, 0\) of a"
-    ):
+    ) as err:
         load_into(str(path), {"m": {"w": t}})
+    found = layout_mismatch(read_head(path).header, {"m": {"w": t}})  # (the choice to reshard)
+    assert found is not None and str(found) == str(err.value)
     local = t.to_local() if isinstance(t, DTensor) else t
     assert not local.any()
 

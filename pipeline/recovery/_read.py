@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
-from tierpipe.errors import LayoutMismatchError, UnsupportedStateError
-from tierpipe.schemas import ShardedEntry, ShardHeader, TensorEntry
-from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
+from tierpipe.schemas import ShardHeader, TensorEntry
+from tierpipe.state import KeyPath, blob_view, flatten_targets, local_target, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
 from tierpipe.storage.shard import Head
-from tierpipe.tree import describe_dtensor, is_dtensor
+from tierpipe.tree import is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
@@ -64,7 +63,7 @@ class Match:
             t = targets.get(e.path)
             if t is not None and (index in layouts or is_dtensor(t)):
                 self.values[index] = t
-                t = _local_target(t, e, layouts.get(index))
+                t = local_target(t, e, layouts.get(index))
             ok = (
                 t is not None
                 and t.dtype == getattr(torch, e.dtype)
@@ -150,55 +149,6 @@ class Assembly:
     def _synchronize(self) -> None:
         for device in self._match.cuda_devices:
             torch.cuda.current_stream(device).synchronize()
-
-
-def _local_target(target: torch.Tensor, e: TensorEntry, saved: ShardedEntry | None) -> torch.Tensor:
-    """The tensor a saved tensor goes into, where it or its target is sharded: a DTensor
-    target's local tensor, where the target has the saved layout (global shape, mesh shape,
-    placements and this rank's box in the global tensor) and dtype; or, where both the saved
-    tensor and the target hold the whole global tensor (a plain tensor, a replicated DTensor, a
-    DTensor on a mesh of one), the target's (local) tensor."""
-    if is_dtensor(target):
-        try:
-            local, layout = describe_dtensor(target, e.path)
-        except UnsupportedStateError as err:
-            where = "/".join(map(str, e.path)) or "<root>"
-            raise LayoutMismatchError(f"{where}: the target's layout: {err.reason}") from err
-        target_text = _layout_text(layout, tuple(local.shape))
-    else:
-        local, layout = target, None
-        target_text = f"a plain tensor of shape {tuple(target.shape)}"
-    fits = tuple(local.shape) == e.shape and local.dtype == getattr(torch, e.dtype)
-    if fits and (
-        _same_layout(saved, layout) or (_whole(saved, e.shape) and _whole(layout, e.shape))
-    ):
-        return local
-    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
-    raise LayoutMismatchError(
-        f"{'/'.join(map(str, e.path)) or '<root>'}: saved as {saved_text} ({e.dtype}), the "
-        f"target is {target_text} ({str(local.dtype).removeprefix('torch.')})"
-    )
-
-
-def _same_layout(a: ShardedEntry | None, b: ShardedEntry | None) -> bool:
-    return (
-        a is not None
-        and b is not None
-        and (a.global_shape, a.offsets, a.mesh_shape, a.placements)
-        == (b.global_shape, b.offsets, b.mesh_shape, b.placements)
-    )
-
-
-def _whole(s: ShardedEntry | None, shape: tuple[int, ...]) -> bool:
-    """Whether a tensor of `shape` with layout `s` (None: plain) is its whole global tensor."""
-    return s is None or (s.global_shape == shape and not any(s.offsets))
-
-
-def _layout_text(s: ShardedEntry, shape: tuple[int, ...]) -> str:
-    return (
-        f"a shard of shape {tuple(shape)} at {s.offsets} of a {s.global_shape} DTensor, "
-        f"placements {'/'.join(s.placements)} on a {'x'.join(map(str, s.mesh_shape))} mesh"
-    )
 
 
 def _restored_in_place(
