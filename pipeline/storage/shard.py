@@ -9,6 +9,7 @@ node agent works on bytes only (see `tierpipe.state` for tensors).
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import struct
@@ -276,37 +277,50 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
 def _check_sharded(s: ShardedEntry, t: TensorEntry, path: str) -> None:
     """A sharded entry's layout is consistent: its shard is the box its placements give this
     coordinate of the mesh, inside the global shape."""
-    ndim, mesh_ndim = len(s.global_shape), len(s.mesh_shape)
-    problem = ""
-    if not (len(t.shape) == len(s.offsets) == ndim):
-        problem = "dimensions differ from the tensor's"
-    elif not (len(s.coordinate) == len(s.placements) == mesh_ndim) or len(s.mesh_dims) not in (
-        0,
-        mesh_ndim,
-    ):
-        problem = "mesh dimensions differ"
-    elif not all(0 <= n <= _INT64_MAX for n in (*s.global_shape, *s.offsets)) or not all(
-        0 < n <= _INT64_MAX for n in s.mesh_shape
-    ):
-        problem = "malformed shape, offsets or mesh"
-    elif math.prod(s.mesh_shape) != len(s.mesh_ranks) or len(set(s.mesh_ranks)) != len(
-        s.mesh_ranks
-    ):
-        problem = f"{len(s.mesh_ranks)} mesh ranks for a mesh of shape {s.mesh_shape}"
-    elif not all(0 <= c < n for c, n in zip(s.coordinate, s.mesh_shape, strict=True)):
-        problem = f"coordinate {s.coordinate} outside the mesh {s.mesh_shape}"
-    elif any(o + n > g for o, n, g in zip(s.offsets, t.shape, s.global_shape, strict=True)):
-        problem = f"shard at {s.offsets} of shape {t.shape} outside {s.global_shape}"
-    else:
-        try:
-            box = local_box(s.global_shape, s.mesh_shape, s.coordinate, s.placements)
-        except ValueError as e:
-            problem = str(e)
-        else:
-            if box != (s.offsets, t.shape):
-                problem = f"placements {s.placements} do not give the shard at {s.offsets}"
+    problem = _layout_problem(
+        t.shape, s.global_shape, s.offsets, s.mesh_shape, len(s.mesh_dims), s.mesh_ranks,
+        s.coordinate, s.placements,
+    )  # fmt: skip
     if problem:
         raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_problem(
+    shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    mesh_names: int,
+    mesh_ranks: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[str, ...],
+) -> str:
+    """What is wrong with a sharded layout ("" if nothing): the same for the many tensors of a
+    state that share shapes and a mesh, so worked out once per layout."""
+    ndim, mesh_ndim = len(global_shape), len(mesh_shape)
+    if not (len(shape) == len(offsets) == ndim):
+        return "dimensions differ from the tensor's"
+    if not (len(coordinate) == len(placements) == mesh_ndim) or mesh_names not in (0, mesh_ndim):
+        return "mesh dimensions differ"
+    if not all(0 <= n <= _INT64_MAX for n in (*global_shape, *offsets)) or not all(
+        0 < n <= _INT64_MAX for n in mesh_shape
+    ):
+        return "malformed shape, offsets or mesh"
+    ranks = len(mesh_ranks)
+    if math.prod(mesh_shape) != ranks or len(set(mesh_ranks)) != ranks or min(mesh_ranks) < 0:
+        return f"{ranks} mesh ranks for a mesh of shape {mesh_shape}"
+    if not all(0 <= c < n for c, n in zip(coordinate, mesh_shape, strict=True)):
+        return f"coordinate {coordinate} outside the mesh {mesh_shape}"
+    if any(o + n > g for o, n, g in zip(offsets, shape, global_shape, strict=True)):
+        return f"shard at {offsets} of shape {shape} outside {global_shape}"
+    try:
+        box = local_box(global_shape, mesh_shape, coordinate, placements)
+    except ValueError as e:
+        return str(e)
+    if box != (offsets, shape):
+        return f"placements {placements} do not give the shard at {offsets}"
+    return ""
 
 
 def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:
