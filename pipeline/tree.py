@@ -254,7 +254,9 @@ def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedE
     spec = v._spec  # (placements, mesh and shard order in one: a DTensor always has it)
     order = None if spec.use_strided_shard_as_shard_order else spec.shard_order
     try:
-        layout, shape = _layout(spec.mesh, spec.placements, tuple(v.shape), order)
+        at = spec.mesh.get_coordinate()  # (part of the key: meshes compare equal across ranks)
+        coordinate = None if at is None else tuple(at)
+        layout, shape = _layout(spec.mesh, coordinate, spec.placements, tuple(v.shape), order)
     except UnsupportedStateError as e:
         raise UnsupportedStateError(path, e.reason) from None
     local = v._local_tensor.detach()
@@ -267,7 +269,11 @@ def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedE
 
 @functools.lru_cache(maxsize=4096)
 def _layout(
-    mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int, ...], order: Any
+    mesh: Any,
+    coordinate: tuple[int, ...] | None,
+    placements: tuple[Any, ...],
+    global_shape: tuple[int, ...],
+    order: Any,
 ) -> tuple[ShardedEntry, tuple[int, ...]]:
     """`describe_dtensor`'s layout and local shape: the same for every DTensor of one mesh,
     placements and shape, so worked out once (a save describes every DTensor of the state
@@ -294,7 +300,6 @@ def _layout(
             raise UnsupportedStateError((), f"DTensor placement {p!r} is not supported")
     if order is not None and order != DTensorSpec.compute_default_shard_order(placements):
         raise UnsupportedStateError((), f"DTensor with a non-default shard order {order}")
-    coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise UnsupportedStateError((), "DTensor on a mesh this rank is not part of")
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
