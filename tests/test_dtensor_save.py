@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from tierpipe.schemas import BLOCK_BYTES, ShardedEntry, ShardFlushed, ShardHeade
 from tierpipe.settings import Settings
 from tierpipe.state import layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.reader import read_head
+from tierpipe.storage.reader import check_image, read_head
 from tierpipe.storage.shard import block_digests, encode_head
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.storage.sharding import local_box
@@ -337,6 +338,12 @@ def test_verify_checks_block_digests(tmp_path: Path, mesh: DeviceMesh) -> None:
     with NvmeStore(tmp_path) as store, pytest.raises(IntegrityError) as err:
         store.verify_file(path, header_digest=digest, nbytes=path.stat().st_size)
     assert err.value.what == "tensor w block 1"
+    # An object's verify checks the image in memory (the mapping is left to the GC: the
+    # error's traceback holds views of it).
+    with open(path, "rb") as f:
+        image = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with pytest.raises(IntegrityError, match=r"\(tensor w block 1\)"):
+        check_image(image, str(path), digest, path.stat().st_size)
 
 
 # --- four processes: FSDP2 + tensor parallel on a 2x2 mesh, through the real pipeline ---------
