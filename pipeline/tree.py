@@ -309,7 +309,7 @@ def _layout(
         offsets=tuple(map(int, offsets)),
         mesh_shape=tuple(map(int, mesh.shape)),
         mesh_dims=tuple(mesh.mesh_dim_names or ()),
-        mesh_ranks=tuple(map(int, mesh.mesh.flatten().tolist())),
+        mesh_ranks=_mesh_ranks(mesh),
         coordinate=tuple(map(int, coordinate)),
         placements=tuple(strings),
     )
@@ -321,6 +321,12 @@ def _layout(
             "tensor"
         )  # fmt: skip
     return layout, tuple(map(int, shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """The global ranks of a mesh, row-major: one tuple a mesh, however many layouts hold it."""
+    return tuple(map(int, mesh.mesh.flatten().tolist()))
 
 
 def dtype_name(dtype: torch.dtype, path: KeyPath = ()) -> str:
