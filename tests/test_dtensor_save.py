@@ -28,12 +28,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.conftest import Agent, Events
 from tierpipe.errors import IntegrityError, LayoutMismatchError, UnsupportedStateError
 from tierpipe.recovery.load import load_into, load_shard
-from tierpipe.schemas import BLOCK_BYTES, ShardedEntry, ShardFlushed, ShardHeader
+from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardFlushed, ShardHeader
 from tierpipe.settings import Settings
 from tierpipe.state import layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import check_image, read_head
-from tierpipe.storage.shard import block_digests, encode_head
+from tierpipe.storage.shard import block_digests, encode_head, mesh_of
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.storage.sharding import local_box
 
@@ -113,8 +113,8 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     tmp_path: Path, mesh: DeviceMesh
 ) -> None:
     """A DTensor is stored as its local tensor with a sharded entry (global shape, offsets, mesh,
-    placements) and per-block digests of exactly its bytes; it loads back, without a target, as
-    the local shard."""
+    placements) and per-block digests of exactly its bytes; its mesh is listed once however
+    many DTensors lie on it; it loads back, without a target, as the local shard."""
     torch.manual_seed(0)
     dt = distribute_tensor(torch.randn((3 * BLOCK_BYTES) // 8 + 5, 2), mesh, [Shard(0)])
     rep = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])
@@ -125,7 +125,8 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     assert set(by_path) == {("w",), ("r",)}
     w = by_path[("w",)]
     assert (w.global_shape, w.offsets, w.placements) == (tuple(dt.shape), (0, 0), ("S0",))
-    assert (w.mesh_shape, w.mesh_dims, w.mesh_ranks, w.coordinate) == ((1,), ("dp",), (0,), (0,))
+    assert header.meshes == (MeshEntry((1,), ("dp",), (0,), (0,)),)
+    assert mesh_of(header, w) == header.meshes[0] and by_path[("r",)].mesh == w.mesh == 0
     assert by_path[("r",)].placements == ("R",)
     local = dt.to_local().contiguous().view(torch.uint8).numpy().tobytes()
     blob = header.blobs[header.tensors[w.tensor].blob]
@@ -136,6 +137,30 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     _, state = load_shard(path)
     assert type(state["w"]) is torch.Tensor and torch.equal(state["w"], dt.to_local())
     assert torch.equal(state["r"], rep.to_local())
+
+
+def test_each_mesh_is_listed_once_and_entries_name_theirs(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """DTensors on two meshes (and on a second, equal mesh object): the header lists each mesh
+    once, with this rank's coordinate, and each sharded entry names its own."""
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    again = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    state = {
+        "a": distribute_tensor(torch.ones(4), mesh, [Shard(0)]),
+        "b": distribute_tensor(torch.ones(4, 2), grid, [Shard(0), Shard(1)]),
+        "c": distribute_tensor(torch.ones(3), again, [Replicate()]),
+        "d": distribute_tensor(torch.ones(2), grid, [Replicate(), Shard(0)]),
+    }
+    path = tmp_path / "s.shard"
+    write_shard(path, state, job="j", step=1)
+    header = read_head(path).header
+    assert header.meshes == (
+        MeshEntry((1,), ("dp",), (0,), (0,)),
+        MeshEntry((1, 1), ("dp", "tp"), (0,), (0, 0)),
+    )
+    by_path = {header.tensors[s.tensor].path[0]: s.mesh for s in header.sharded}
+    assert by_path == {"a": 0, "b": 1, "c": 0, "d": 1}
+    _, back = load_shard(path)
+    assert all(torch.equal(back[k], v.to_local()) for k, v in state.items())
 
 
 def test_local_shard_sharing_storage_gets_a_blob_of_its_own(
@@ -184,11 +209,12 @@ def _saved_as_second_half(path: Path) -> None:
     head = read_head(path)
     data = path.read_bytes()[head.data_offset :]
     blob = head.header.blobs[0]
-    entry = ShardedEntry(0, (8, 3), (4, 0), (2,), ("dp",), (0, 1), (1,), ("S0",))
+    entry = ShardedEntry(0, (8, 3), (4, 0), 0, ("S0",))
     blocks = block_digests(data[blob.offset : blob.offset + blob.nbytes])
     header = msgspec.structs.replace(
         head.header,
         blobs=(msgspec.structs.replace(blob, blocks=blocks),),
+        meshes=(MeshEntry((2,), ("dp",), (0, 1), (1,)),),
         sharded=(entry,),
     )
     sealed = encode_head(header, sealed=True)
@@ -406,6 +432,12 @@ def test_fsdp2_tp_state_saves_and_restores_in_place_bitwise(
     placements = {header.tensors[s.tensor].path: s.placements for s in header.sharded}
     assert placements[("model", "0.weight")] == ("SS0:2", "S0")
     assert placements[("optim", "state", 2, "exp_avg")] == ("S0", "S1")
+    # (rank 1 is (0, 1) of the 2x2 mesh; the LayerNorm, not tensor parallel, lies on the dp
+    # mesh alone: ranks 1 and 3 there)
+    assert set(header.meshes) == {
+        MeshEntry((2, 2), ("dp", "tp"), (0, 1, 2, 3), (0, 1)),
+        MeshEntry((2,), ("dp",), (1, 3), (0,)),
+    }
 
 
 def _relpath(job: str, step: int, rank: int, world: int) -> Any:

@@ -37,6 +37,7 @@ from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import (
     BlobEntry,
     Event,
+    MeshEntry,
     ShardedEntry,
     ShardFlushed,
     ShardHeader,
@@ -168,23 +169,21 @@ def test_crafted_layout_or_tree_is_a_format_error(
     assert err.value.path == str(path)
 
 
+_MESH = MeshEntry(shape=(2,), dims=("dp",), ranks=(0, 1), coordinate=(1,))
+
+
 def _sharded(header: ShardHeader, blocks: bytes = bytes(8), **changes: Any) -> ShardHeader:
     """`header` (one 4-float32 tensor) declared the second half of an 8-element tensor sharded
-    over a 2-rank mesh (S0, coordinate 1), its blob with `blocks`; `changes` forge the entry."""
-    entry = ShardedEntry(
-        tensor=0,
-        global_shape=(8,),
-        offsets=(4,),
-        mesh_shape=(2,),
-        mesh_dims=("dp",),
-        mesh_ranks=(0, 1),
-        coordinate=(1,),
-        placements=("S0",),
-    )
+    over a 2-rank mesh (S0, coordinate 1), its blob with `blocks`; `changes` forge the entry,
+    its mesh (`MeshEntry` fields) or the table of meshes (`meshes`)."""
+    entry = ShardedEntry(tensor=0, global_shape=(8,), offsets=(4,), mesh=0, placements=("S0",))
+    mesh_fields = {k: changes.pop(k) for k in MeshEntry.__struct_fields__ if k in changes}
+    meshes = changes.pop("meshes", (msgspec.structs.replace(_MESH, **mesh_fields),))
     blob = msgspec.structs.replace(header.blobs[0], blocks=blocks)
     return msgspec.structs.replace(
         header,
         blobs=(blob,),
+        meshes=meshes,
         sharded=(msgspec.structs.replace(entry, **changes),),
     )
 
@@ -205,12 +204,21 @@ def test_consistent_sharded_entry_loads(tmp_path: Path, one_tensor: ShardHeader)
         (bytes(8), {"tensor": -1}, "missing tensor"),
         (bytes(8), {"offsets": (6,)}, "outside"),
         (bytes(8), {"global_shape": (8, 1)}, "dimensions"),
-        (bytes(8), {"mesh_ranks": (0, 1, 2)}, "mesh ranks"),
-        (bytes(8), {"mesh_ranks": (1, 1)}, "mesh ranks"),
-        (bytes(8), {"mesh_shape": (0,), "mesh_ranks": ()}, "malformed"),
-        (bytes(8), {"mesh_dims": ("dp", "tp")}, "mesh dimensions"),
+        (bytes(8), {"ranks": (0, 1, 2)}, "mesh 0: 3 mesh ranks"),
+        (bytes(8), {"ranks": (1, 1)}, "mesh ranks"),
+        (bytes(8), {"ranks": (-1, 1)}, "mesh ranks"),
+        (bytes(8), {"shape": (0,), "ranks": ()}, "malformed mesh"),
+        (bytes(8), {"shape": (-2,), "ranks": (0, 1)}, "malformed mesh"),
+        (bytes(8), {"dims": ("dp", "tp")}, "dimension names"),
         (bytes(8), {"coordinate": (2,)}, "outside the mesh"),
+        (bytes(8), {"coordinate": (-1,)}, "outside the mesh"),
+        (bytes(8), {"coordinate": (1, 0)}, "outside the mesh"),
         (bytes(8), {"coordinate": (0,)}, "do not give"),
+        (bytes(8), {"shape": (2, 1), "dims": (), "coordinate": (1, 0)}, "mesh dimensions differ"),
+        (bytes(8), {"mesh": 1}, "missing mesh 1"),
+        (bytes(8), {"mesh": -1}, "missing mesh"),
+        (bytes(8), {"meshes": ()}, "missing mesh 0"),
+        (bytes(8), {"meshes": (_MESH, MeshEntry((2,), (), (0,), (0,)))}, "mesh 1: 1 mesh"),
         (bytes(8), {"placements": ("R",)}, "do not give"),
         (bytes(8), {"placements": ("S1",)}, "2-dim|1-dim"),
         (bytes(8), {"placements": ("X",)}, "bad placement"),
@@ -229,10 +237,19 @@ def test_consistent_sharded_entry_loads(tmp_path: Path, one_tensor: ShardHeader)
         "other-rank",
         "ranks-not-mesh-size",
         "duplicate-ranks",
+        "negative-rank",
         "empty-mesh",
+        "negative-mesh-dim",
         "mesh-names",
         "coordinate-outside",
+        "negative-coordinate",
+        "coordinate-not-mesh",
         "offsets-not-placements",
+        "placements-not-2d-mesh",
+        "mesh-index-out-of-range",
+        "negative-mesh-index",
+        "no-mesh-table",
+        "bad-unused-mesh",
         "replicated-half",
         "shard-dim-out-of-range",
         "unknown-placement",
@@ -354,10 +371,11 @@ def _hostile_header(draw: st.DrawFn, base: ShardHeader) -> ShardHeader:
         i = draw(st.integers(0, len(blobs) - 1))
         offset = draw(st.sampled_from([0, 100, 4096, 8192, 12288, -4096]))
         blobs[i] = BlobEntry(offset, draw(st.integers(-1, 3 * 4096)), blobs[i].digest)
+    meshes = tuple(draw(st.lists(_mesh_entries(), max_size=2)))
     sharded = []
     for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # sharded entries, blocks to match
         i = draw(st.integers(-1, len(tensors)))
-        sharded.append(draw(_sharded_entries(i)))
+        sharded.append(draw(_sharded_entries(i, len(meshes))))
         if 0 <= i < len(tensors) and 0 <= tensors[i].blob < len(blobs) and draw(st.booleans()):
             b = blobs[tensors[i].blob]
             blobs[tensors[i].blob] = msgspec.structs.replace(
@@ -365,7 +383,12 @@ def _hostile_header(draw: st.DrawFn, base: ShardHeader) -> ShardHeader:
             )
     tree = msgspec.msgpack.encode(draw(_tree)) if draw(st.booleans()) else base.tree
     return msgspec.structs.replace(
-        base, tensors=tuple(tensors), blobs=tuple(blobs), tree=tree, sharded=tuple(sharded)
+        base,
+        tensors=tuple(tensors),
+        blobs=tuple(blobs),
+        tree=tree,
+        meshes=meshes,
+        sharded=tuple(sharded),
     )
 
 
@@ -373,17 +396,24 @@ _placements = st.sampled_from(["R", "S0", "S1", "S3", "SS0:2", "SS1:3", "SS0:100
 
 
 @st.composite
-def _sharded_entries(draw: st.DrawFn, tensor: int) -> ShardedEntry:
-    mesh = draw(st.lists(st.integers(-1, 4), max_size=3).map(tuple))
-    ranks = tuple(range(max(0, math.prod(mesh)))) if draw(st.booleans()) else draw(_dims)
+def _mesh_entries(draw: st.DrawFn) -> MeshEntry:
+    shape = draw(st.lists(st.integers(-1, 4), max_size=3).map(tuple))
+    ranks = tuple(range(max(0, math.prod(shape)))) if draw(st.booleans()) else draw(_dims)
+    return MeshEntry(
+        shape=shape,
+        dims=tuple(draw(st.lists(st.sampled_from(["dp", "tp"]), max_size=3))),
+        ranks=ranks,
+        coordinate=draw(_dims),
+    )
+
+
+@st.composite
+def _sharded_entries(draw: st.DrawFn, tensor: int, meshes: int) -> ShardedEntry:
     return ShardedEntry(
         tensor=tensor,
         global_shape=draw(_dims),
         offsets=draw(_dims),
-        mesh_shape=mesh,
-        mesh_dims=tuple(draw(st.lists(st.sampled_from(["dp", "tp"]), max_size=3))),
-        mesh_ranks=ranks,
-        coordinate=draw(_dims),
+        mesh=draw(st.integers(-1, meshes)),
         placements=tuple(draw(st.lists(_placements, max_size=3))),
     )
 

@@ -21,6 +21,7 @@ from tierpipe.schemas import (
     ALIGN,
     BLOCK_BYTES,
     BlobEntry,
+    MeshEntry,
     ShardedEntry,
     ShardHeader,
     TensorEntry,
@@ -311,8 +312,8 @@ def _sharded_header(nbytes: int) -> ShardHeader:
         tree=msgspec.msgpack.encode(["d", "w", ["T", 0]]),
         tensors=(TensorEntry(("w",), "float32", (n, 1), (1, 1), 0, 0),),
         blobs=(BlobEntry(0, nbytes, bytes(16), bytes(blocks_nbytes(nbytes))),),
-        sharded=(ShardedEntry(0, (4 * n, 1), (n, 0), (2, 2), ("dp", "tp"), (0, 1, 2, 3), (1, 0),
-                              ("SS0:2", "S0")),),
+        meshes=(MeshEntry((2, 2), ("dp", "tp"), (0, 1, 2, 3), (1, 0)),),
+        sharded=(ShardedEntry(0, (4 * n, 1), (n, 0), 0, ("SS0:2", "S0")),),
     )  # fmt: skip
 
 
@@ -324,6 +325,7 @@ def test_sharded_entries_and_block_digests_round_trip_through_sealing(nbytes: in
     head = encode_head(header, sealed=False)
     staged = parse_head(head, "<staged>", sealed=False).header
     assert staged.sharded == header.sharded and staged.blobs == header.blobs
+    assert staged.meshes == header.meshes
     data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
     blocks = block_digests(data)
     assert len(blocks) == blocks_nbytes(nbytes) == -(-nbytes // BLOCK_BYTES) * 8
@@ -332,6 +334,32 @@ def test_sharded_entries_and_block_digests_round_trip_through_sealing(nbytes: in
     assert len(sealed_head) == len(head)
     back = parse_head(sealed_head, "<sealed>").header
     assert back.blobs[0].blocks == blocks and back.sharded == header.sharded
+
+
+def test_sharded_entries_of_one_mesh_hold_its_ranks_once() -> None:
+    """Sharded entries refer to their mesh in the header's table: on a 1024-rank mesh, each
+    entry costs the header tens of bytes, not a copy of the mesh's ranks."""
+    dp, tp, n = 128, 8, 64
+    mesh = MeshEntry((dp, tp), ("dp", "tp"), tuple(range(dp * tp)), (1, 1))
+
+    def header(entries: int) -> ShardHeader:
+        return ShardHeader(
+            job="j", step=1, rank=9, world_size=dp * tp, node="n", created=0.0,
+            tree=msgspec.msgpack.encode(["l", *(["T", i] for i in range(entries))]),
+            tensors=tuple(TensorEntry((str(i),), "float32", (n, 4), (4, 1), i, 0)
+                          for i in range(entries)),
+            blobs=tuple(BlobEntry(i * 4096, n * 16, bytes(16), bytes(8)) for i in range(entries)),
+            meshes=(mesh,),
+            sharded=tuple(ShardedEntry(i, (n * dp * tp, 4), (129 * n, 0), 0, ("SS0:8", "S0"))
+                          for i in range(entries)),
+        )  # fmt: skip
+
+    one, many = encode_head(header(1), sealed=False), encode_head(header(101), sealed=False)
+    assert len(one) > 2 * dp * tp  # (the ranks, once)
+    per_entry = (len(many) - len(one)) / 100
+    assert per_entry < 120, per_entry  # (tensor + blob + sharded entries, tree reference)
+    back = parse_head(many, "<staged>", sealed=False).header
+    assert back.meshes == (mesh,) and back.sharded == header(101).sharded
 
 
 @settings(max_examples=40, deadline=None)

@@ -21,7 +21,7 @@ import torch
 from tierpipe.schemas import ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets, local_target, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
-from tierpipe.storage.shard import Head
+from tierpipe.storage.shard import Head, sharded_layouts
 from tierpipe.tree import is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
@@ -54,7 +54,7 @@ class Match:
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
         targets, self.loaders = flatten_targets(into) if into is not None else ({}, [])
-        layouts = {s.tensor: s for s in header.sharded}
+        layouts = sharded_layouts(header)
         self.targets: list[torch.Tensor | None] = []
         #: What the state returned holds for a tensor with a target: the target itself (for a
         #: DTensor, not its local tensor).

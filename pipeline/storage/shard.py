@@ -3,7 +3,8 @@
 A shard image is the same bytes on every tier. In a staging slot it is *unsealed* (all digests
 zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests (and the block
 digests of a sharded tensor's blob: `block_digests`) and the header digest. A sharded tensor's
-global layout is checked here too (against `sharding.local_box`). Nothing here imports torch: the
+global layout is checked here too (against `sharding.local_box`), its mesh's entry once a mesh
+(`mesh_of` finds a sharded entry's mesh). Nothing here imports torch: the
 node agent works on bytes only (see `tierpipe.state` for tensors).
 """
 
@@ -27,6 +28,7 @@ from tierpipe.schemas import (
     FORMAT_VERSION,
     MAGIC,
     BlobEntry,
+    MeshEntry,
     ShardedEntry,
     ShardHeader,
     TensorEntry,
@@ -43,10 +45,12 @@ __all__ = (
     "blocks_nbytes",
     "encode_head",
     "file_nbytes",
+    "mesh_of",
     "parse_head",
     "parse_prefix",
     "seal_header",
     "set_slot_generation",
+    "sharded_layouts",
     "slot_generation",
 )
 
@@ -257,6 +261,10 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
     users = Counter(t.blob for t in header.tensors)
     for t in header.tensors:
         _check_tensor(t, header.blobs, users[t.blob] > 1, path)
+    for i, m in enumerate(header.meshes):
+        problem = _mesh_problem(m)
+        if problem:
+            raise ShardFormatError(path, f"mesh {i}: {problem}")
     sharded_blobs = set()
     for s in header.sharded:
         if not 0 <= s.tensor < len(header.tensors):
@@ -265,7 +273,9 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         if users[t.blob] > 1 or t.blob in sharded_blobs:
             raise ShardFormatError(path, f"sharded tensor {t.path!r} shares blob {t.blob}")
         sharded_blobs.add(t.blob)
-        _check_sharded(s, t, path)
+        if not 0 <= s.mesh < len(header.meshes):
+            raise ShardFormatError(path, f"sharded tensor {t.path!r} names missing mesh {s.mesh}")
+        _check_sharded(s, header.meshes[s.mesh], t, path)
     for i, b in enumerate(header.blobs):
         want = blocks_nbytes(b.nbytes) if i in sharded_blobs else 0
         if len(b.blocks) != want:
@@ -274,13 +284,40 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
             )
 
 
-def _check_sharded(s: ShardedEntry, t: TensorEntry, path: str) -> None:
+def mesh_of(header: ShardHeader, s: ShardedEntry) -> MeshEntry:
+    """The device mesh sharded entry `s` of `header` lies on (a parsed header's index is
+    checked)."""
+    return header.meshes[s.mesh]
+
+
+def sharded_layouts(header: ShardHeader) -> dict[int, tuple[ShardedEntry, MeshEntry]]:
+    """Each sharded tensor's layout and mesh, by its index in `header.tensors`."""
+    return {s.tensor: (s, header.meshes[s.mesh]) for s in header.sharded}
+
+
+def _mesh_problem(m: MeshEntry) -> str:
+    """What is wrong with a mesh entry ("" if nothing): its ranks fill its shape, once each and
+    none negative, its coordinate lies inside it, its names are none or one a dimension."""
+    if not all(0 < n <= _INT64_MAX for n in m.shape):
+        return f"malformed mesh shape {m.shape}"
+    if len(m.dims) not in (0, len(m.shape)):
+        return f"{len(m.dims)} dimension names for a mesh of shape {m.shape}"
+    ranks = len(m.ranks)
+    if math.prod(m.shape) != ranks or len(set(m.ranks)) != ranks or min(m.ranks) < 0:
+        return f"{ranks} mesh ranks for a mesh of shape {m.shape}"
+    if len(m.coordinate) != len(m.shape) or not all(
+        0 <= c < n for c, n in zip(m.coordinate, m.shape, strict=True)
+    ):
+        return f"coordinate {m.coordinate} outside the mesh {m.shape}"
+    return ""
+
+
+def _check_sharded(s: ShardedEntry, m: MeshEntry, t: TensorEntry, path: str) -> None:
     """A sharded entry's layout is consistent: its shard is the box its placements give this
-    coordinate of the mesh, inside the global shape."""
+    rank's coordinate of its (checked) mesh, inside the global shape."""
     problem = _layout_problem(
-        t.shape, s.global_shape, s.offsets, s.mesh_shape, len(s.mesh_dims), s.mesh_ranks,
-        s.coordinate, s.placements,
-    )  # fmt: skip
+        t.shape, s.global_shape, s.offsets, m.shape, m.coordinate, s.placements
+    )
     if problem:
         raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
 
@@ -291,27 +328,18 @@ def _layout_problem(
     global_shape: tuple[int, ...],
     offsets: tuple[int, ...],
     mesh_shape: tuple[int, ...],
-    mesh_names: int,
-    mesh_ranks: tuple[int, ...],
     coordinate: tuple[int, ...],
     placements: tuple[str, ...],
 ) -> str:
-    """What is wrong with a sharded layout ("" if nothing): the same for the many tensors of a
-    state that share shapes and a mesh, so worked out once per layout."""
-    ndim, mesh_ndim = len(global_shape), len(mesh_shape)
+    """What is wrong with a sharded layout on a valid mesh ("" if nothing): the same for the
+    many tensors of a state that share shapes and a mesh, so worked out once per layout."""
+    ndim = len(global_shape)
     if not (len(shape) == len(offsets) == ndim):
         return "dimensions differ from the tensor's"
-    if not (len(coordinate) == len(placements) == mesh_ndim) or mesh_names not in (0, mesh_ndim):
+    if len(placements) != len(mesh_shape):
         return "mesh dimensions differ"
-    if not all(0 <= n <= _INT64_MAX for n in (*global_shape, *offsets)) or not all(
-        0 < n <= _INT64_MAX for n in mesh_shape
-    ):
-        return "malformed shape, offsets or mesh"
-    ranks = len(mesh_ranks)
-    if math.prod(mesh_shape) != ranks or len(set(mesh_ranks)) != ranks or min(mesh_ranks) < 0:
-        return f"{ranks} mesh ranks for a mesh of shape {mesh_shape}"
-    if not all(0 <= c < n for c, n in zip(coordinate, mesh_shape, strict=True)):
-        return f"coordinate {coordinate} outside the mesh {mesh_shape}"
+    if not all(0 <= n <= _INT64_MAX for n in (*global_shape, *offsets)):
+        return "malformed shape or offsets"
     if any(o + n > g for o, n, g in zip(offsets, shape, global_shape, strict=True)):
         return f"shard at {offsets} of shape {shape} outside {global_shape}"
     try:
