@@ -8,7 +8,8 @@ which are stored as their state dict. The structure and plain values go into the
 storage share one blob and come back sharing it (tied weights stay tied); any other tensor is
 stored compact and comes back contiguous. A DTensor is stored as its local shard, in a blob of its
 own with a digest per 1 MiB block (a resharded restore reads parts of it), and its global layout
-(`ShardHeader.sharded`). No pickle: a shard holds data only.
+(`ShardHeader.sharded`, its mesh listed once in `ShardHeader.meshes`). No pickle: a shard holds
+data only.
 """
 
 from __future__ import annotations
@@ -24,15 +25,32 @@ from typing import Any
 
 import torch
 
-from tierpipe.schemas import BlobEntry, ShardHeader, TensorEntry
-from tierpipe.storage.shard import DTYPE_SIZES, align_up, blocks_nbytes, encode_head
-from tierpipe.tree import KeyPath, decode_tree, dtype_name, encode_tree, is_dtensor
+from tierpipe.errors import LayoutMismatchError, UnsupportedStateError
+from tierpipe.schemas import BlobEntry, MeshEntry, ShardedEntry, ShardHeader, TensorEntry
+from tierpipe.storage.shard import (
+    DTYPE_SIZES,
+    align_up,
+    blocks_nbytes,
+    encode_head,
+    sharded_layouts,
+)
+from tierpipe.tree import (
+    KeyPath,
+    decode_tree,
+    describe_dtensor,
+    dtype_name,
+    encode_tree,
+    is_dtensor,
+)
 
 __all__ = (
+    "Layout",
     "StatePlan",
     "blob_view",
     "flatten_targets",
     "gc_paused",
+    "layout_mismatch",
+    "local_target",
     "plan_state",
     "rebuild_state",
     "tensor_buffer",
@@ -163,7 +181,7 @@ def plan_state(
 def _plan_state(
     state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int
 ) -> StatePlan:
-    tree_bytes, tensors, paths, sharded = encode_tree(state)
+    tree_bytes, tensors, paths, sharded, meshes = encode_tree(state)
     # A local shard gets a blob of its own, so its block digests describe exactly its bytes.
     own = {s.tensor for s in sharded}
 
@@ -226,6 +244,7 @@ def _plan_state(
         tree=tree_bytes,
         tensors=tuple(e for e in entries if e is not None),
         blobs=tuple(blobs),
+        meshes=tuple(meshes),
         sharded=tuple(sharded),
     )
     head = encode_head(header, sealed=False)
@@ -308,6 +327,81 @@ def _init_sharded_optimizer(optimizer: torch.optim.Optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
+
+
+#: A sharded tensor's layout and the mesh it lies on (`storage.shard.sharded_layouts`).
+Layout = tuple[ShardedEntry, MeshEntry]
+
+
+def local_target(target: torch.Tensor, e: TensorEntry, saved: Layout | None) -> torch.Tensor:
+    """The tensor a saved tensor (entry `e`, with its layout and mesh `saved` if it is a local
+    shard) goes into in place, where it or its target is sharded: a DTensor target's local tensor,
+    where the target has the saved layout (global shape, mesh shape, placements and this
+    rank's box in the global tensor) and dtype; or, where both the saved tensor and the target
+    hold the whole global tensor (a plain tensor, a replicated DTensor, a DTensor on a mesh of
+    one), the target's (local) tensor. The one rule both the in-place restore and the choice
+    to reshard (`layout_mismatch`) follow.
+
+    Raises:
+        LayoutMismatchError: any other pairing (names the key path and both layouts).
+    """
+    if is_dtensor(target):
+        try:
+            local, layout, mesh = describe_dtensor(target, e.path)
+        except UnsupportedStateError as err:
+            where = "/".join(map(str, e.path)) or "<root>"
+            raise LayoutMismatchError(f"{where}: the target's layout: {err.reason}") from err
+        target_text = _layout_text((layout, mesh), tuple(local.shape))
+        mine: Layout | None = (layout, mesh)
+    else:
+        local, mine = target, None
+        target_text = f"a plain tensor of shape {tuple(target.shape)}"
+    fits = tuple(local.shape) == e.shape and local.dtype == getattr(torch, e.dtype)
+    if fits and (_same_layout(saved, mine) or (_whole(saved, e.shape) and _whole(mine, e.shape))):
+        return local
+    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
+    raise LayoutMismatchError(
+        f"{'/'.join(map(str, e.path)) or '<root>'}: saved as {saved_text} ({e.dtype}), the "
+        f"target is {target_text} ({str(local.dtype).removeprefix('torch.')})"
+    )
+
+
+def _same_layout(a: Layout | None, b: Layout | None) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and (a[0].global_shape, a[0].offsets, a[1].shape, a[0].placements)
+        == (b[0].global_shape, b[0].offsets, b[1].shape, b[0].placements)
+    )
+
+
+def _whole(s: Layout | None, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` with layout `s` (None: plain) is its whole global tensor."""
+    return s is None or (s[0].global_shape == shape and not any(s[0].offsets))
+
+
+def _layout_text(layout: Layout, shape: tuple[int, ...]) -> str:
+    s, mesh = layout
+    return (
+        f"a shard of shape {tuple(shape)} at {s.offsets} of a {s.global_shape} DTensor, "
+        f"placements {'/'.join(s.placements)} on a {'x'.join(map(str, mesh.shape))} mesh"
+    )
+
+
+def layout_mismatch(header: ShardHeader, into: Any) -> LayoutMismatchError | None:
+    """The first saved tensor of `header` that cannot go into its target in `into` in place
+    (`local_target`), where it or its target is sharded; None where every one can (the
+    in-place restore then loads the shard, else it has to be resharded)."""
+    targets, _ = flatten_targets(into) if into is not None else ({}, [])
+    layouts = sharded_layouts(header)
+    for index, e in enumerate(header.tensors):
+        t = targets.get(e.path)
+        if t is not None and (index in layouts or is_dtensor(t)):
+            try:
+                local_target(t, e, layouts.get(index))
+            except LayoutMismatchError as err:
+                return err
+    return None
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:

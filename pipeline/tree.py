@@ -5,13 +5,15 @@ scalars as they are; containers and references as arrays tagged by their first i
 list, `t` tuple, `T` tensor and `N` numpy array by index, `I` big int, `S` numpy scalar, `Z`
 `torch.Size`, `y` dtype, `v` device). Tensors are collected, in order, with their key paths; the
 shard stores their bytes as blobs. A DTensor is stored as its local shard (a `T` reference like any
-tensor) with its global layout beside it (`describe_dtensor`: a `ShardedEntry`). `decode_tree`
+tensor) with its global layout beside it (`describe_dtensor`: a `ShardedEntry`, and its mesh a
+`MeshEntry` listed once however many DTensors lie on it). `decode_tree`
 reads a tree back from a file, so it checks every tag's items to be what `encode_tree` writes. No
 pickle: a tree holds data only.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Mapping
@@ -21,7 +23,7 @@ import msgspec
 import torch
 
 from tierpipe.errors import ShardFormatError, UnsupportedStateError
-from tierpipe.schemas import ShardedEntry
+from tierpipe.schemas import MeshEntry, ShardedEntry
 from tierpipe.storage.shard import DTYPE_SIZES
 from tierpipe.storage.sharding import local_box
 
@@ -48,10 +50,10 @@ _NUMPY_SCALAR = re.compile(r"[<>|=][biufc][0-9]{1,2}")
 
 def encode_tree(
     state: Any,
-) -> tuple[bytes, list[torch.Tensor], list[KeyPath], list[ShardedEntry]]:
+) -> tuple[bytes, list[torch.Tensor], list[KeyPath], list[ShardedEntry], list[MeshEntry]]:
     """The state tree of `state` as msgpack, its tensors in reference order, their key paths,
-    and the global layouts of those that are DTensors' local shards (`ShardedEntry.tensor`
-    indexes the tensors).
+    the global layouts of those that are DTensors' local shards (`ShardedEntry.tensor` indexes
+    the tensors) and the meshes those lie on, each once (`ShardedEntry.mesh` indexes them).
 
     Raises:
         UnsupportedStateError: a value cannot be stored without pickle, or a DTensor's layout
@@ -59,13 +61,34 @@ def encode_tree(
     """
     tensors: list[torch.Tensor] = []
     paths: list[KeyPath] = []
-    sharded: list[ShardedEntry] = []
+    sharded = _Layouts()
     tree = _encode(state, (), tensors, paths, set(), sharded)
     try:
         tree_bytes = _tree_encoder.encode(tree)
     except (TypeError, OverflowError, UnicodeEncodeError) as e:
         raise UnsupportedStateError((), f"cannot encode plain values: {e}") from e
-    return tree_bytes, tensors, paths, sharded
+    return tree_bytes, tensors, paths, sharded.entries, sharded.meshes
+
+
+class _Layouts:
+    """The sharded entries of a state being encoded and its table of meshes: a mesh is listed
+    once, found by identity (`describe_dtensor` gives one `MeshEntry` object a mesh), else by
+    equality (a new object is compared with the few meshes listed, not hashed: ranks can
+    number thousands)."""
+
+    def __init__(self) -> None:
+        self.entries: list[ShardedEntry] = []
+        self.meshes: list[MeshEntry] = []
+        self._by_id: dict[int, tuple[MeshEntry, int]] = {}  # (holds the object: ids stay unique)
+
+    def add(self, layout: ShardedEntry, mesh: MeshEntry, tensor: int) -> None:
+        hit = self._by_id.get(id(mesh))
+        if hit is None or hit[0] is not mesh:
+            index = next((i for i, m in enumerate(self.meshes) if m == mesh), len(self.meshes))
+            if index == len(self.meshes):
+                self.meshes.append(mesh)
+            hit = self._by_id[id(mesh)] = (mesh, index)
+        self.entries.append(msgspec.structs.replace(layout, tensor=tensor, mesh=hit[1]))
 
 
 def decode_tree(tree: bytes, tensors: list[Any], path: str) -> Any:
@@ -82,14 +105,14 @@ def decode_tree(tree: bytes, tensors: list[Any], path: str) -> Any:
 
 
 def _encode(
-    v: Any, path: KeyPath, tensors: list, paths: list, active: set[int], sharded: list
+    v: Any, path: KeyPath, tensors: list, paths: list, active: set[int], sharded: _Layouts
 ) -> Any:
     if type(v) in _SCALARS and type(v) is not int:
         return v
     if isinstance(v, torch.Tensor):
         if is_dtensor(v):
-            local, layout = describe_dtensor(v, path)
-            sharded.append(msgspec.structs.replace(layout, tensor=len(tensors)))
+            local, layout, mesh = describe_dtensor(v, path)
+            sharded.add(layout, mesh, len(tensors))
             v = local
         paths.append(path)
         tensors.append(_check_tensor(v, path))
@@ -238,11 +261,12 @@ def is_dtensor(v: object) -> bool:
     return module is not None and isinstance(v, module.DTensor)
 
 
-def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedEntry]:
-    """A DTensor's local tensor (detached: it is this rank's memory, no copy) and its global
-    layout (`ShardedEntry.tensor` left 0): the global shape, where the local shard lies in the
-    global tensor (torch's `compute_local_shape_and_global_offset`, what DCP records as a
-    chunk), the mesh, this rank's coordinate and the placements.
+def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedEntry, MeshEntry]:
+    """A DTensor's local tensor (detached: it is this rank's memory, no copy), its global layout
+    (`ShardedEntry.tensor` and `.mesh` left 0): the global shape, where the local shard lies in
+    the global tensor (torch's `compute_local_shape_and_global_offset`, what DCP records as a
+    chunk) and the placements; and its mesh with this rank's coordinate (one `MeshEntry`
+    object for every DTensor of a mesh, while the cache holds it).
 
     Raises:
         UnsupportedStateError: a layout a `ShardedEntry` cannot describe exactly, named with
@@ -250,58 +274,86 @@ def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedE
             outside the mesh, a shard that is not one box of the global tensor, a non-default
             shard order.
     """
+    spec = v._spec  # (placements, mesh and shard order in one: a DTensor always has it)
+    order = None if spec.use_strided_shard_as_shard_order else spec.shard_order
+    try:
+        at = spec.mesh.get_coordinate()  # (part of the key: meshes compare equal across ranks)
+        coordinate = None if at is None else tuple(at)
+        layout, mesh, shape = _layout(spec.mesh, coordinate, spec.placements, tuple(v.shape), order)
+    except UnsupportedStateError as e:
+        raise UnsupportedStateError(path, e.reason) from None
+    local = v._local_tensor.detach()
+    if tuple(local.shape) != shape:
+        raise UnsupportedStateError(
+            path, f"DTensor's local tensor has shape {tuple(local.shape)}, its layout {shape}"
+        )
+    return local, layout, mesh
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    mesh: Any,
+    coordinate: tuple[int, ...] | None,
+    placements: tuple[Any, ...],
+    global_shape: tuple[int, ...],
+    order: Any,
+) -> tuple[ShardedEntry, MeshEntry, tuple[int, ...]]:
+    """`describe_dtensor`'s layout, mesh and local shape: the same for every DTensor of one mesh,
+    placements and shape, so worked out once (a save describes every DTensor of the state
+    each time, and torch's arithmetic takes ~0.2 ms a tensor)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = v.device_mesh
-    placements: list[str] = []
-    for p in v.placements:
+    strings: list[str] = []
+    for p in placements:
         if isinstance(p, _StridedShard):
-            placements.append(f"SS{p.dim}:{int(p.split_factor)}")
+            strings.append(f"SS{p.dim}:{int(p.split_factor)}")
         elif isinstance(p, Shard):
-            placements.append(f"S{p.dim}")
+            strings.append(f"S{p.dim}")
         elif isinstance(p, Replicate):
-            placements.append("R")
+            strings.append("R")
         elif isinstance(p, Partial):
             raise UnsupportedStateError(
-                path, f"DTensor with a Partial placement ({p}): a pending reduction, not a value "
+                (), f"DTensor with a Partial placement ({p}): a pending reduction, not a value "
                 "yet (redistribute it to Replicate or Shard before saving)"
             )  # fmt: skip
         else:
-            raise UnsupportedStateError(path, f"DTensor placement {p!r} is not supported")
-    spec = getattr(v, "_spec", None)
-    if (
-        spec is not None
-        and not spec.use_strided_shard_as_shard_order
-        and spec.shard_order != spec.compute_default_shard_order(spec.placements)
-    ):
-        order = spec.shard_order
-        raise UnsupportedStateError(path, f"DTensor with a non-default shard order {order}")
-    coordinate = mesh.get_coordinate()
+            raise UnsupportedStateError((), f"DTensor placement {p!r} is not supported")
+    if order is not None and order != DTensorSpec.compute_default_shard_order(placements):
+        raise UnsupportedStateError((), f"DTensor with a non-default shard order {order}")
     if coordinate is None:
-        raise UnsupportedStateError(path, "DTensor on a mesh this rank is not part of")
-    local = v.to_local().detach()
-    global_shape = tuple(map(int, v.shape))
-    shape, offsets = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
+        raise UnsupportedStateError((), "DTensor on a mesh this rank is not part of")
+    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    entry = _mesh_entry(mesh, coordinate)
     layout = ShardedEntry(
         tensor=0,
-        global_shape=global_shape,
+        global_shape=tuple(map(int, global_shape)),
         offsets=tuple(map(int, offsets)),
-        mesh_shape=tuple(map(int, mesh.shape)),
-        mesh_dims=tuple(mesh.mesh_dim_names or ()),
-        mesh_ranks=tuple(map(int, mesh.mesh.flatten().tolist())),
-        coordinate=tuple(map(int, coordinate)),
-        placements=tuple(placements),
+        mesh=0,
+        placements=tuple(strings),
     )
-    box = local_box(global_shape, layout.mesh_shape, layout.coordinate, layout.placements)
-    if box != (layout.offsets, tuple(local.shape)) or tuple(shape) != tuple(local.shape):
+    box = local_box(layout.global_shape, entry.shape, entry.coordinate, layout.placements)
+    if box != (layout.offsets, tuple(shape)):
         raise UnsupportedStateError(
-            path, f"DTensor of shape {global_shape} with placements {v.placements}: this "
-            f"rank's shard (shape {tuple(local.shape)} at {layout.offsets}) is not one box of "
-            "the global tensor"
+            (), f"DTensor of shape {global_shape} with placements {placements}: this rank's "
+            f"shard (shape {tuple(shape)} at {layout.offsets}) is not one box of the global "
+            "tensor"
         )  # fmt: skip
-    return local, layout
+    return layout, entry, tuple(map(int, shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_entry(mesh: Any, coordinate: tuple[int, ...]) -> MeshEntry:
+    """A mesh with this rank's coordinate in it: one object a mesh (and coordinate), however
+    many layouts lie on it, so a save's table of meshes finds it by identity."""
+    return MeshEntry(
+        shape=tuple(map(int, mesh.shape)),
+        dims=tuple(mesh.mesh_dim_names or ()),
+        ranks=tuple(map(int, mesh.mesh.flatten().tolist())),
+        coordinate=tuple(map(int, coordinate)),
+    )
 
 
 def dtype_name(dtype: torch.dtype, path: KeyPath = ()) -> str:

@@ -23,6 +23,7 @@ __all__ = (
     "FORMAT_VERSION",
     "MAGIC",
     "BlobEntry",
+    "MeshEntry",
     "ShardHeader",
     "ShardedEntry",
     "TensorEntry",
@@ -66,6 +67,20 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
     offset: int
 
 
+class MeshEntry(msgspec.Struct, frozen=True, array_like=True):
+    """The device mesh: its shape, dim names or empty, the global ranks row-major, this rank's
+    coordinate. One entry per distinct mesh of a shard (`ShardHeader.meshes`), however many
+    sharded entries lie on it."""
+
+    shape: tuple[int, ...]
+    #: The mesh's dimension names (`mesh.mesh_dim_names`), or empty.
+    dims: tuple[str, ...]
+    #: The global ranks in the mesh, row-major (`mesh.mesh.flatten()`).
+    ranks: tuple[int, ...]
+    #: This rank's coordinate in the mesh.
+    coordinate: tuple[int, ...]
+
+
 class ShardedEntry(msgspec.Struct, frozen=True, array_like=True):
     """A tensor of the state that is this rank's part of a global tensor (a DTensor's local
     shard), with the global layout a restore into another mesh or world size plans from.
@@ -73,7 +88,8 @@ class ShardedEntry(msgspec.Struct, frozen=True, array_like=True):
     Placements, one per mesh dimension, as strings: `R` (replicated), `S<d>` (sharded on tensor
     dim d), `SS<d>:<split_factor>` (torch's `_StridedShard`). Partial placements are refused at
     save (they are not values yet). The local shard is the box `offsets` + the tensor's shape
-    in the global tensor (torch's `compute_local_shape_and_global_offset`, as DCP records it).
+    in the global tensor (torch's `compute_local_shape_and_global_offset`, as DCP records it)
+    for this rank's coordinate in its mesh.
     """
 
     #: Index of the local shard in `ShardHeader.tensors`.
@@ -81,12 +97,8 @@ class ShardedEntry(msgspec.Struct, frozen=True, array_like=True):
     global_shape: tuple[int, ...]
     #: Where the local shard starts in the global tensor, per tensor dimension.
     offsets: tuple[int, ...]
-    #: The device mesh: its shape, its dimension names (or empty), the global ranks in it
-    #: (row-major, `mesh.mesh.flatten()`), and this rank's coordinate in it.
-    mesh_shape: tuple[int, ...]
-    mesh_dims: tuple[str, ...]
-    mesh_ranks: tuple[int, ...]
-    coordinate: tuple[int, ...]
+    #: Index of the device mesh in `ShardHeader.meshes`.
+    mesh: int
     placements: tuple[str, ...]
 
 
@@ -105,5 +117,7 @@ class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):
     blobs: tuple[BlobEntry, ...]
     #: The save's timeline (see `tierpipe.schemas.events.ShardEvent.epoch`); 0 in older files.
     epoch: int = 0
+    #: The device meshes the sharded entries lie on, each once (`ShardedEntry.mesh`).
+    meshes: tuple[MeshEntry, ...] = ()
     #: The tensors that are local shards of global (DTensor) tensors; empty for a plain state.
     sharded: tuple[ShardedEntry, ...] = ()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import subprocess
 import sys
@@ -26,11 +28,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.conftest import Agent, Events
 from tierpipe.errors import IntegrityError, LayoutMismatchError, UnsupportedStateError
 from tierpipe.recovery.load import load_into, load_shard
-from tierpipe.schemas import BLOCK_BYTES, ShardFlushed, ShardHeader
+from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardFlushed, ShardHeader
 from tierpipe.settings import Settings
+from tierpipe.state import layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
-from tierpipe.storage.reader import read_head
-from tierpipe.storage.shard import block_digests, encode_head
+from tierpipe.storage.reader import check_image, read_head
+from tierpipe.storage.shard import block_digests, encode_head, mesh_of
 from tierpipe.storage.shardfile import write_shard
 from tierpipe.storage.sharding import local_box
 
@@ -66,7 +69,7 @@ def _layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[int], list[int], li
             if kind == "R"
             else f"S{dim}"
             if kind == "S"
-            else f"SS{dim}:{draw(st.integers(1, 4))}"
+            else f"SS{dim}:{draw(st.integers(1, math.prod(mesh)))}"
         )
     return shape, mesh, coord, placements
 
@@ -110,8 +113,8 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     tmp_path: Path, mesh: DeviceMesh
 ) -> None:
     """A DTensor is stored as its local tensor with a sharded entry (global shape, offsets, mesh,
-    placements) and per-block digests of exactly its bytes; it loads back, without a target, as
-    the local shard."""
+    placements) and per-block digests of exactly its bytes; its mesh is listed once however
+    many DTensors lie on it; it loads back, without a target, as the local shard."""
     torch.manual_seed(0)
     dt = distribute_tensor(torch.randn((3 * BLOCK_BYTES) // 8 + 5, 2), mesh, [Shard(0)])
     rep = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])
@@ -122,7 +125,8 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     assert set(by_path) == {("w",), ("r",)}
     w = by_path[("w",)]
     assert (w.global_shape, w.offsets, w.placements) == (tuple(dt.shape), (0, 0), ("S0",))
-    assert (w.mesh_shape, w.mesh_dims, w.mesh_ranks, w.coordinate) == ((1,), ("dp",), (0,), (0,))
+    assert header.meshes == (MeshEntry((1,), ("dp",), (0,), (0,)),)
+    assert mesh_of(header, w) == header.meshes[0] and by_path[("r",)].mesh == w.mesh == 0
     assert by_path[("r",)].placements == ("R",)
     local = dt.to_local().contiguous().view(torch.uint8).numpy().tobytes()
     blob = header.blobs[header.tensors[w.tensor].blob]
@@ -133,6 +137,30 @@ def test_dtensor_is_saved_as_its_local_shard_with_its_layout(
     _, state = load_shard(path)
     assert type(state["w"]) is torch.Tensor and torch.equal(state["w"], dt.to_local())
     assert torch.equal(state["r"], rep.to_local())
+
+
+def test_each_mesh_is_listed_once_and_entries_name_theirs(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """DTensors on two meshes (and on a second, equal mesh object): the header lists each mesh
+    once, with this rank's coordinate, and each sharded entry names its own."""
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    again = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    state = {
+        "a": distribute_tensor(torch.ones(4), mesh, [Shard(0)]),
+        "b": distribute_tensor(torch.ones(4, 2), grid, [Shard(0), Shard(1)]),
+        "c": distribute_tensor(torch.ones(3), again, [Replicate()]),
+        "d": distribute_tensor(torch.ones(2), grid, [Replicate(), Shard(0)]),
+    }
+    path = tmp_path / "s.shard"
+    write_shard(path, state, job="j", step=1)
+    header = read_head(path).header
+    assert header.meshes == (
+        MeshEntry((1,), ("dp",), (0,), (0,)),
+        MeshEntry((1, 1), ("dp", "tp"), (0,), (0, 0)),
+    )
+    by_path = {header.tensors[s.tensor].path[0]: s.mesh for s in header.sharded}
+    assert by_path == {"a": 0, "b": 1, "c": 0, "d": 1}
+    _, back = load_shard(path)
+    assert all(torch.equal(back[k], v.to_local()) for k, v in state.items())
 
 
 def test_local_shard_sharing_storage_gets_a_blob_of_its_own(
@@ -167,46 +195,87 @@ def test_dtensor_target_of_the_same_layout_is_filled_in_place(
     write_shard(tmp_path / "s.shard", {"w": saved}, job="j", step=1)
     target = distribute_tensor(torch.zeros(64, 3), mesh, [Shard(0)])
     ptr = target.to_local().data_ptr()
+    assert layout_mismatch(read_head(tmp_path / "s.shard").header, {"w": target}) is None
     loaded = load_into(str(tmp_path / "s.shard"), {"w": target})
     assert torch.equal(target.to_local(), saved.to_local())
     assert target.to_local().data_ptr() == ptr and loaded.in_place == 1
     assert isinstance(loaded.state["w"], DTensor)
 
 
+def _saved_as_second_half(path: Path) -> None:
+    """Rewrite the shard at `path` (one (4, 3) float32 tensor at m/w) as rank 1's half of an
+    (8, 3) tensor sharded on dim 0 over a 2-rank mesh, sealed again: a shard of a layout no
+    one-process mesh has."""
+    head = read_head(path)
+    data = path.read_bytes()[head.data_offset :]
+    blob = head.header.blobs[0]
+    entry = ShardedEntry(0, (8, 3), (4, 0), 0, ("S0",))
+    blocks = block_digests(data[blob.offset : blob.offset + blob.nbytes])
+    header = msgspec.structs.replace(
+        head.header,
+        blobs=(msgspec.structs.replace(blob, blocks=blocks),),
+        meshes=(MeshEntry((2,), ("dp",), (0, 1), (1,)),),
+        sharded=(entry,),
+    )
+    sealed = encode_head(header, sealed=True)
+    assert len(sealed) == head.data_offset
+    path.write_bytes(sealed + data)
+
+
 @pytest.mark.parametrize(
     "target",
     [
-        lambda mesh: distribute_tensor(torch.zeros(64, 3), mesh, [Replicate()]),
-        lambda mesh: distribute_tensor(torch.zeros(32, 3), mesh, [Shard(0)]),
-        lambda mesh: distribute_tensor(torch.zeros(64, 3, dtype=torch.float64), mesh, [Shard(0)]),
-        lambda mesh: torch.zeros(64, 3),
+        lambda mesh: distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
+        lambda mesh: distribute_tensor(torch.zeros(8, 3), mesh, [Replicate()]),
+        lambda mesh: torch.zeros(4, 3),
+        lambda mesh: torch.zeros(8, 3),
     ],
-    ids=["other-placements", "other-global-shape", "other-dtype", "plain-target"],
+    ids=["other-global-shape", "replicated-whole", "plain-of-local-shape", "plain-of-global-shape"],
 )
 def test_target_of_another_layout_is_a_layout_mismatch(
     tmp_path: Path, mesh: DeviceMesh, target: Callable[[DeviceMesh], torch.Tensor]
 ) -> None:
     """A target whose layout is not the saved one raises LayoutMismatchError naming the key path
     and both layouts, and no byte reaches it."""
-    saved = distribute_tensor(torch.randn(64, 3), mesh, [Shard(0)])
-    write_shard(tmp_path / "s.shard", {"m": {"w": saved}}, job="j", step=1)
+    path = tmp_path / "s.shard"
+    write_shard(path, {"m": {"w": torch.randn(4, 3)}}, job="j", step=1)
+    _saved_as_second_half(path)
     t = target(mesh)
-    with pytest.raises(LayoutMismatchError, match=r"m/w: saved as a shard of shape \(64, 3\)"):
-        load_into(str(tmp_path / "s.shard"), {"m": {"w": t}})
+    with pytest.raises(
+        LayoutMismatchError, match=r"m/w: saved as a shard of shape \(4, 3\) at \(4, 0\) of a"
+    ) as err:
+        load_into(str(path), {"m": {"w": t}})
+    found = layout_mismatch(read_head(path).header, {"m": {"w": t}})  # (the choice to reshard)
+    assert found is not None and str(found) == str(err.value)
     local = t.to_local() if isinstance(t, DTensor) else t
     assert not local.any()
 
 
-def test_dtensor_target_of_a_plain_saved_tensor_is_a_layout_mismatch(
+def test_dtensor_target_of_another_dtype_is_a_layout_mismatch(
     tmp_path: Path, mesh: DeviceMesh
 ) -> None:
-    """A plain saved tensor and a DTensor target: LayoutMismatchError (a resharded restore reads
-    its part of the full tensor)."""
-    write_shard(tmp_path / "s.shard", {"w": torch.ones(8)}, job="j", step=1)
-    with pytest.raises(LayoutMismatchError, match="w: saved as a plain tensor"):
-        load_into(
-            str(tmp_path / "s.shard"), {"w": distribute_tensor(torch.zeros(8), mesh, [Shard(0)])}
-        )
+    """A DTensor target of the saved layout but another dtype: LayoutMismatchError."""
+    saved = distribute_tensor(torch.randn(64, 3), mesh, [Shard(0)])
+    write_shard(tmp_path / "s.shard", {"w": saved}, job="j", step=1)
+    target = distribute_tensor(torch.zeros(64, 3, dtype=torch.float64), mesh, [Shard(0)])
+    with pytest.raises(LayoutMismatchError, match=r"\(float32\), the target is .* \(float64\)"):
+        load_into(str(tmp_path / "s.shard"), {"w": target})
+
+
+def test_whole_tensors_go_between_plain_and_dtensor_targets_in_place(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    """Where the saved tensor and the target both hold the whole global tensor (a plain tensor,
+    a replicated DTensor, a DTensor on a mesh of one), the bytes go into the target in place,
+    whichever of them is the DTensor."""
+    saved_d = distribute_tensor(torch.randn(16, 3), mesh, [Shard(0)])
+    saved_p = torch.randn(5)
+    write_shard(tmp_path / "s.shard", {"d": saved_d, "p": saved_p}, job="j", step=1)
+    plain = torch.zeros(16, 3)
+    replicated = distribute_tensor(torch.zeros(5), mesh, [Replicate()])
+    loaded = load_into(str(tmp_path / "s.shard"), {"d": plain, "p": replicated})
+    assert torch.equal(plain, saved_d.to_local()) and torch.equal(replicated.to_local(), saved_p)
+    assert loaded.in_place == 2
 
 
 def _dmodel(mesh: DeviceMesh, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -262,6 +331,19 @@ def test_module_and_optimizer_of_dtensors_restore_in_place(
     _step(fresh, fresh_opt)  # it trains on
 
 
+@pytest.mark.parametrize("chunk_bytes", [12 << 10, 1 << 20, 8 << 20])
+def test_verify_passes_a_sharded_shard_read_in_any_chunks(
+    tmp_path: Path, mesh: DeviceMesh, chunk_bytes: int
+) -> None:
+    """A sharded tensor's blob verifies (whole and block digests) whatever the read size, also
+    where reads cut blocks in two (its blob starts 4 KiB-aligned, after another tensor's)."""
+    state = {"a": torch.ones(1000), "w": distribute_tensor(torch.randn(700_000), mesh, [Shard(0)])}
+    path = tmp_path / "s.shard"
+    digest = write_shard(path, state, job="j", step=1)
+    with NvmeStore(tmp_path, chunk_bytes=chunk_bytes, direct_io=False) as store:
+        store.verify_file(path, header_digest=digest, nbytes=path.stat().st_size)
+
+
 def test_verify_checks_block_digests(tmp_path: Path, mesh: DeviceMesh) -> None:
     """A file whose whole-blob digests are right but whose block digests are not (a writer bug
     a ranged read would trip over) fails verification, naming the tensor and the block."""
@@ -282,6 +364,12 @@ def test_verify_checks_block_digests(tmp_path: Path, mesh: DeviceMesh) -> None:
     with NvmeStore(tmp_path) as store, pytest.raises(IntegrityError) as err:
         store.verify_file(path, header_digest=digest, nbytes=path.stat().st_size)
     assert err.value.what == "tensor w block 1"
+    # An object's verify checks the image in memory (the mapping is left to the GC: the
+    # error's traceback holds views of it).
+    with open(path, "rb") as f:
+        image = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with pytest.raises(IntegrityError, match=r"\(tensor w block 1\)"):
+        check_image(image, str(path), digest, path.stat().st_size)
 
 
 # --- four processes: FSDP2 + tensor parallel on a 2x2 mesh, through the real pipeline ---------
@@ -317,6 +405,8 @@ def _run_ranks(settings: Settings, mode: str, job: str, world: int, store: Path)
     return results
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_fsdp2_tp_state_saves_and_restores_in_place_bitwise(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
@@ -342,6 +432,12 @@ def test_fsdp2_tp_state_saves_and_restores_in_place_bitwise(
     placements = {header.tensors[s.tensor].path: s.placements for s in header.sharded}
     assert placements[("model", "0.weight")] == ("SS0:2", "S0")
     assert placements[("optim", "state", 2, "exp_avg")] == ("S0", "S1")
+    # (rank 1 is (0, 1) of the 2x2 mesh; the LayerNorm, not tensor parallel, lies on the dp
+    # mesh alone: ranks 1 and 3 there)
+    assert set(header.meshes) == {
+        MeshEntry((2, 2), ("dp", "tp"), (0, 1, 2, 3), (0, 1)),
+        MeshEntry((2,), ("dp",), (1, 3), (0,)),
+    }
 
 
 def _relpath(job: str, step: int, rank: int, world: int) -> Any:

@@ -37,6 +37,8 @@ from tierpipe.recovery.load import load_shard
 from tierpipe.schemas import (
     BlobEntry,
     Event,
+    MeshEntry,
+    ShardedEntry,
     ShardFlushed,
     ShardHeader,
     ShardVerified,
@@ -45,7 +47,7 @@ from tierpipe.schemas import (
 from tierpipe.settings import Settings
 from tierpipe.storage.reader import read_head
 from tierpipe.storage.s3.store import S3Store
-from tierpipe.storage.shard import DTYPE_SIZES, encode_head, file_nbytes, parse_head
+from tierpipe.storage.shard import DTYPE_SIZES, blocks_nbytes, encode_head, file_nbytes, parse_head
 from tierpipe.storage.shardfile import write_shard
 
 # --- item 14: crafted shard files ------------------------------------------------------------
@@ -63,6 +65,7 @@ def craft(path: Path, header: ShardHeader, data: bytes = bytes(range(256)) * 64)
             b.offset,
             b.nbytes,
             xxhash.xxh3_128_digest(bytes(region[max(b.offset, 0) : max(b.offset, 0) + b.nbytes])),
+            b.blocks,
         )
         for b in header.blobs
     )
@@ -166,6 +169,128 @@ def test_crafted_layout_or_tree_is_a_format_error(
     assert err.value.path == str(path)
 
 
+_MESH = MeshEntry(shape=(2,), dims=("dp",), ranks=(0, 1), coordinate=(1,))
+
+
+def _sharded(header: ShardHeader, blocks: bytes = bytes(8), **changes: Any) -> ShardHeader:
+    """`header` (one 4-float32 tensor) declared the second half of an 8-element tensor sharded
+    over a 2-rank mesh (S0, coordinate 1), its blob with `blocks`; `changes` forge the entry,
+    its mesh (`MeshEntry` fields) or the table of meshes (`meshes`)."""
+    entry = ShardedEntry(tensor=0, global_shape=(8,), offsets=(4,), mesh=0, placements=("S0",))
+    mesh_fields = {k: changes.pop(k) for k in MeshEntry.__struct_fields__ if k in changes}
+    meshes = changes.pop("meshes", (msgspec.structs.replace(_MESH, **mesh_fields),))
+    blob = msgspec.structs.replace(header.blobs[0], blocks=blocks)
+    return msgspec.structs.replace(
+        header,
+        blobs=(blob,),
+        meshes=meshes,
+        sharded=(msgspec.structs.replace(entry, **changes),),
+    )
+
+
+def test_consistent_sharded_entry_loads(tmp_path: Path, one_tensor: ShardHeader) -> None:
+    """The genuine-looking sharded header the forgeries below start from loads (the local
+    shard comes back as a plain tensor)."""
+    _, state = load_shard(craft(tmp_path / "sharded.shard", _sharded(one_tensor)))
+    assert state["a"].shape == (4,)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "changes", "match"),
+    [
+        (bytes(16), {}, "block digests"),
+        (b"", {}, "block digests"),
+        (bytes(8), {"tensor": 1}, "missing tensor"),
+        (bytes(8), {"tensor": -1}, "missing tensor"),
+        (bytes(8), {"offsets": (6,)}, "outside"),
+        (bytes(8), {"global_shape": (8, 1)}, "dimensions"),
+        (bytes(8), {"ranks": (0, 1, 2)}, "mesh 0: 3 mesh ranks"),
+        (bytes(8), {"ranks": (1, 1)}, "mesh ranks"),
+        (bytes(8), {"ranks": (-1, 1)}, "mesh ranks"),
+        (bytes(8), {"shape": (0,), "ranks": ()}, "malformed mesh"),
+        (bytes(8), {"shape": (-2,), "ranks": (0, 1)}, "malformed mesh"),
+        (bytes(8), {"dims": ("dp", "tp")}, "dimension names"),
+        (bytes(8), {"coordinate": (2,)}, "outside the mesh"),
+        (bytes(8), {"coordinate": (-1,)}, "outside the mesh"),
+        (bytes(8), {"coordinate": (1, 0)}, "outside the mesh"),
+        (bytes(8), {"coordinate": (0,)}, "do not give"),
+        (bytes(8), {"shape": (2, 1), "dims": (), "coordinate": (1, 0)}, "mesh dimensions differ"),
+        (bytes(8), {"mesh": 1}, "missing mesh 1"),
+        (bytes(8), {"mesh": -1}, "missing mesh"),
+        (bytes(8), {"meshes": ()}, "missing mesh 0"),
+        (bytes(8), {"meshes": (_MESH, MeshEntry((2,), (), (0,), (0,)))}, "mesh 1: 1 mesh"),
+        (bytes(8), {"placements": ("R",)}, "do not give"),
+        (bytes(8), {"placements": ("S1",)}, "2-dim|1-dim"),
+        (bytes(8), {"placements": ("X",)}, "bad placement"),
+        (bytes(8), {"placements": ("S-1",)}, "bad placement"),
+        (bytes(8), {"placements": ("SS0:0",)}, "bad placement"),
+        (bytes(8), {"placements": ("SS0:999999999",)}, "mesh of 2 ranks"),
+        (bytes(8), {"placements": ("S0 ",)}, "bad placement"),
+        (bytes(8), {"placements": ("S0", "R")}, "mesh dimensions"),
+    ],
+    ids=[
+        "too-many-blocks",
+        "no-blocks",
+        "tensor-out-of-range",
+        "negative-tensor",
+        "shard-past-global",
+        "other-rank",
+        "ranks-not-mesh-size",
+        "duplicate-ranks",
+        "negative-rank",
+        "empty-mesh",
+        "negative-mesh-dim",
+        "mesh-names",
+        "coordinate-outside",
+        "negative-coordinate",
+        "coordinate-not-mesh",
+        "offsets-not-placements",
+        "placements-not-2d-mesh",
+        "mesh-index-out-of-range",
+        "negative-mesh-index",
+        "no-mesh-table",
+        "bad-unused-mesh",
+        "replicated-half",
+        "shard-dim-out-of-range",
+        "unknown-placement",
+        "negative-dim",
+        "zero-split-factor",
+        "huge-split-factor",
+        "placement-padding",
+        "placements-not-mesh",
+    ],
+)
+def test_forged_sharded_entry_is_a_format_error(
+    tmp_path: Path, one_tensor: ShardHeader, blocks: bytes, changes: dict[str, Any], match: str
+) -> None:
+    """A header whose sharded entries or block tables do not hold together is refused with a
+    ShardFormatError naming the file, before any byte is read into a target."""
+    path = craft(tmp_path / "forged.shard", _sharded(one_tensor, blocks, **changes))
+    with pytest.raises(ShardFormatError, match=match) as err:
+        load_shard(path)
+    assert err.value.path == str(path)
+
+
+def test_block_digests_on_a_plain_blob_are_a_format_error(
+    tmp_path: Path, one_tensor: ShardHeader
+) -> None:
+    """Block digests are only for a sharded tensor's blob: a plain blob with some is refused."""
+    blob = msgspec.structs.replace(one_tensor.blobs[0], blocks=bytes(8))
+    path = craft(tmp_path / "plain.shard", msgspec.structs.replace(one_tensor, blobs=(blob,)))
+    with pytest.raises(ShardFormatError, match="block digests"):
+        load_shard(path)
+
+
+def test_two_sharded_entries_for_one_tensor_are_a_format_error(
+    tmp_path: Path, one_tensor: ShardHeader
+) -> None:
+    """One tensor cannot be two shards."""
+    header = _sharded(one_tensor)
+    header = msgspec.structs.replace(header, sharded=header.sharded * 2)
+    with pytest.raises(ShardFormatError, match="shares blob"):
+        load_shard(craft(tmp_path / "twice.shard", header))
+
+
 def test_state_deeper_than_the_reader_allows_is_refused_at_save(tmp_path: Path) -> None:
     """A state nested deeper than a shard may hold fails at save, naming its key path, so
     nothing is saved that could not be loaded."""
@@ -246,8 +371,51 @@ def _hostile_header(draw: st.DrawFn, base: ShardHeader) -> ShardHeader:
         i = draw(st.integers(0, len(blobs) - 1))
         offset = draw(st.sampled_from([0, 100, 4096, 8192, 12288, -4096]))
         blobs[i] = BlobEntry(offset, draw(st.integers(-1, 3 * 4096)), blobs[i].digest)
+    meshes = tuple(draw(st.lists(_mesh_entries(), max_size=2)))
+    sharded = []
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # sharded entries, blocks to match
+        i = draw(st.integers(-1, len(tensors)))
+        sharded.append(draw(_sharded_entries(i, len(meshes))))
+        if 0 <= i < len(tensors) and 0 <= tensors[i].blob < len(blobs) and draw(st.booleans()):
+            b = blobs[tensors[i].blob]
+            blobs[tensors[i].blob] = msgspec.structs.replace(
+                b, blocks=bytes(blocks_nbytes(b.nbytes))
+            )
     tree = msgspec.msgpack.encode(draw(_tree)) if draw(st.booleans()) else base.tree
-    return msgspec.structs.replace(base, tensors=tuple(tensors), blobs=tuple(blobs), tree=tree)
+    return msgspec.structs.replace(
+        base,
+        tensors=tuple(tensors),
+        blobs=tuple(blobs),
+        tree=tree,
+        meshes=meshes,
+        sharded=tuple(sharded),
+    )
+
+
+_placements = st.sampled_from(["R", "S0", "S1", "S3", "SS0:2", "SS1:3", "SS0:1000", "Q", "S"])
+
+
+@st.composite
+def _mesh_entries(draw: st.DrawFn) -> MeshEntry:
+    shape = draw(st.lists(st.integers(-1, 4), max_size=3).map(tuple))
+    ranks = tuple(range(max(0, math.prod(shape)))) if draw(st.booleans()) else draw(_dims)
+    return MeshEntry(
+        shape=shape,
+        dims=tuple(draw(st.lists(st.sampled_from(["dp", "tp"]), max_size=3))),
+        ranks=ranks,
+        coordinate=draw(_dims),
+    )
+
+
+@st.composite
+def _sharded_entries(draw: st.DrawFn, tensor: int, meshes: int) -> ShardedEntry:
+    return ShardedEntry(
+        tensor=tensor,
+        global_shape=draw(_dims),
+        offsets=draw(_dims),
+        mesh=draw(st.integers(-1, meshes)),
+        placements=tuple(draw(st.lists(_placements, max_size=3))),
+    )
 
 
 def _arrays(value: Any) -> list[torch.Tensor | np.ndarray]:

@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
-from tierpipe.errors import LayoutMismatchError, UnsupportedStateError
-from tierpipe.schemas import ShardedEntry, ShardHeader, TensorEntry
-from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
+from tierpipe.schemas import ShardHeader, TensorEntry
+from tierpipe.state import KeyPath, blob_view, flatten_targets, local_target, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
-from tierpipe.storage.shard import Head
-from tierpipe.tree import describe_dtensor, is_dtensor
+from tierpipe.storage.shard import Head, sharded_layouts
+from tierpipe.tree import is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
@@ -55,7 +54,7 @@ class Match:
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
         targets, self.loaders = flatten_targets(into) if into is not None else ({}, [])
-        layouts = {s.tensor: s for s in header.sharded}
+        layouts = sharded_layouts(header)
         self.targets: list[torch.Tensor | None] = []
         #: What the state returned holds for a tensor with a target: the target itself (for a
         #: DTensor, not its local tensor).
@@ -64,7 +63,7 @@ class Match:
             t = targets.get(e.path)
             if t is not None and (index in layouts or is_dtensor(t)):
                 self.values[index] = t
-                t = _local_target(t, e, layouts.get(index))
+                t = local_target(t, e, layouts.get(index))
             ok = (
                 t is not None
                 and t.dtype == getattr(torch, e.dtype)
@@ -150,43 +149,6 @@ class Assembly:
     def _synchronize(self) -> None:
         for device in self._match.cuda_devices:
             torch.cuda.current_stream(device).synchronize()
-
-
-def _local_target(target: torch.Tensor, e: TensorEntry, saved: ShardedEntry | None) -> torch.Tensor:
-    """The tensor a saved local shard goes into: the DTensor target's local tensor, where the
-    target has the saved layout (global shape, dtype, mesh shape, placements and this rank's
-    box in the global tensor)."""
-    where = "/".join(map(str, e.path)) or "<root>"
-    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
-    if not is_dtensor(target):
-        raise LayoutMismatchError(
-            f"{where}: saved as {saved_text}, the target is a plain tensor of shape "
-            f"{tuple(target.shape)}"
-        )
-    try:
-        local, layout = describe_dtensor(target, e.path)
-    except UnsupportedStateError as err:
-        raise LayoutMismatchError(f"{where}: saved as {saved_text}; {err.reason}") from err
-    target_text = _layout_text(layout, tuple(local.shape))
-    mine = (layout.global_shape, layout.offsets, layout.mesh_shape, layout.placements)
-    if (
-        saved is None
-        or (saved.global_shape, saved.offsets, saved.mesh_shape, saved.placements) != mine
-        or tuple(local.shape) != e.shape
-        or getattr(torch, e.dtype) != local.dtype
-    ):
-        raise LayoutMismatchError(
-            f"{where}: saved as {saved_text} ({e.dtype}), the target is {target_text} "
-            f"({str(local.dtype).removeprefix('torch.')})"
-        )
-    return local
-
-
-def _layout_text(s: ShardedEntry, shape: tuple[int, ...]) -> str:
-    return (
-        f"a shard of shape {tuple(shape)} at {s.offsets} of a {s.global_shape} DTensor, "
-        f"placements {'/'.join(s.placements)} on a {'x'.join(map(str, s.mesh_shape))} mesh"
-    )
 
 
 def _restored_in_place(

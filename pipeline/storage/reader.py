@@ -197,7 +197,8 @@ def deliver_image(image: mmap.mmap | memoryview, head: Head, location: str, sink
 
 
 def check_image(image: mmap.mmap, location: str, header_digest: str, nbytes: int) -> None:
-    """Check a sealed shard image of `nbytes` in memory: its head, header digest and every blob.
+    """Check a sealed shard image of `nbytes` in memory: its head, header digest and every blob
+    (a sharded tensor's block digests too: the verify of an object).
 
     Raises:
         ShardFormatError: truncated or garbled.

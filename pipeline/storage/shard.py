@@ -3,12 +3,14 @@
 A shard image is the same bytes on every tier. In a staging slot it is *unsealed* (all digests
 zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests (and the block
 digests of a sharded tensor's blob: `block_digests`) and the header digest. A sharded tensor's
-global layout is checked here too (against `sharding.local_box`). Nothing here imports torch: the
+global layout is checked here too (against `sharding.local_box`), its mesh's entry once a mesh
+(`mesh_of` finds a sharded entry's mesh). Nothing here imports torch: the
 node agent works on bytes only (see `tierpipe.state` for tensors).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import struct
@@ -26,6 +28,7 @@ from tierpipe.schemas import (
     FORMAT_VERSION,
     MAGIC,
     BlobEntry,
+    MeshEntry,
     ShardedEntry,
     ShardHeader,
     TensorEntry,
@@ -42,10 +45,12 @@ __all__ = (
     "blocks_nbytes",
     "encode_head",
     "file_nbytes",
+    "mesh_of",
     "parse_head",
     "parse_prefix",
     "seal_header",
     "set_slot_generation",
+    "sharded_layouts",
     "slot_generation",
 )
 
@@ -256,6 +261,10 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
     users = Counter(t.blob for t in header.tensors)
     for t in header.tensors:
         _check_tensor(t, header.blobs, users[t.blob] > 1, path)
+    for i, m in enumerate(header.meshes):
+        problem = _mesh_problem(m)
+        if problem:
+            raise ShardFormatError(path, f"mesh {i}: {problem}")
     sharded_blobs = set()
     for s in header.sharded:
         if not 0 <= s.tensor < len(header.tensors):
@@ -264,7 +273,9 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         if users[t.blob] > 1 or t.blob in sharded_blobs:
             raise ShardFormatError(path, f"sharded tensor {t.path!r} shares blob {t.blob}")
         sharded_blobs.add(t.blob)
-        _check_sharded(s, t, path)
+        if not 0 <= s.mesh < len(header.meshes):
+            raise ShardFormatError(path, f"sharded tensor {t.path!r} names missing mesh {s.mesh}")
+        _check_sharded(s, header.meshes[s.mesh], t, path)
     for i, b in enumerate(header.blobs):
         want = blocks_nbytes(b.nbytes) if i in sharded_blobs else 0
         if len(b.blocks) != want:
@@ -273,40 +284,71 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
             )
 
 
-def _check_sharded(s: ShardedEntry, t: TensorEntry, path: str) -> None:
+def mesh_of(header: ShardHeader, s: ShardedEntry) -> MeshEntry:
+    """The device mesh sharded entry `s` of `header` lies on (a parsed header's index is
+    checked)."""
+    return header.meshes[s.mesh]
+
+
+def sharded_layouts(header: ShardHeader) -> dict[int, tuple[ShardedEntry, MeshEntry]]:
+    """Each sharded tensor's layout and mesh, by its index in `header.tensors`."""
+    return {s.tensor: (s, header.meshes[s.mesh]) for s in header.sharded}
+
+
+def _mesh_problem(m: MeshEntry) -> str:
+    """What is wrong with a mesh entry ("" if nothing): its ranks fill its shape, once each and
+    none negative, its coordinate lies inside it, its names are none or one a dimension."""
+    if not all(0 < n <= _INT64_MAX for n in m.shape):
+        return f"malformed mesh shape {m.shape}"
+    if len(m.dims) not in (0, len(m.shape)):
+        return f"{len(m.dims)} dimension names for a mesh of shape {m.shape}"
+    ranks = len(m.ranks)
+    if math.prod(m.shape) != ranks or len(set(m.ranks)) != ranks or min(m.ranks) < 0:
+        return f"{ranks} mesh ranks for a mesh of shape {m.shape}"
+    if len(m.coordinate) != len(m.shape) or not all(
+        0 <= c < n for c, n in zip(m.coordinate, m.shape, strict=True)
+    ):
+        return f"coordinate {m.coordinate} outside the mesh {m.shape}"
+    return ""
+
+
+def _check_sharded(s: ShardedEntry, m: MeshEntry, t: TensorEntry, path: str) -> None:
     """A sharded entry's layout is consistent: its shard is the box its placements give this
-    coordinate of the mesh, inside the global shape."""
-    ndim, mesh_ndim = len(s.global_shape), len(s.mesh_shape)
-    problem = ""
-    if not (len(t.shape) == len(s.offsets) == ndim):
-        problem = "dimensions differ from the tensor's"
-    elif not (len(s.coordinate) == len(s.placements) == mesh_ndim) or len(s.mesh_dims) not in (
-        0,
-        mesh_ndim,
-    ):
-        problem = "mesh dimensions differ"
-    elif not all(0 <= n <= _INT64_MAX for n in (*s.global_shape, *s.offsets)) or not all(
-        0 < n <= _INT64_MAX for n in s.mesh_shape
-    ):
-        problem = "malformed shape, offsets or mesh"
-    elif math.prod(s.mesh_shape) != len(s.mesh_ranks) or len(set(s.mesh_ranks)) != len(
-        s.mesh_ranks
-    ):
-        problem = f"{len(s.mesh_ranks)} mesh ranks for a mesh of shape {s.mesh_shape}"
-    elif not all(0 <= c < n for c, n in zip(s.coordinate, s.mesh_shape, strict=True)):
-        problem = f"coordinate {s.coordinate} outside the mesh {s.mesh_shape}"
-    elif any(o + n > g for o, n, g in zip(s.offsets, t.shape, s.global_shape, strict=True)):
-        problem = f"shard at {s.offsets} of shape {t.shape} outside {s.global_shape}"
-    else:
-        try:
-            box = local_box(s.global_shape, s.mesh_shape, s.coordinate, s.placements)
-        except ValueError as e:
-            problem = str(e)
-        else:
-            if box != (s.offsets, t.shape):
-                problem = f"placements {s.placements} do not give the shard at {s.offsets}"
+    rank's coordinate of its (checked) mesh, inside the global shape."""
+    problem = _layout_problem(
+        t.shape, s.global_shape, s.offsets, m.shape, m.coordinate, s.placements
+    )
     if problem:
         raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_problem(
+    shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[str, ...],
+) -> str:
+    """What is wrong with a sharded layout on a valid mesh ("" if nothing): the same for the
+    many tensors of a state that share shapes and a mesh, so worked out once per layout."""
+    ndim = len(global_shape)
+    if not (len(shape) == len(offsets) == ndim):
+        return "dimensions differ from the tensor's"
+    if len(placements) != len(mesh_shape):
+        return "mesh dimensions differ"
+    if not all(0 <= n <= _INT64_MAX for n in (*global_shape, *offsets)):
+        return "malformed shape or offsets"
+    if any(o + n > g for o, n, g in zip(offsets, shape, global_shape, strict=True)):
+        return f"shard at {offsets} of shape {shape} outside {global_shape}"
+    try:
+        box = local_box(global_shape, mesh_shape, coordinate, placements)
+    except ValueError as e:
+        return str(e)
+    if box != (offsets, shape):
+        return f"placements {placements} do not give the shard at {offsets}"
+    return ""
 
 
 def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:

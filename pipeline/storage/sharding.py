@@ -9,6 +9,7 @@ against it. Pure arithmetic: no torch.
 
 from __future__ import annotations
 
+import math
 import re
 
 __all__ = ("local_box", "parse_placement")
@@ -54,6 +55,7 @@ def local_box(
     """
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise ValueError("mesh shape, coordinate and placements differ in length")
+    ranks = math.prod(mesh_shape)
     # Per tensor dim: the global indices this shard holds, as runs [start, end) in order.
     runs = [[(0, n)] for n in global_shape]
     for size, at, text in zip(mesh_shape, coordinate, placements, strict=True):
@@ -62,9 +64,14 @@ def local_box(
             continue
         if dim >= len(global_shape):
             raise ValueError(f"placement {text} of a {len(global_shape)}-dim tensor")
+        if factor > ranks:  # torch's: the product of other mesh dims' sizes
+            raise ValueError(f"placement {text} on a mesh of {ranks} ranks")
         held = runs[dim]
-        pieces = _chunks(held, factor) if kind == "SS" else [held]
-        runs[dim] = [r for piece in pieces for r in _chunks(piece, size)[at]]
+        n = _length(held)
+        pieces = (
+            [_chunk(held, factor, j) for j in range(min(factor, n))] if kind == "SS" else [held]
+        )
+        runs[dim] = [r for piece in pieces for r in _chunk(piece, size, at)]
     offsets, shape = [], []
     for n, held in zip(global_shape, runs, strict=True):
         merged: list[tuple[int, int]] = []
@@ -81,11 +88,16 @@ def local_box(
     return tuple(offsets), tuple(shape)
 
 
-def _chunks(runs: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
-    """`runs` (index runs, in order) cut as `torch.chunk` cuts n items into k parts."""
-    n = sum(end - start for start, end in runs)
-    step = -(-n // k) if n else 0
-    return [_take(runs, min(i * step, n), min((i + 1) * step, n)) for i in range(k)]
+def _length(runs: list[tuple[int, int]]) -> int:
+    return sum(end - start for start, end in runs)
+
+
+def _chunk(runs: list[tuple[int, int]], k: int, i: int) -> list[tuple[int, int]]:
+    """Part `i` of `runs` (index runs, in order) cut as `torch.chunk` cuts n items into k parts
+    (ceil(n / k) each; the parts past the end are empty)."""
+    n = _length(runs)
+    step = -(-n // k)
+    return _take(runs, min(i * step, n), min((i + 1) * step, n))
 
 
 def _take(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
