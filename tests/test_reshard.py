@@ -44,6 +44,7 @@ from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import (
     BLOCK_BYTES,
     BlobEntry,
+    MeshEntry,
     ShardedEntry,
     ShardFlushed,
     SourceRef,
@@ -256,6 +257,7 @@ def write_sharded(
     state: dict[str, torch.Tensor],
     sharded: dict[str, ShardedEntry],
     *,
+    meshes: tuple[MeshEntry, ...] = (),
     job: str,
     step: int,
     rank: int,
@@ -278,7 +280,7 @@ def write_sharded(
     entries = tuple(
         msgspec.structs.replace(sharded[n], tensor=i) for i, n in enumerate(names) if n in sharded
     )
-    header = msgspec.structs.replace(header, blobs=tuple(blobs), sharded=entries)
+    header = msgspec.structs.replace(header, blobs=tuple(blobs), sharded=entries, meshes=meshes)
     head = encode_head(header, sealed=True)
     image = bytearray(file_nbytes(len(head), header.blobs))
     image[: len(head)] = head
@@ -298,12 +300,12 @@ def saved_world(
     for r in range(world):
         coord = coordinate_of(r, mesh)
         box = box_of(g.shape, mesh, coord, placements)
-        entry = ShardedEntry(0, tuple(g.shape), box.offsets, mesh, (), tuple(range(world)),
-                             coord, placements)  # fmt: skip
+        entry = ShardedEntry(0, tuple(g.shape), box.offsets, 0, placements)
+        table = (MeshEntry(mesh, (), tuple(range(world)), coord),)
         path = root / f"rank{r}.shard"
         digest, size = write_sharded(
             path, {"w": local_of(g, box).contiguous(), "r": torch.tensor([r])}, {"w": entry},
-            job=job, step=3, rank=r, world_size=world,
+            meshes=table, job=job, step=3, rank=r, world_size=world,
         )  # fmt: skip
         ref = SourceRef(
             tier="nvme", node="n", location=str(path), nbytes=size, header_digest=digest
@@ -443,6 +445,7 @@ def expected_sums() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # (gloo ranks on a loaded 2-core machine)
 def test_a_single_process_checkpoint_loads_into_a_sharded_model(
     settings: Settings,
     job: str,
@@ -542,6 +545,7 @@ async def test_ranged_reads_from_a_peer_then_object_storage_when_its_block_is_ba
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # (gloo ranks on a loaded 2-core machine)
 def test_dtensors_saved_by_four_ranks_restore_on_two(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:

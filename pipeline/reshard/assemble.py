@@ -41,13 +41,13 @@ from tierpipe.reshard.layout import (
     placements_of,
 )
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
-from tierpipe.schemas import BLOCK_BYTES, ShardedEntry, ShardHeader, TensorEntry
+from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets
-from tierpipe.storage.shard import Head
+from tierpipe.storage.shard import Head, sharded_layouts
 from tierpipe.tree import decode_tree
 
 __all__ = (
-    "Assembled", "ValueRank", "assemble", "holds_dtensor", "layout_differs", "value_rank_of",
+    "Assembled", "ValueRank", "assemble", "holds_dtensor", "value_rank_of",
 )  # fmt: skip
 
 log = structlog.get_logger(__name__)
@@ -80,32 +80,6 @@ def holds_dtensor(into: Any) -> bool:
 
     targets, _ = flatten_targets(into)
     return any(isinstance(t, DTensor) for t in targets.values())
-
-
-def layout_differs(header: ShardHeader, into: Any) -> str:
-    """The first DTensor target in `into` whose layout is not the one `header` saved at its key
-    path (global shape, mesh, placements, this rank's coordinate; a plain saved tensor counts
-    as another layout), named; "" if none."""
-    from torch.distributed.tensor import DTensor
-
-    targets, _ = flatten_targets(into) if into is not None else ({}, [])
-    sharded = {s.tensor: s for s in header.sharded}
-    for i, e in enumerate(header.tensors):
-        target = targets.get(e.path)
-        if not isinstance(target, DTensor):
-            continue
-        se = sharded.get(i)
-        mesh = target.device_mesh
-        coordinate = mesh.get_coordinate()
-        if se is None or (
-            tuple(se.global_shape), tuple(se.mesh_shape), tuple(se.mesh_ranks),
-            tuple(se.coordinate), tuple(se.placements),
-        ) != (
-            tuple(target.shape), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()),
-            tuple(coordinate or ()), placements_of(target.placements),
-        ):  # fmt: skip
-            return _name(e.path)
-    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,12 +216,12 @@ def _plan(
         return
     from torch.distributed.tensor import DTensor
 
-    sharded = {s.tensor: s for s in header.sharded}
+    sharded = sharded_layouts(header)
     plan.tensors = [None] * len(header.tensors)
     for i, e in enumerate(header.tensors):
         plan.members.setdefault(e.blob, []).append(i)
         target = targets.get(e.path)
-        se = sharded.get(i)
+        se, mesh = sharded.get(i, (None, None))
         if target is None or (se is None and not isinstance(target, DTensor)):
             if se is not None:
                 log.warning("reshard_without_target", path=list(e.path),
@@ -261,7 +235,7 @@ def _plan(
                 f"{str(target.dtype).removeprefix('torch.')} {tuple(target.shape)}"
             )
         holders = (
-            _saved_boxes(se, e, old_world, _name(e.path)) if se is not None
+            _saved_boxes(se, mesh, e, old_world, _name(e.path)) if se is not None and mesh
             else [(plan.value, full_box(e.shape))]
         )  # fmt: skip
         box, local = _target_box(target)
@@ -272,24 +246,22 @@ def _plan(
 
 
 def _saved_boxes(
-    se: ShardedEntry, e: TensorEntry, old_world: int, name: str
+    se: ShardedEntry, mesh: MeshEntry, e: TensorEntry, old_world: int, name: str
 ) -> list[tuple[int, Box]]:
     """Every saved rank's box of the tensor `se` describes (from its mesh and placements)."""
-    if math.prod(se.mesh_shape) != len(se.mesh_ranks) or any(
-        not 0 <= r < old_world for r in se.mesh_ranks
-    ):
+    if math.prod(mesh.shape) != len(mesh.ranks) or any(not 0 <= r < old_world for r in mesh.ranks):
         raise LayoutMismatchError(
-            f"{name}: saved mesh {se.mesh_shape} of ranks {se.mesh_ranks[:8]} does not fit "
+            f"{name}: saved mesh {mesh.shape} of ranks {mesh.ranks[:8]} does not fit "
             f"{old_world} ranks"
         )
-    own = box_of(se.global_shape, se.mesh_shape, se.coordinate, se.placements)
+    own = box_of(se.global_shape, mesh.shape, mesh.coordinate, se.placements)
     if own.shape != tuple(e.shape) or own.offsets != tuple(se.offsets):
         raise LayoutMismatchError(
             f"{name}: saved local shard {tuple(e.shape)} at {tuple(se.offsets)} is not what its "
             f"placements {se.placements} give ({own.shape} at {own.offsets})"
         )
-    boxes = _mesh_boxes(tuple(se.global_shape), tuple(se.mesh_shape), tuple(se.placements))
-    return list(zip(se.mesh_ranks, boxes, strict=True))
+    boxes = _mesh_boxes(tuple(se.global_shape), tuple(mesh.shape), tuple(se.placements))
+    return list(zip(mesh.ranks, boxes, strict=True))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -333,8 +305,8 @@ def _entry(plan: _Plan, header: ShardHeader, path: KeyPath, fill: _Fill) -> Tens
     if e.dtype != fill.dtype or e.stride != _contiguous(e.shape) or e.offset:
         raise LayoutMismatchError(f"{_name(path)}: rank {header.rank}'s shard holds "
                                   f"{e.dtype} {e.shape} stride {e.stride}")  # fmt: skip
-    se = next((s for s in header.sharded if s.tensor == i), None)
-    global_shape = se.global_shape if se is not None else e.shape
+    se = sharded_layouts(header).get(i)
+    global_shape = se[0].global_shape if se is not None else e.shape
     if tuple(global_shape) != fill.global_shape:
         raise LayoutMismatchError(f"{_name(path)}: rank {header.rank} saved global "
                                   f"shape {global_shape}, not {fill.global_shape}")  # fmt: skip

@@ -54,10 +54,11 @@ from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Expected
 from tierpipe.recovery.plan import counts
 from tierpipe.recovery.survey import Reads, current_head
-from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor, layout_differs
+from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, StageFailed, Tier
 from tierpipe.settings import Settings
+from tierpipe.state import layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.keys import object_key
 
@@ -153,7 +154,8 @@ class Resharder:
                 async with Tiers(self.settings, self.bus, node=self.node) as tiers:
                     origin = await self.origin(saved, self.rank, peers=False)
                     head = await read_parts(tiers, origin, lambda h: [], _skip, Tally())
-                differs = layout_differs(head.header, into)
+                mismatch = layout_mismatch(head.header, into)
+                differs = "" if mismatch is None else str(mismatch)
             except TierpipeError as e:  # (the normal restore finds its copies, or says why)
                 log.info("reshard_check_skipped", job=self.job, rank=self.rank, error=str(e))
         return any(o.kind for o in await self._gather(_Outcome(differs)))
