@@ -4,10 +4,15 @@ For every shard this node verified, the stage asks each of its partners in the j
 (`tierpipe.peer.ring`, over the live node records that list the job and serve a peer endpoint)
 to copy it from this node's endpoint (`POST /v1/replicate`). The partner pulls the file agent to
 agent, writes it durably, checks every digest and publishes its own `replicated` event; this
-stage publishes nothing. A partner that does not answer, or whose agent is silent, fails the
-attempt (retryable: the runner tries again); one silent for longer than `PARTNER_GONE_S`, or
-stopped, has left the ring, and the next node takes its place. `peer_replicas` 0, or a job on
-one node: nothing to do.
+stage publishes nothing (each copy is logged, `replica_made`). A partner that does not answer,
+or whose agent is silent, fails the attempt (retryable: tried again within half a heartbeat,
+`retry_after`); one silent for longer than `PARTNER_GONE_S`, or stopped, has left the ring, and
+the next node takes its place. A shard older than one of the same rank the stage has seen since
+is skipped (the newer one gets the copy), so a partner missing for a while holds no newer shard
+back; the newest one whose deliveries (`max_deliver`) run out is kept and tried again in the
+background until its partner takes it. A job whose ring has no partner yet (a node's record lists
+a job from the scan after its folder appears there) has its shards tried again for
+`JOIN_GRACE_S`; `peer_replicas` 0, or a job on one node: nothing to do.
 
 Retention of the replicas this node holds: the stage follows the jobs' floors in KV (as the evict
 stage does for its own copies) and removes replicas of steps below the NVMe floor that the floors
@@ -106,6 +111,9 @@ class Replicate:
     _first_seen: dict[str, float] = field(default_factory=dict)
     #: The jobs whose shards were last left without a copy for want of a partner (said once).
     _alone: set[str] = field(default_factory=set)
+    #: (job, rank, world size) -> the newest shard of it whose deliveries ran out waiting for
+    #: its partner: tried again in the background (`retry_waiting`; lost if the agent stops).
+    waiting: dict[tuple[str, int, int], ShardVerified] = field(default_factory=dict)
 
     async def partners(self, job: str) -> tuple[list[Partner], int, list[str]]:
         """This node's partners in `job` whose agents are alive, in ring order (the first `n`
@@ -148,6 +156,8 @@ class Replicate:
         nothing back once it is back. A shard of a job with no partner in its ring is tried
         again for `JOIN_GRACE_S` after the stage first saw the job (its partners may not list
         it yet), unless every rank of the step is on this node; then it is left without a copy.
+        One whose last delivery (`max_deliver`) fails for want of its partner is acked and kept
+        here (`waiting`), tried again until it has its copy or a newer one of its rank comes.
         """
         if event.node != self.node:
             return None
@@ -163,12 +173,37 @@ class Replicate:
         self._newest[key] = mark
         try:
             await self._replicate(event)
-        except TierpipeError as e:
-            if not isinstance(e, RetryableError):
-                # (this one will never have a copy: older ones of the rank are not skipped)
-                self._newest.pop(key, None)
+        except RetryableError as e:
+            if attempt < self.settings.max_deliver:
+                raise
+            self.waiting[key] = event
+            log.info("replica_waiting", job=event.job, step=event.step, rank=event.rank,
+                     error=str(e), reason=f"{attempt} tries: tried again until the partner "
+                     "takes it or a newer save of the rank comes")  # fmt: skip
+        except TierpipeError:
+            # (this one will never have a copy: older ones of the rank are not skipped)
+            self._newest.pop(key, None)
             raise
         return None
+
+    async def retry_waiting(self) -> None:
+        """Try the shards in `waiting` again every half heartbeat (until cancelled): each
+        leaves once it has its copy, fails for good, or a newer one of its rank came."""
+        while True:
+            await anyio.sleep(_retry_s(self.settings))
+            for key, event in list(self.waiting.items()):
+                if self._newest.get(key, (-1, -1)) > (event.epoch, event.step):
+                    del self.waiting[key]  # (the newer one gets the copy)
+                    continue
+                try:
+                    await self._replicate(event)
+                except RetryableError:
+                    continue
+                except TierpipeError as e:
+                    log.warning("replica_not_made", job=event.job, step=event.step,
+                                rank=event.rank, error=str(e))  # fmt: skip
+                if self.waiting.get(key) is event:
+                    del self.waiting[key]
 
     async def _replicate(self, event: ShardVerified) -> None:
         first_seen = self._first_seen.setdefault(event.job, time.monotonic())
@@ -282,8 +317,12 @@ def retry_after(settings: Settings, error: E) -> E:
     `PeerUnavailableError`): a silent partner's record changes no sooner, and one that refused
     may be back by then; capped by the runner's growing delay."""
     if isinstance(error, PeerUnavailableError):
-        error.retry_after_s = max(0.5, settings.node_heartbeat_s / 2)
+        error.retry_after_s = _retry_s(settings)
     return error
+
+
+def _retry_s(settings: Settings) -> float:
+    return max(0.5, settings.node_heartbeat_s / 2)
 
 
 def _every_rank_here(event: ShardVerified) -> bool:
@@ -309,7 +348,8 @@ def superseded(replica: Replica, held: list[Replica]) -> bool:
 @asynccontextmanager
 async def open(settings: Settings, bus: Bus) -> AsyncIterator[Replicate]:
     """The peer client, this node's replicas, its endpoint's URL (the agent's, or one started
-    here) and the retention of the replicas in the background."""
+    here); the retention of the replicas and the shards left waiting for their partner, in the
+    background."""
     node = node_name(settings.node)
     async with AsyncExitStack() as stack:
         url = endpoint_url.get()
@@ -322,6 +362,7 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[Replicate]:
         ctx = Replicate(settings, bus, node, url, client, replicas, store)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ctx.follow_floors)
+            tg.start_soon(ctx.retry_waiting)
             yield ctx
             tg.cancel_scope.cancel()
 

@@ -1,8 +1,11 @@
 """The replicate stage between real agents on loopback (separate NVMe roots): a node's verified
 shard lands, verified, on its partner's NVMe with the partner's `replicated` event; a copy that
 changed after its verify is refused and never published; a partner that was down gets the copy
-once it is back; replicas below the job's NVMe floor go, each an `evicted` of tier peer; and a
-restore reads the replica back from the partner, every digest checked."""
+once it is back; one paused for a moment holds no newer shard back; a new job's first shards,
+verified before the partner lists the job, get their copies once it does, and an older shard
+waiting for its partner gives way to a newer one; replicas below the job's NVMe floor go, each an
+`evicted` of tier peer; and a restore reads the replica back from the partner, every digest
+checked."""
 
 from __future__ import annotations
 
@@ -191,6 +194,40 @@ def replicated_at(
                 found.setdefault(e.step, e.ts)
         time.sleep(0.3)
     return found
+
+
+def test_a_partner_back_after_the_retries_ran_out_still_gets_the_newest_copy(
+    two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], events: Events, job: str
+) -> None:
+    """B's agent killed for longer than A's tries of its shard last (`max_deliver` 3): the
+    shard is kept and tried again, and once B is back (a new port, advertised in its record)
+    the copy lands within a few seconds of B's record listing it."""
+    a, b = (s.replace(retry_base_s=0.5, retry_max_s=30.0, max_deliver=3) for s in two_nodes)
+    first, second = start_pair(agent, a, b, job)
+    second.stop(signal.SIGKILL)
+    event = saved(a, job, 5)
+    publish_verified(a, event)
+    deadline = time.monotonic() + 60
+    while '"replica_waiting"' not in first.log():  # (its third try failed)
+        assert time.monotonic() < deadline, first.log()
+        time.sleep(0.2)
+    third = agent("replicate", settings=b).wait_ready()
+    assert third.proc is not None
+    pid = third.proc.pid
+
+    async def back() -> float:
+        """When the new agent's record lists the job."""
+        async with Bus(a) as bus:
+            with anyio.fail_after(30):
+                while True:
+                    if any(r.pid == pid for r in await job_nodes(bus, a, job)):
+                        return time.time()
+                    await anyio.sleep(0.1)
+
+    listed = anyio.run(back)
+    done = replicated(events, b.node or "", 5)
+    assert Path(done.path).read_bytes() == Path(event.path).read_bytes()
+    assert done.ts - listed < 5.0, done.ts - listed
 
 
 def test_a_partner_silent_for_a_moment_holds_no_newer_shard_back(
