@@ -218,7 +218,7 @@ class JobWorker:
             METRICS.observe_message(self.stage, name, seconds)
             log.log(level, "message_handled", outcome=name, seconds=seconds, **fields)
         delay = fields.get("delay_s")
-        return name, delay if isinstance(delay, float) else None
+        return name, float(delay) if isinstance(delay, int | float) else None
 
     async def _handle(self, msg: Msg, event: Event, attempt: int, *, settle: bool) -> _Outcome:
         """Handle `event` to its end; returns the outcome and its fields for the log line
