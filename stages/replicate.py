@@ -38,7 +38,7 @@ import structlog
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
-from tierpipe.control.advert import job_nodes
+from tierpipe.control.advert import job_nodes, live_nodes
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     PeerUnavailableError,
@@ -155,7 +155,8 @@ class Replicate:
         timeline) is skipped: that one gets the copy, and a partner missing for a while holds
         nothing back once it is back. A shard of a job with no partner in its ring is tried
         again for `JOIN_GRACE_S` after the stage first saw the job (its partners may not list
-        it yet), unless every rank of the step is on this node; then it is left without a copy.
+        it yet), unless every rank of the step is on this node or no other node's agent serves
+        a peer endpoint; then it is left without a copy.
         One whose last delivery (`max_deliver`) fails for want of its partner is acked and kept
         here (`waiting`), tried again until it has its copy or a newer one of its rank comes.
         """
@@ -186,6 +187,14 @@ class Replicate:
             raise
         return None
 
+    async def _may_join(self, event: ShardVerified) -> bool:
+        """Whether a partner may yet join `event`'s job: another node's agent serves a peer
+        endpoint, and not every rank of the step is on this node (a job on one node)."""
+        if await anyio.to_thread.run_sync(_every_rank_here, event):
+            return False
+        nodes = await live_nodes(self.bus, self.settings)
+        return any(r.node != self.node and r.peer_url for r in nodes)
+
     async def retry_waiting(self) -> None:
         """Try the shards in `waiting` again every half heartbeat (until cancelled): each
         leaves once it has its copy, fails for good, or a newer one of its rank came."""
@@ -211,7 +220,7 @@ class Replicate:
         candidates, n, missing = await self.partners(event.job)
         if n == 0:
             young = time.monotonic() - first_seen < JOIN_GRACE_S
-            if young and not await anyio.to_thread.run_sync(_every_rank_here, event):
+            if young and await self._may_join(event):
                 raise retry_after(self.settings, PeerUnavailableError(
                     event.job, "no partner in the job's ring yet (its nodes' records list a job "
                     "from the scan after its folder appears there)"))  # fmt: skip

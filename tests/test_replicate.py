@@ -314,6 +314,22 @@ def test_an_older_shard_waiting_for_its_partner_is_skipped_for_a_newer_one(
     assert [e.step for e in events.all("replicated")] == [2]
 
 
+def test_a_job_with_no_other_agent_is_left_without_a_copy_at_once(
+    settings: Settings, agent: Callable[..., Agent], events: Events, job: str
+) -> None:
+    """One agent alone (no other node serves a peer endpoint): a new job's shard, one rank of
+    two, is acked at once without a copy, said once at info, never retried as a failure."""
+    a = settings.replace(node_heartbeat_s=1.0)
+    alone = agent("replicate", settings=a).wait_ready()
+    publish_verified(a, saved(a, job, 1))
+    deadline = time.monotonic() + 30
+    while '"replicas_not_made"' not in alone.log():
+        assert time.monotonic() < deadline, alone.log()
+        time.sleep(0.2)
+    assert '"retrying"' not in alone.log()
+    assert [e for e in events.all("failed") if isinstance(e, StageFailed)] == []
+
+
 def test_replicas_below_the_nvme_floor_are_evicted(
     two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], events: Events, job: str
 ) -> None:

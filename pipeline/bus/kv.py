@@ -21,6 +21,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from tierpipe.bus.errors import translate
+from tierpipe.bus.history import STREAM_NOT_FOUND
 from tierpipe.errors import BucketMissingError, BusError
 
 __all__ = (
@@ -124,10 +125,14 @@ def _translated(what: str, bucket: str) -> Iterator[None]:
     """`translate`, and a read nobody answered as `BucketMissingError`; nats-py errors that are
     neither an outage nor an API error (an invalid key) as `BusError`."""
     try:
-        with translate(what, keep=(nats.errors.NoRespondersError,)):
+        with translate(what, keep=(nats.errors.NoRespondersError, nats.js.errors.NotFoundError)):
             yield
     except nats.errors.NoRespondersError as e:
         raise BucketMissingError(bucket, what) from e
+    except nats.js.errors.NotFoundError as e:
+        if e.err_code == STREAM_NOT_FOUND:  # (a watch: it asks the API, not a direct get)
+            raise BucketMissingError(bucket, what) from e
+        raise BusError(f"{what}: {e.description or e}") from e
     except nats.errors.Error as e:
         raise BusError(f"{what}: {e}") from e
 
