@@ -63,6 +63,11 @@ class TierpipeError(Exception):
 class RetryableError(TierpipeError):
     """A failure that may go away by itself (outage, full disk): retry with growing delay."""
 
+    #: The most the next try should wait, where the raiser knows when it may succeed (None: the
+    #: runner's growing delay alone; e.g. a partner missing from a job's ring is looked for again
+    #: at its next heartbeat, not after minutes).
+    retry_after_s: float | None = None
+
 
 class PermanentError(TierpipeError):
     """A failure that retrying cannot fix (bad input, corrupt data, bad configuration)."""

@@ -9,7 +9,8 @@ every message it:
   the handler in place with capped, jittered backoff for as long as the outage lasts, reporting
   a retryable `failed` event on the first try and then at most once a minute;
 - on another `RetryableError` publishes a retryable `failed` event and naks with a growing
-  delay, until `max_deliver` attempts, then gives up as below;
+  delay (no longer than the error's `retry_after_s`, when it names one), until `max_deliver`
+  attempts, then gives up as below;
 - on `PermanentError` publishes a `failed` event and terminates the message;
 - on any other exception (a bug, or input nobody foresaw) logs `handler_crashed` with the
   traceback, terminates the message with a `failed` event, and goes on: no message content can
@@ -170,25 +171,32 @@ class JobWorker:
             await quietly(msg.term())
             return
         if not isinstance(event, NodeBatch):
-            name = await self._process_one(msg, event, attempt, settle=True)
+            name, _ = await self._process_one(msg, event, attempt, settle=True)
             if name == "done":
                 self.batcher.ack_later(msg)
             return
         # A node's batch: each of its events in turn; the message is settled once, after all.
-        names = []
+        names, delays = [], []
         for inner in event.events:
-            names.append(await self._process_one(msg, inner, attempt, settle=False))
-            if names[-1] in ("handed_back", "abandoned_on_stop"):
+            name, delay = await self._process_one(msg, inner, attempt, settle=False)
+            names.append(name)
+            if name in ("handed_back", "abandoned_on_stop"):
                 return  # (handed back already)
+            if delay is not None:
+                delays.append(delay)
         if "retrying" in names:
-            await quietly(msg.nak(delay=backoff(self.settings, attempt, jitter=False)))
+            await quietly(msg.nak(delay=min(delays, default=backoff(self.settings, attempt,
+                                                                    jitter=False))))  # fmt: skip
         else:  # (done, or failed for good and reported)
             self.batcher.ack_later(msg)
         await self.batcher.flush()
 
-    async def _process_one(self, msg: Msg, event: Event, attempt: int, *, settle: bool) -> str:
-        """Handle one event of `msg` to its end; the outcome's name. With `settle`, a failure
-        terminates or naks the message itself (else the caller settles it)."""
+    async def _process_one(
+        self, msg: Msg, event: Event, attempt: int, *, settle: bool
+    ) -> tuple[str, float | None]:
+        """Handle one event of `msg` to its end; the outcome's name, and the delay before its
+        next try when it is retrying. With `settle`, a failure terminates or naks the message
+        itself (else the caller settles it)."""
         unit: dict[str, object] = {"stage": self.stage, "job": event.job}
         if isinstance(event, ShardEvent):
             unit.update(step=event.step, rank=event.rank)
@@ -209,7 +217,8 @@ class JobWorker:
             seconds = round(time.perf_counter() - t0, 4)
             METRICS.observe_message(self.stage, name, seconds)
             log.log(level, "message_handled", outcome=name, seconds=seconds, **fields)
-        return name
+        delay = fields.get("delay_s")
+        return name, float(delay) if isinstance(delay, int | float) else None
 
     async def _handle(self, msg: Msg, event: Event, attempt: int, *, settle: bool) -> _Outcome:
         """Handle `event` to its end; returns the outcome and its fields for the log line
@@ -311,6 +320,8 @@ class JobWorker:
                 await quietly(msg.term())
             return "terminated", fields
         delay = backoff(self.settings, attempt, jitter=False)
+        if isinstance(e, RetryableError) and e.retry_after_s is not None:
+            delay = min(delay, e.retry_after_s)
         if settle:
             await quietly(msg.nak(delay=delay))
         return "retrying", {**fields, "delay_s": delay}

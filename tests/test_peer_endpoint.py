@@ -285,7 +285,7 @@ async def test_a_copy_removed_before_its_partner_pulled_it_is_skipped_not_failed
                 assert (Path(store.root) / ".peer" / job / "step-000000000005").is_dir()
             # A copy still there is not skipped: its partner's refusal fails the message.
             ctx._partners[job] = (time.monotonic(), [Partner(holder.node or "", dst.url)], 1, [])
-            path = own_copy(source, job, step=4)
+            path = own_copy(source, job, step=6)  # (newer than 5: an older one is skipped)
             event = verified(source, path)
             flip(path)
             with pytest.raises(ShardFormatError):

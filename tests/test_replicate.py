@@ -1,8 +1,11 @@
 """The replicate stage between real agents on loopback (separate NVMe roots): a node's verified
 shard lands, verified, on its partner's NVMe with the partner's `replicated` event; a copy that
 changed after its verify is refused and never published; a partner that was down gets the copy
-once it is back; replicas below the job's NVMe floor go, each an `evicted` of tier peer; and a
-restore reads the replica back from the partner, every digest checked."""
+once it is back; one paused for a moment holds no newer shard back; a new job's first shards,
+verified before the partner lists the job, get their copies once it does, and an older shard
+waiting for its partner gives way to a newer one; replicas below the job's NVMe floor go, each an
+`evicted` of tier peer; and a restore reads the replica back from the partner, every digest
+checked."""
 
 from __future__ import annotations
 
@@ -177,6 +180,154 @@ def test_a_partner_down_gets_the_copy_once_it_is_back(
     agent("replicate", settings=b).wait_ready()
     done = replicated(events, b.node or "", 5)
     assert Path(done.path).read_bytes() == Path(event.path).read_bytes()
+
+
+def replicated_at(
+    events: Events, holder: str, steps: list[int], timeout: float
+) -> dict[int, float]:
+    """When each of `steps` got its replica on `holder` (the `replicated` event's time)."""
+    found: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while set(found) != set(steps) and time.monotonic() < deadline:
+        for e in events.all("replicated"):
+            if isinstance(e, ShardReplicated) and e.node == holder and e.step in steps:
+                found.setdefault(e.step, e.ts)
+        time.sleep(0.3)
+    return found
+
+
+def test_a_partner_back_after_the_retries_ran_out_still_gets_the_newest_copy(
+    two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], events: Events, job: str
+) -> None:
+    """B's agent killed for longer than A's tries of its shard last (`max_deliver` 3): the
+    shard is kept and tried again, and once B is back (a new port, advertised in its record)
+    the copy lands within a few seconds of B's record listing it."""
+    a, b = (s.replace(retry_base_s=0.5, retry_max_s=30.0, max_deliver=3) for s in two_nodes)
+    first, second = start_pair(agent, a, b, job)
+    second.stop(signal.SIGKILL)
+    event = saved(a, job, 5)
+    publish_verified(a, event)
+    deadline = time.monotonic() + 60
+    while '"replica_waiting"' not in first.log():  # (its third try failed)
+        assert time.monotonic() < deadline, first.log()
+        time.sleep(0.2)
+    third = agent("replicate", settings=b).wait_ready()
+    assert third.proc is not None
+    pid = third.proc.pid
+
+    async def back() -> float:
+        """When the new agent's record lists the job."""
+        async with Bus(a) as bus:
+            with anyio.fail_after(30):
+                while True:
+                    if any(r.pid == pid for r in await job_nodes(bus, a, job)):
+                        return time.time()
+                    await anyio.sleep(0.1)
+
+    listed = anyio.run(back)
+    done = replicated(events, b.node or "", 5)
+    assert Path(done.path).read_bytes() == Path(event.path).read_bytes()
+    assert done.ts - listed < 5.0, done.ts - listed
+
+
+def test_a_partner_silent_for_a_moment_holds_no_newer_shard_back(
+    two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], events: Events, job: str
+) -> None:
+    """B's agent paused (SIGSTOP) for longer than three heartbeats, so its record goes stale,
+    while A verifies a shard every half second: once B runs again, every shard A verifies gets
+    its copy within a few seconds, whatever became of the ones verified during the pause (with
+    the product's retry settings: delays that grow to `retry_max_s` 30 s)."""
+    a, b = (s.replace(retry_base_s=0.5, retry_max_s=30.0, max_deliver=10) for s in two_nodes)
+    _, second = start_pair(agent, a, b, job)
+    publish_verified(a, saved(a, job, 1))
+    replicated(events, b.node or "", 1)
+    assert second.proc is not None
+    published: dict[int, float] = {}
+    step = 1
+    second.proc.send_signal(signal.SIGSTOP)
+    paused = time.monotonic()
+    try:
+        while time.monotonic() - paused < 4.5:  # (records go stale after 3 beats of 1 s)
+            step += 1
+            published[step] = time.time()
+            publish_verified(a, saved(a, job, step))
+            time.sleep(0.5)
+    finally:
+        second.proc.send_signal(signal.SIGCONT)
+    resumed, during = time.time(), step
+    for _ in range(6):
+        step += 1
+        published[step] = time.time()
+        publish_verified(a, saved(a, job, step))
+        time.sleep(0.5)
+    after = list(range(during + 1, step + 1))
+    got = replicated_at(events, b.node or "", after, timeout=30)
+    late = {s: round(got[s] - published[s], 1) if s in got else None for s in after}
+    assert all(v is not None and v < 5.0 for v in late.values()), (late, resumed)
+
+
+def test_a_shard_verified_before_its_partner_lists_the_job_gets_its_copy(
+    two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], job: str
+) -> None:
+    """A new job: A's first shard is verified before B's record lists the job (a record lists a
+    job from the scan after its folder appears on the node), so A's ring has no partner yet.
+    It is tried again for a while rather than acked without a copy: once B's trainers make the
+    job's folder there, B lists it and the shard lands on B; so does the next one."""
+    a, b = two_nodes
+    start_pair(agent, a, b, job)
+    fresh = f"{job}-new"
+    events = Events(a, fresh)
+    publish_verified(a, saved(a, fresh, 1))
+    time.sleep(3.0)  # (A's agent serves the job by now; B has no folder of it)
+    Path(b.staging_root, fresh).mkdir(parents=True)
+    assert replicated_at(events, b.node or "", [1], timeout=30).keys() == {1}
+    publish_verified(a, saved(a, fresh, 2))
+    replicated(events, b.node or "", 2, timeout=30)
+
+
+def test_an_older_shard_waiting_for_its_partner_is_skipped_for_a_newer_one(
+    two_nodes: tuple[Settings, Settings], agent: Callable[..., Agent], job: str
+) -> None:
+    """Shards of a job whose partner does not list it yet wait (tried again); once a newer
+    step of the same rank is verified, the older one is skipped, said at info with the reason,
+    and only the newest gets its copy when the partner comes."""
+    a, b = two_nodes
+    first, _ = start_pair(agent, a, b, job)
+    fresh = f"{job}-new"
+    events = Events(a, fresh)
+
+    def logged(*parts: str) -> bool:
+        return any(all(p in line for p in parts) for line in first.log().splitlines())
+
+    def wait_logged(*parts: str) -> None:
+        deadline = time.monotonic() + 30
+        while not logged(*parts):
+            assert time.monotonic() < deadline, (parts, first.log())
+            time.sleep(0.2)
+
+    publish_verified(a, saved(a, fresh, 1))
+    wait_logged('"retrying"', '"stage": "replicate"', fresh, '"step": 1,')
+    publish_verified(a, saved(a, fresh, 2))
+    wait_logged('"replica_skipped"', fresh, '"step": 1,', '"newer_step": 2')
+    Path(b.staging_root, fresh).mkdir(parents=True)
+    replicated(events, b.node or "", 2, timeout=30)
+    assert [e.step for e in events.all("replicated")] == [2]
+
+
+def test_a_job_with_no_other_agent_is_left_without_a_copy_at_once(
+    settings: Settings, agent: Callable[..., Agent], events: Events, job: str
+) -> None:
+    """One agent alone (no other node serves a peer endpoint): a new job's shard, one rank of
+    two, is acked at once without a copy, said once at info, never retried as a failure."""
+    a = settings.replace(node_heartbeat_s=1.0)
+    alone = agent("replicate", settings=a).wait_ready()
+    publish_verified(a, saved(a, job, 1))
+    deadline = time.monotonic() + 30
+    while '"replicas_not_made"' not in alone.log():
+        assert time.monotonic() < deadline, alone.log()
+        time.sleep(0.2)
+    assert '"retrying"' not in alone.log()
+    assert [e for e in events.all("failed") if isinstance(e, StageFailed)] == []
 
 
 def test_replicas_below_the_nvme_floor_are_evicted(

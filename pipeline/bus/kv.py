@@ -21,6 +21,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from tierpipe.bus.errors import translate
+from tierpipe.bus.history import STREAM_NOT_FOUND
 from tierpipe.errors import BucketMissingError, BusError
 
 __all__ = (
@@ -34,6 +35,8 @@ JetStream: TypeAlias = JetStreamContext
 #: What `KeyValue.get` raises for a key never written, or deleted (nats-py 2.16 raises the
 #: first for both, with the delete's entry; older ones the second).
 _ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
+#: JetStream's error code for a stream created with another configuration than the one asked for.
+_STREAM_NAME_IN_USE = 10058
 #: The operations of a delete and a purge (nats-py's `KV-Operation` header values).
 _DELETES = ("DEL", "PURGE")
 
@@ -87,17 +90,24 @@ async def open_bucket(js: JetStream, config: BucketConfig) -> Bucket:
         try:
             return Bucket(name, await js.key_value(name))
         except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(
-                api.KeyValueConfig(
-                    bucket=name,
-                    history=1,
-                    ttl=config.ttl_s,
-                    replicas=config.replicas,
-                    max_value_size=config.max_value_bytes,
-                    storage=api.StorageType.FILE,
-                    direct=True,
+            try:
+                kv = await js.create_key_value(
+                    api.KeyValueConfig(
+                        bucket=name,
+                        history=1,
+                        ttl=config.ttl_s,
+                        replicas=config.replicas,
+                        max_value_size=config.max_value_bytes,
+                        storage=api.StorageType.FILE,
+                        direct=True,
+                    )
                 )
-            )
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code != _STREAM_NAME_IN_USE:
+                    raise
+                # Another agent made it meanwhile (and admitted its watchers, so its config
+                # differs from the one asked for here): that one is the bucket.
+                return Bucket(name, await js.key_value(name))
             if config.max_consumers is not None:
                 await _admit_watchers(js, f"KV_{name}", config.max_consumers)
             return Bucket(name, kv)
@@ -124,10 +134,14 @@ def _translated(what: str, bucket: str) -> Iterator[None]:
     """`translate`, and a read nobody answered as `BucketMissingError`; nats-py errors that are
     neither an outage nor an API error (an invalid key) as `BusError`."""
     try:
-        with translate(what, keep=(nats.errors.NoRespondersError,)):
+        with translate(what, keep=(nats.errors.NoRespondersError, nats.js.errors.NotFoundError)):
             yield
     except nats.errors.NoRespondersError as e:
         raise BucketMissingError(bucket, what) from e
+    except nats.js.errors.NotFoundError as e:
+        if e.err_code == STREAM_NOT_FOUND:  # (a watch: it asks the API, not a direct get)
+            raise BucketMissingError(bucket, what) from e
+        raise BusError(f"{what}: {e.description or e}") from e
     except nats.errors.Error as e:
         raise BusError(f"{what}: {e}") from e
 

@@ -38,7 +38,16 @@ from tierpipe.names import local_jobs
 from tierpipe.schemas.node import MISSED_BEATS, NodeRecord
 from tierpipe.settings import Settings, explicit_fields
 
-__all__ = ("ADOPTED", "NodeState", "adopt", "advertise", "bucket_name", "job_nodes", "read_node")
+__all__ = (
+    "ADOPTED",
+    "NodeState",
+    "adopt",
+    "advertise",
+    "bucket_name",
+    "job_nodes",
+    "live_nodes",
+    "read_node",
+)
 
 log = structlog.get_logger(__name__)
 
@@ -216,21 +225,39 @@ async def job_nodes(
     Raises:
         BusUnavailableError: the bucket could not be read.
     """
-    try:
-        stored = await bind_bucket(bus.js, bucket_name(settings)).stored(">")
-    except BucketMissingError:
-        return []
     now, found = time.time(), []
-    for _, value in stored:
-        try:
-            record = msgspec.json.decode(value, type=NodeRecord)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            continue
+    for record in await _records(bus, settings):
         recent = (
             silent_s is not None and record.stopped_ts is None and record.silent_s(now) <= silent_s
         )
         if job in record.jobs and (record.alive(now) or recent):
             found.append(record)
+    return found
+
+
+async def live_nodes(bus: Bus, settings: Settings) -> list[NodeRecord]:
+    """The records of every node whose agent is alive, whatever jobs they list, by name (one
+    read of the bucket; [] if there is none yet).
+
+    Raises:
+        BusUnavailableError: the bucket could not be read.
+    """
+    now = time.time()
+    return [r for r in await _records(bus, settings) if r.alive(now)]
+
+
+async def _records(bus: Bus, settings: Settings) -> list[NodeRecord]:
+    """Every readable record in the bucket, by node name."""
+    try:
+        stored = await bind_bucket(bus.js, bucket_name(settings)).stored(">")
+    except BucketMissingError:
+        return []
+    found = []
+    for _, value in stored:
+        try:
+            found.append(msgspec.json.decode(value, type=NodeRecord))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
     return sorted(found, key=lambda r: r.node)
 
 
