@@ -55,6 +55,7 @@ from tierpipe.state import plan_state
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.keys import object_key
 from tierpipe.storage.shard import encode_head, file_nbytes, parse_head
+from tierpipe.storage.sharding import local_box
 from tierpipe.trainer.checkpointer import Checkpointer
 
 MB = BLOCK_BYTES
@@ -300,7 +301,8 @@ def saved_world(
     for r in range(world):
         coord = coordinate_of(r, mesh)
         box = box_of(g.shape, mesh, coord, placements)
-        entry = ShardedEntry(0, tuple(g.shape), box.offsets, 0, placements)
+        offsets, _ = local_box(tuple(g.shape), mesh, coord, placements) or (box.offsets, None)
+        entry = ShardedEntry(0, tuple(g.shape), offsets, 0, placements)  # (torch's offsets)
         table = (MeshEntry(mesh, (), tuple(range(world)), coord),)
         path = root / f"rank{r}.shard"
         digest, size = write_sharded(
@@ -399,6 +401,22 @@ async def test_assemble_gathers_a_sharded_save_into_a_full_target(tmp_path: Path
     assert torch.equal(target["w"], g) and got.state["w"] is not None
     assert int(target["r"]) == 1 and got.value_rank == 1 and got.in_place == 2
     assert sum(got.tally.nbytes.values()) > g.numel() * 4
+
+
+@pytest.mark.anyio
+async def test_a_value_rank_with_an_empty_shard_still_plans(tmp_path: Path) -> None:
+    """Uneven sharding leaves the last rank an empty shard, whose offset torch records as the
+    dimension's size: a restore whose value rank is that rank plans from its header too."""
+    g = torch.randn(3, 5)
+    origins = saved_world(tmp_path, g, (4,), ("S0",), job="j")
+
+    async def origin(r: int) -> Origin:
+        return origins[r]
+
+    target = {"w": torch.zeros(3, 5), "r": torch.zeros(1, dtype=torch.int64)}
+    async with Tiers(Settings(node="n"), None, node="n") as tiers:
+        got = await assemble(tiers, origin, target, rank=3, old_world=4)
+    assert torch.equal(target["w"], g) and int(target["r"]) == 3 and got.value_rank == 3
 
 
 # --- restores into another world, end to end (a real agent, NATS, object storage; gloo ranks)

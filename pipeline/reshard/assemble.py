@@ -44,6 +44,7 @@ from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets
 from tierpipe.storage.shard import Head, sharded_layouts
+from tierpipe.storage.sharding import local_box
 from tierpipe.tree import decode_tree
 
 __all__ = (
@@ -254,11 +255,12 @@ def _saved_boxes(
             f"{name}: saved mesh {mesh.shape} of ranks {mesh.ranks[:8]} does not fit "
             f"{old_world} ranks"
         )
-    own = box_of(se.global_shape, mesh.shape, mesh.coordinate, se.placements)
-    if own.shape != tuple(e.shape) or own.offsets != tuple(se.offsets):
+    # (torch's offsets, as saved: an empty shard's is the dimension's size)
+    own = local_box(se.global_shape, mesh.shape, mesh.coordinate, se.placements)
+    if own != (tuple(se.offsets), tuple(e.shape)):
         raise LayoutMismatchError(
             f"{name}: saved local shard {tuple(e.shape)} at {tuple(se.offsets)} is not what its "
-            f"placements {se.placements} give ({own.shape} at {own.offsets})"
+            f"placements {se.placements} give ({own})"
         )
     boxes = _mesh_boxes(tuple(se.global_shape), tuple(mesh.shape), tuple(se.placements))
     return list(zip(mesh.ranks, boxes, strict=True))
