@@ -366,8 +366,8 @@ def test_an_export_that_cannot_be_made_fails_with_a_clear_error(
     agent().wait_ready()
     save_sharded_step(settings, job, gap=True)
     for fmt in ("dcp", "torch"):
-        out = run_cli(settings, "export", "--job", job, "--to", fmt, "--merged" * (fmt != "dcp"),
-                      str(tmp_path / fmt))  # fmt: skip
+        merged = ["--merged"] if fmt == "torch" else []
+        out = run_cli(settings, "export", "--job", job, "--to", fmt, *merged, str(tmp_path / fmt))
         assert out.returncode == 2, out.stderr
         assert "model.W" in out.stderr and "shards" in out.stderr, out.stderr
     assert not (tmp_path / "dcp" / ".metadata").exists()
