@@ -82,18 +82,23 @@ def load_each(out: Path, fmt: str) -> dict[str, Any]:
     if fmt == "torch":
         return flat(torch.load(out / "rank-00000-of-00001.pt", weights_only=True))
     if fmt == "safetensors":
-        from safetensors import safe_open
-
-        with safe_open(out / "rank-00000-of-00001.safetensors", framework="pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        assert json.loads(meta["tierpipe.checkpoint"])["step"] == 1
-        return {**tensors, **json.loads(meta["tierpipe.values"])}
+        return load_safetensors(out / "rank-00000-of-00001.safetensors")
     import torch.distributed.checkpoint as dcp
 
     template = _zeros(saved_state())  # (what a user passes: a state shaped like the saved one)
     dcp.load(template, checkpoint_id=str(out), no_dist=True)
     return flat(template)
+
+
+def load_safetensors(path: Path) -> dict[str, Any]:
+    """A safetensors file's tensors and the plain values in its metadata, by dotted key."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert json.loads(meta["tierpipe.checkpoint"])["step"] == 1
+    return {**tensors, **json.loads(meta["tierpipe.values"])}
 
 
 def _zeros(state: Any) -> Any:
@@ -132,6 +137,11 @@ def test_a_step_exports_to_torch_safetensors_and_dcp_bit_for_bit(
     check(
         flat(torch.load(tmp_path / "from-s3" / "rank-00000-of-00001.pt", weights_only=True)), want
     )
+    out = run_cli(settings, "export", "--job", job, "--to", "safetensors", "--merged",
+                  str(tmp_path / "merged-from-s3"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert os.listdir(tmp_path / "merged-from-s3") == ["model.safetensors"]
+    check(load_safetensors(tmp_path / "merged-from-s3" / "model.safetensors"), want)
 
     out = run_cli(settings, "export", "--job", job, "--step", "9", "--to", "torch", str(tmp_path))
     assert out.returncode == 2 and "step 9" in out.stderr and "no record" in out.stderr

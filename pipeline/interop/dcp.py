@@ -281,6 +281,8 @@ def _check_metadata(md: Any, folder: Path, path: str) -> None:
             raise bad(f"{name}: stream transforms (compression) are not supported")
         if name not in sizes:
             try:
+                if (folder / name).is_symlink():
+                    raise bad(f"its data file {name} is a symbolic link (it could name any file)")
                 sizes[name] = (folder / name).stat().st_size
             except OSError as e:
                 raise bad(f"its data file {name} cannot be read: {e}") from e

@@ -1,25 +1,16 @@
-"""The full model of a step as one file set a user loads without tierpipe (`tierpipe export
---merged`): every sharded tensor assembled into its global tensor, the other values rank 0's
-(`tierpipe.interop.merge` says which rank's value is taken and checks that the shards tile
-each tensor).
+"""The full model of a step as one torch file a user loads without tierpipe (`tierpipe export
+--to torch --merged`): `model.pt`, `torch.save` of the merged state (nested dicts and lists as
+saved; every sharded tensor assembled into its global tensor, the other values rank 0's:
+`tierpipe.interop.merge` says which rank's value is taken and checks that the shards tile each
+tensor), loadable with `torch.load(path, weights_only=True)`.
 
-- `torch`: `model.pt`, `torch.save` of the merged state (nested dicts and lists as saved),
-  loadable with `torch.load(path, weights_only=True)`.
-- `safetensors`: `model.safetensors`, the tensors under their dotted key paths, the other
-  values and the checkpoint's identity in its metadata as JSON (`tierpipe.values`,
-  `tierpipe.checkpoint`); above `max_file_bytes` (5 GB, as Hugging Face's `max_shard_size`)
-  split into `model-00001-of-0000N.safetensors` files with a `model.safetensors.index.json`
-  (`metadata.total_size`, `weight_map`: key -> file), which `transformers` and
-  `safetensors`-aware loaders read.
-
-Ranks are added one at a time (`MergedWriter.add`): what is held is the merged state being
-built (the size of the full model) and the rank being read, never every rank at once.
+Ranks are added one at a time (`MergedWriter.add`); `torch.save` takes one object, so what is
+held is the merged state (the size of the full model) and the rank being read. The safetensors
+export writes in place instead, holding one rank at a time (`tierpipe.interop.hfsplit`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +20,14 @@ from tierpipe.interop.merge import Merge, key_name, leaves
 from tierpipe.schemas import ShardHeader
 from tierpipe.tree import KeyPath
 
-__all__ = ("INDEX_NAME", "MAX_FILE_BYTES", "MergedWriter", "set_element", "tensor_of")
-
-#: Hugging Face's default largest file of a split checkpoint (`max_shard_size="5GB"`).
-MAX_FILE_BYTES = 5 * 10**9
-#: The index of a split safetensors checkpoint, as Hugging Face names it.
-INDEX_NAME = "model.safetensors.index.json"
+__all__ = ("MergedWriter", "set_element", "tensor_of")
 
 
 class MergedWriter:
     """Builds the merged state rank by rank, then writes it (`finish`)."""
 
-    def __init__(
-        self, fmt: str, out: Path, identity: dict[str, Any], *, max_file_bytes: int
-    ) -> None:
-        self.fmt, self.out, self.identity = fmt, out, identity
-        self.max_file_bytes = max_file_bytes
+    def __init__(self, out: Path) -> None:
+        self.out = out
         self._merge = Merge()
         self._state: Any = None
         self._full: dict[KeyPath, torch.Tensor] = {}
@@ -77,72 +60,9 @@ class MergedWriter:
         for key, full in self._full.items():
             state = set_element(state, key, full)
         self._state = None
-        if self.fmt == "torch":
-            path = self.out / "model.pt"
-            torch.save(state, path)
-            return [path]
-        return self._safetensors(state)
-
-    def _safetensors(self, state: Any) -> list[Path]:
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        values: dict[str, Any] = {}
-        storages: set[int] = set()
-        for path, leaf in leaves(state):
-            value = tensor_of(leaf)
-            if isinstance(value, torch.Tensor):
-                tensors[key_name(path)] = _apart(value.detach(), storages)
-            else:
-                values[key_name(path)] = value
-        files = _split(tensors, self.max_file_bytes)
-        meta = {"format": "pt", "tierpipe.checkpoint": json.dumps(self.identity)}
-        plain = json.dumps(values, default=str)
-        if len(files) == 1:
-            single = self.out / "model.safetensors"
-            save_file(tensors, os.fspath(single), metadata={**meta, "tierpipe.values": plain})
-            return [single]
-        written, weight_map = [], {}
-        for i, keys in enumerate(files):
-            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            extra = {"tierpipe.values": plain} if i == 0 else {}
-            save_file({k: tensors[k] for k in keys}, os.fspath(self.out / name),
-                      metadata={**meta, **extra})  # fmt: skip
-            weight_map.update(dict.fromkeys(keys, name))
-            written.append(self.out / name)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total, **meta, "tierpipe.values": plain},
-                 "weight_map": weight_map}  # fmt: skip
-        (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        return [*written, self.out / INDEX_NAME]
-
-
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Keys in order, into files of at most `max_bytes` (a larger tensor gets one of its own),
-    as Hugging Face's `split_torch_state_dict_into_shards` fills them."""
-    files: list[list[str]] = [[]]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if files[-1] and size + nbytes > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(key)
-        size += nbytes
-    return files
-
-
-def _apart(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
-    """`t` as safetensors takes it: contiguous, in a storage of its own (a copy when it shares
-    one with a tensor already taken, or is a view of a larger one)."""
-    storage = t.untyped_storage()
-    whole = t.is_contiguous() and t.numel() * t.element_size() == storage.nbytes()
-    if not whole or storage.data_ptr() in storages:
-        t = t.contiguous().clone()
-        storage = t.untyped_storage()
-    if storage.nbytes():
-        storages.add(storage.data_ptr())
-    return t
+        path = self.out / "model.pt"
+        torch.save(state, path)
+        return [path]
 
 
 def set_element(state: Any, path: KeyPath, value: Any) -> Any:

@@ -6,8 +6,9 @@ is used (as a restore does). Ranks are read one at a time, in order. Into `<dir>
 
 - `dcp`: one torch.distributed.checkpoint checkpoint of the whole step (every rank's shards,
   one `.metadata`: `tierpipe.interop.dcp`), which `dcp.load` reads into any world size.
-- `torch` and `safetensors` with `merged`: the full model as one file set
-  (`tierpipe.interop.merged`: `model.pt`, or `model.safetensors` / split files with an index).
+- `torch` and `safetensors` with `merged`: the full model as one file set (`model.pt`:
+  `tierpipe.interop.merged`; `model.safetensors`, or split files with an index, written in
+  place after a first pass over the ranks' headers: `tierpipe.interop.hfsplit`).
 - `torch` and `safetensors` per rank:
   - `torch`: `rank-<r>-of-<w>.pt`, `torch.save` of the rank's state (nested dicts and lists,
     tensors, plain values; a DTensor's local shard as a plain tensor), loadable with
@@ -32,17 +33,19 @@ import torch
 
 from tierpipe.control.bitmap import has_rank
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.errors import ConfigError, NoCheckpointError, TierpipeError
 from tierpipe.interop.dcp import DcpWriter
+from tierpipe.interop.hfsplit import MAX_FILE_BYTES, SafetensorsWriter
 from tierpipe.interop.merge import key_name, leaves
-from tierpipe.interop.merged import MAX_FILE_BYTES, MergedWriter, tensor_of
+from tierpipe.interop.merged import MergedWriter, tensor_of
 from tierpipe.names import shard_relpath
-from tierpipe.recovery.load import Expected, Loaded, load_image, load_into
+from tierpipe.recovery.load import Expected, Loaded, check_head, load_image, load_into
+from tierpipe.schemas import ShardHeader
 from tierpipe.settings import Settings
-from tierpipe.storage.reader import image_head
+from tierpipe.storage.reader import image_head, read_head
 from tierpipe.storage.s3.store import S3Store
 
-__all__ = ("FORMATS", "Exported", "export_step", "read_rank", "write_rank")
+__all__ = ("FORMATS", "Exported", "export_step", "read_header", "read_rank", "write_rank")
 
 log = structlog.get_logger(__name__)
 
@@ -89,30 +92,57 @@ async def export_step(
     except OSError as e:
         raise ConfigError(f"cannot write into {out}: {e.strerror or e}") from e
     identity = {"job": job, "step": step, "world_size": rec.world_size}
-    sink: DcpWriter | MergedWriter | None = None
+    sink: DcpWriter | MergedWriter | SafetensorsWriter | None = None
     if fmt == "dcp":
         sink = DcpWriter(out)
+    elif merged and fmt == "torch":
+        sink = MergedWriter(out)
     elif merged:
-        sink = MergedWriter(fmt, out, identity, max_file_bytes=max_file_bytes)
-    written = []
+        sink = SafetensorsWriter(out, identity, max_file_bytes=max_file_bytes)
     async with S3Store(settings) as s3:
+        sources = []
         for rank in range(rec.world_size):
             found = await store.rank_digest(job, step, rank)
             if found is None:
                 raise NoCheckpointError(f"rank {rank} of step {step} has no verified copy")
-            expected = Expected(job, step, rank, rec.world_size, found[0])
             in_s3 = has_rank(rec.s3, rank) and not rec.s3_removed
-            loaded = await read_rank(settings, s3 if in_s3 else None, expected, found[1])
-            if sink is None:
-                path = await anyio.to_thread.run_sync(write_rank, fmt, loaded.state, out, expected)
-                written.append(path)
-            else:
-                await anyio.to_thread.run_sync(sink.add, rank, loaded.header, loaded.state)
-            del loaded  # (one rank at a time)
-            log.info("rank_exported", job=job, step=step, rank=rank, format=fmt, merged=merged)
+            expected = Expected(job, step, rank, rec.world_size, found[0])
+            sources.append((expected, s3 if in_s3 else None, found[1]))
+        try:
+            if isinstance(sink, SafetensorsWriter):  # (a first pass: the headers alone)
+                for rank, (expected, source, nbytes) in enumerate(sources):
+                    header = await read_header(settings, source, expected, nbytes)
+                    await anyio.to_thread.run_sync(sink.plan, rank, header)
+                await anyio.to_thread.run_sync(sink.open)
+            written = await _each_rank(settings, sources, fmt, out, sink)
+        finally:
+            if isinstance(sink, SafetensorsWriter):
+                sink.close()
+    return Exported(rec.world_size, written)
+
+
+async def _each_rank(
+    settings: Settings,
+    sources: list[tuple[Expected, S3Store | None, int]],
+    fmt: str,
+    out: Path,
+    sink: DcpWriter | MergedWriter | SafetensorsWriter | None,
+) -> list[Path]:
+    """Read the ranks one at a time into `sink` (None: a file each); the paths written."""
+    written = []
+    for rank, (expected, s3, nbytes) in enumerate(sources):
+        loaded = await read_rank(settings, s3, expected, nbytes)
+        if sink is None:
+            path = await anyio.to_thread.run_sync(write_rank, fmt, loaded.state, out, expected)
+            written.append(path)
+        else:
+            await anyio.to_thread.run_sync(sink.add, rank, loaded.header, loaded.state)
+        del loaded  # (one rank at a time)
+        log.info("rank_exported", job=expected.job, step=expected.step, rank=rank, format=fmt,
+                 merged=sink is not None)  # fmt: skip
     if sink is not None:
         written = await anyio.to_thread.run_sync(sink.finish)
-    return Exported(rec.world_size, written)
+    return written
 
 
 def _need_safetensors() -> None:
@@ -145,6 +175,22 @@ async def read_rank(
     image = await s3.download(s3.key(e.job, e.step, e.rank, e.world_size), nbytes)
     head = image_head(image, location, nbytes)
     return load_image(memoryview(image), head, location, expected=expected)
+
+
+async def read_header(
+    settings: Settings, s3: S3Store | None, expected: Expected, nbytes: int
+) -> ShardHeader:
+    """One rank's header: from this node's NVMe copy's head if it is the recorded one (its
+    digest checked), else from a whole read (`read_rank`)."""
+    e = expected
+    path = Path(settings.nvme_root) / shard_relpath(e.job, e.step, e.rank, e.world_size)
+    try:
+        head = await anyio.to_thread.run_sync(read_head, path)
+        check_head(head, expected, str(path))
+        return head.header
+    except (TierpipeError, OSError) as err:  # (not there, or not the recorded copy)
+        log.debug("nvme_head_skipped", path=str(path), error=str(err))
+    return (await read_rank(settings, s3, expected, nbytes)).header
 
 
 def write_rank(fmt: str, state: Any, out: Path, e: Expected) -> Path:
