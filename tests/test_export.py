@@ -28,7 +28,7 @@ from tierpipe.schemas import ShardedEntry, ShardFlushed
 from tierpipe.settings import Settings
 from tierpipe.state import plan_state
 from tierpipe.storage.aligned import aligned_buffer
-from tierpipe.storage.shard import encode_head
+from tierpipe.storage.shard import blocks_nbytes, encode_head
 from tierpipe.storage.shardfile import seal_image
 
 pytestmark = pytest.mark.slow
@@ -232,7 +232,12 @@ def write_sharded(
         )
         for p, (shape, offsets, placements, coord) in shards.items()
     )
-    head = encode_head(msgspec.structs.replace(plan.header, sharded=entries), sealed=False)
+    blobs = list(plan.header.blobs)
+    for e in entries:  # (a sharded blob carries a block digest table: zeros until sealed)
+        i = plan.header.tensors[e.tensor].blob
+        blobs[i] = msgspec.structs.replace(blobs[i], blocks=bytes(blocks_nbytes(blobs[i].nbytes)))
+    header = msgspec.structs.replace(plan.header, sharded=entries, blobs=tuple(blobs))
+    head = encode_head(header, sealed=False)
     old = aligned_buffer(plan.nbytes)
     old[: len(plan.head)] = plan.head
     plan.copy_into(plan.destinations(torch.frombuffer(old, dtype=torch.uint8)))
@@ -300,33 +305,7 @@ def test_a_sharded_step_exports_to_one_dcp_checkpoint_that_loads_in_any_layout(
     check(flat(template), merged_want(full))
 
     torch.save({".".join(map(str, p)): t for p, t in full.items()}, tmp_path / "want.pt")
-    port = free_ports(1)[0]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.test_export",
-                str(tmp_path / "dcp"),
-                str(tmp_path / "want.pt"),
-            ],
-            env={
-                **os.environ,
-                "RANK": str(r),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=120)
-        assert p.returncode == 0 and "resharded load ok" in output, output
+    run_ranks(settings, [str(tmp_path / "dcp"), str(tmp_path / "want.pt")], "resharded load ok")
 
 
 def test_a_sharded_step_exports_merged_as_torch_and_as_split_safetensors(
@@ -391,6 +370,59 @@ def test_an_export_that_cannot_be_made_fails_with_a_clear_error(
     assert out.returncode == 2 and "unknown job 'nosuchjob'" in out.stderr, out.stderr
 
 
+def test_dtensors_saved_by_two_ranks_export_to_dcp_and_merged_safetensors(
+    settings: Settings, job: str, agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """DTensors saved through two Checkpointers on a gloo mesh come out of `--to dcp` (loaded
+    by `dcp.load` in one process) and of `--to safetensors --merged` as the full tensors that
+    `full_tensor()` gathered at the save."""
+    import torch.distributed.checkpoint as dcp
+
+    agent().wait_ready()
+    want_path = tmp_path / "want.pt"
+    run_ranks(settings, ["save", job, str(want_path)], "dtensor saved")
+    want = {**torch.load(want_path, weights_only=True), "step": 3}
+    out = run_cli(settings, "export", "--job", job, "--step", "1", "--to", "dcp",
+                  str(tmp_path / "dcp"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    template = {"model": {k.split(".")[1]: torch.zeros_like(v) for k, v in want.items()
+                          if k.startswith("model.")}, "step": None}  # fmt: skip
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    check(flat(template), want)
+    out = run_cli(settings, "export", "--job", job, "--step", "1", "--to", "safetensors",
+                  "--merged", str(tmp_path / "st"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = load_safetensors(tmp_path / "st" / "model.safetensors")
+    check(got, want)
+
+
+def run_ranks(settings: Settings, args: list[str], done: str) -> None:
+    """`python -m tests.test_export ARGS` as two gloo ranks with `settings` in their
+    environment; both must print `done`."""
+    port = free_ports(1)[0]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.test_export", *args],
+            env={
+                **os.environ,
+                **settings.as_env(),
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        output, _ = p.communicate(timeout=150)
+        assert p.returncode == 0 and done in output, output
+
+
 def _resharded_load(folder: str, want_path: str) -> None:
     """One of two gloo processes: load the export into DTensors on a 1-d mesh of 2, each
     tensor laid out otherwise than the 2x2 save, and compare the full tensors."""
@@ -412,5 +444,36 @@ def _resharded_load(folder: str, want_path: str) -> None:
     print("resharded load ok")
 
 
+def _dtensor_save(job: str, want_path: str) -> None:
+    """One of two gloo ranks: save DTensors on a 1-d mesh of 2 through a Checkpointer (rows
+    split, uneven, one rank's shard empty, one tensor replicated) and, on rank 0, their full
+    tensors to `want_path`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tierpipe.settings import load_settings
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(9)
+    full = {"w": torch.randn(6, 4, generator=g), "v": torch.randn(5, 2, generator=g),
+            "z": torch.randn(1, 3, generator=g), "b": torch.randn(4, generator=g)}  # fmt: skip
+    place = {"w": Shard(0), "v": Shard(0), "z": Shard(0), "b": Replicate()}
+    model = {k: distribute_tensor(t, mesh, [place[k]]) for k, t in full.items()}
+    state = {"model": model, "step": 3}
+    with Checkpointer(job, rank=rank, world_size=2, settings=load_settings()) as ckpt:
+        ckpt.save(1, state).wait("verified", timeout=120)
+    gathered = {f"model.{k}": t.full_tensor() for k, t in model.items()}
+    if rank == 0:
+        torch.save(gathered, want_path)
+    dist.destroy_process_group()
+    print("dtensor saved")
+
+
 if __name__ == "__main__":
-    _resharded_load(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "save":
+        _dtensor_save(sys.argv[2], sys.argv[3])
+    else:
+        _resharded_load(sys.argv[1], sys.argv[2])
