@@ -31,7 +31,7 @@ from tierpipe.storage.aligned import aligned_buffer
 from tierpipe.storage.shard import blocks_nbytes, encode_head
 from tierpipe.storage.shardfile import seal_image
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
 

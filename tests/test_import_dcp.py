@@ -6,6 +6,7 @@ folder and a truncated data file are refused with exit status 2, and nothing the
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -22,7 +23,7 @@ from tierpipe import Checkpointer
 from tierpipe.dev.process import free_ports
 from tierpipe.settings import Settings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +85,8 @@ def test_a_dcp_checkpoint_imports_as_a_step_that_restores_bit_for_bit(
     settings: Settings, job: str, agent: Callable[..., Agent], tmp_path: Path
 ) -> None:
     """The two ranks' DTensor shards come back as the full tensors, the values as saved; the
-    job then refuses an import at the same step, and takes one at a newer step."""
+    job then refuses an import at the same step, and takes one at a newer step (here as two
+    ranks that each hold the full state)."""
     agent().wait_ready()
     want = save_dcp_by_two_ranks(tmp_path / "ckpt")
     out = run_cli(settings, "import", "--from", "dcp", str(tmp_path / "ckpt"), "--job", job)
@@ -98,10 +100,12 @@ def test_a_dcp_checkpoint_imports_as_a_step_that_restores_bit_for_bit(
     out = run_cli(settings, "import", "--from", "dcp", str(tmp_path / "ckpt"), "--job", job)
     assert out.returncode == 2 and "already has steps up to 0" in out.stderr, out.stderr
     out = run_cli(settings, "import", "--from", "dcp", str(tmp_path / "ckpt"), "--job", job,
-                  "--step", "5")  # fmt: skip
+                  "--step", "5", "--world", "2")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    with Checkpointer(job, rank=0, world_size=1, settings=settings) as ckpt:
-        assert ckpt.restore().step == 5
+    assert f"as step 5 of {job} (2 ranks" in out.stdout
+    out = run_cli(settings, "status", "--job", job, "--json")
+    steps = {s["step"]: s for s in map(json.loads, out.stdout.splitlines())}
+    assert (steps[5]["world_size"], steps[5]["nvme_ranks"]) == (2, 2), steps
 
 
 class RunsCode:
