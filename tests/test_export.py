@@ -423,6 +423,75 @@ def run_ranks(settings: Settings, args: list[str], done: str) -> None:
         assert p.returncode == 0 and done in output, output
 
 
+def sharded_header(rank: int, state: Any, shards: dict) -> Any:
+    """The header a save of `state` by `rank` of 4 writes, with `shards` marked sharded."""
+    plan = plan_state(state, job="j", step=1, rank=rank, world_size=4, node="n")
+    index = {tuple(t.path): i for i, t in enumerate(plan.header.tensors)}
+    entries = tuple(
+        ShardedEntry(
+            tensor=index[p],
+            global_shape=shape,
+            offsets=offsets,
+            mesh_shape=(4,),
+            mesh_dims=(),
+            mesh_ranks=(0, 1, 2, 3),
+            coordinate=(rank,),
+            placements=("S0",),
+        )
+        for p, (shape, offsets) in shards.items()
+    )
+    return msgspec.structs.replace(plan.header, sharded=entries)
+
+
+@pytest.mark.parametrize(
+    ("boxes", "why"),
+    [
+        ([((0,), (4,)), ((4,), (4,))], ""),
+        ([((0,), (4,)), ((4,), (4,)), ((0,), (4,))], ""),  # (a replica: written once)
+        ([((0,), (4,)), ((4,), (3,))], "no shard covers dimension 0 from 7 to 8"),
+        ([((0,), (4,)), ((5,), (3,))], "a gap at 5 along dimension 0"),
+        ([((0,), (5,)), ((4,), (4,))], "overlapping shards at 4 along dimension 0"),
+        ([((0,), (4,)), ((6,), (4,))], "outside the global shape"),
+    ],
+)
+def test_the_merge_takes_each_shard_once_and_refuses_a_layout_that_does_not_tile(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], why: str
+) -> None:
+    """Shards that tile the global tensor merge (a repeated one is taken once); a gap, an
+    overlap or a shard outside the tensor is a LayoutMismatchError that says where."""
+    from tierpipe.errors import LayoutMismatchError
+    from tierpipe.interop.merge import Merge
+
+    def merged() -> int:
+        merge, taken = Merge(), 0
+        for rank, (offsets, sizes) in enumerate(boxes):
+            state = {"w": torch.zeros(sizes), "step": rank}
+            header = sharded_header(rank, state, {("w",): ((8,), offsets)})
+            taken += len(merge.add_rank(rank, header, state))
+            assert merge.first(rank, ("step",)) == (rank == 0)
+        merge.check()
+        return taken
+
+    if why:
+        with pytest.raises(LayoutMismatchError, match=why):
+            merged()
+    else:
+        assert merged() == 2
+
+
+def test_a_tensor_plain_on_one_rank_and_sharded_on_another_does_not_merge(tmp_path: Path) -> None:
+    """Rank 0 holds `w` whole, rank 1 a shard of it: a LayoutMismatchError names `w`."""
+    from tierpipe.errors import LayoutMismatchError
+    from tierpipe.interop.dcp import DcpWriter
+
+    writer = DcpWriter(tmp_path)
+    state0 = {"w": torch.zeros(8)}
+    writer.add(0, sharded_header(0, state0, {}), state0)
+    state1 = {"w": torch.zeros(4)}
+    with pytest.raises(LayoutMismatchError, match="w: plain on a lower rank"):
+        writer.add(1, sharded_header(1, state1, {("w",): ((8,), (4,))}), state1)
+
+
 def _resharded_load(folder: str, want_path: str) -> None:
     """One of two gloo processes: load the export into DTensors on a 1-d mesh of 2, each
     tensor laid out otherwise than the 2x2 save, and compare the full tensors."""

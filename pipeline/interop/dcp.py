@@ -25,19 +25,43 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
+from torch.distributed.checkpoint.storage import WriteResult
 
 from tierpipe.errors import LayoutMismatchError, ShardFormatError, UnsupportedStateError
 from tierpipe.interop.merge import Chunk, Merge, Sharded, check_tiling, element, sharded_by_path
 from tierpipe.interop.merged import tensor_of
 from tierpipe.schemas import ShardHeader
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-    from torch.distributed.checkpoint.planner import WriteItem
-    from torch.distributed.checkpoint.storage import WriteResult
 
 __all__ = ("METADATA_NAME", "DcpWriter", "nest", "read_dcp", "read_metadata")
 
@@ -60,8 +84,6 @@ class DcpWriter:
     """Writes a step's ranks, one at a time (`add`), as one DCP checkpoint in `out`."""
 
     def __init__(self, out: Path) -> None:
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
         # (a crash half way must not leave an older `.metadata` naming files half rewritten)
         (out / METADATA_NAME).unlink(missing_ok=True)
         self.out = out
@@ -81,9 +103,6 @@ class DcpWriter:
                 sits where DCP keeps a value whole (in a tuple).
             UnsupportedStateError: two keys DCP would flatten to one name.
         """
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        from torch.distributed.checkpoint.filesystem import _StoragePrefix
-        from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
         state = _numpy_free(state)
         try:
@@ -97,6 +116,8 @@ class DcpWriter:
         found = set()
         for fqn, value in flat.items():
             if id(value) in shards:
+                if fqn in self._merge.plain:
+                    raise LayoutMismatchError(f"{fqn}: plain on a lower rank, sharded on {rank}")
                 found.add(id(value))
                 self._sharded.add(fqn)
                 self._mapping.setdefault(fqn, mapping[fqn])
@@ -110,7 +131,7 @@ class DcpWriter:
             if not self._merge.first(rank, fqn):
                 continue
             self._mapping[fqn] = mapping[fqn]
-            item = _value_item(fqn, value, WriteItemType)
+            item = _value_item(fqn, value)
             items.append(item)
             data[item.index] = value
         if found != shards:
@@ -131,9 +152,6 @@ class DcpWriter:
         Raises:
             LayoutMismatchError: a sharded tensor whose shards do not tile it.
         """
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-        from torch.distributed.checkpoint.planner import SavePlan
-
         self._merge.check()
         _, metadata = create_default_global_save_plan([SavePlan(self._items)])
         metadata.planner_data = dict(self._mapping)
@@ -142,13 +160,6 @@ class DcpWriter:
 
 
 def _shard_item(fqn: str, sharded: Sharded, chunk: Chunk, local: torch.Tensor) -> WriteItem:
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
     offsets = torch.Size(chunk.offsets)
     return WriteItem(
         index=MetadataIndex(fqn, offsets),
@@ -161,14 +172,10 @@ def _shard_item(fqn: str, sharded: Sharded, chunk: Chunk, local: torch.Tensor) -
     )
 
 
-def _value_item(fqn: str, value: Any, kinds: Any) -> WriteItem:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import WriteItem
-    from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
-
+def _value_item(fqn: str, value: Any) -> WriteItem:
     if isinstance(value, torch.Tensor):
         return _create_write_item_for_tensor(fqn, value)
-    return WriteItem(index=MetadataIndex(fqn), type=kinds.BYTE_IO)
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
 
 
 def _numpy_free(state: Any) -> Any:
@@ -183,13 +190,7 @@ def _numpy_free(state: Any) -> Any:
     return tensor_of(state)
 
 
-def _resolver_base() -> type:
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    return SavePlanner
-
-
-class _Resolver(_resolver_base()):  # type: ignore[misc]
+class _Resolver(SavePlanner):
     """The one part of a `SavePlanner` DCP's writer calls: each item's bytes (a tensor, or a
     value `torch.save`d as DCP's default planner does)."""
 
@@ -259,13 +260,6 @@ def read_metadata(folder: Path) -> Metadata:
 
 
 def _check_metadata(md: Any, folder: Path, path: str) -> None:
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorStorageMetadata,
-    )
-
     def bad(reason: str) -> ShardFormatError:
         return ShardFormatError(path, reason)
 
@@ -345,9 +339,6 @@ def read_dcp(folder: Path) -> dict[str, Any]:
         ShardFormatError: the checkpoint is not one (see `read_metadata`), or its data files do
             not hold what the metadata says, or a value needs code to load.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(folder)
     flat: dict[str, Any] = {}
@@ -370,8 +361,6 @@ def _first_line(e: BaseException) -> str:
 
 
 def _reader(folder: Path, metadata: Metadata) -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
     class _Reader(FileSystemReader):
         """DCP's reader, given the metadata already read (and checked) instead of unpickling
         `.metadata` itself."""
@@ -383,8 +372,6 @@ def _reader(folder: Path, metadata: Metadata) -> Any:
 
 
 def _planner() -> Any:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     class _Planner(DefaultLoadPlanner):
         """DCP's load planner over flat keys, loading values with `weights_only=True` (its
         own uses `weights_only=False`: a crafted value would run code)."""
