@@ -252,13 +252,14 @@ def write_sharded(
 def save_sharded_step(settings: Settings, job: str, step: int = 1, *, gap: bool = False) -> dict:
     """Step `step` of `job` as four ranks' shard files on this node's NVMe, made known to the
     job state by `tierpipe reindex` (as a DTensor save's would be); the global tensors.
-    `gap`: rank 3 claims a shard of W that another rank has, so a part of W has none."""
+    `gap`: rank 3 holds the shard of W that rank 1 holds, so a part of W has none."""
     full = global_state()
     for rank in range(4):
         state, shards = rank_state(rank, full)
-        if gap and rank == 3:
-            shape, _, placements, coord = shards["model", "W"]
-            shards["model", "W"] = (shape, (0, 3), placements, coord)
+        if gap and rank == 3:  # (it says it is at (0, 1), as rank 1 is: nobody holds (1, 1))
+            shape, _, placements, _ = shards["model", "W"]
+            offsets, _ = local_box(shape, LAYOUT["model", "W"], (0, 1))
+            shards["model", "W"] = (shape, offsets, placements, (0, 1))
         path = Path(settings.nvme_root, shard_relpath(job, step, rank, 4))
         write_sharded(path, state, shards, job=job, step=step, rank=rank, world_size=4,
                       node=settings.node)  # fmt: skip

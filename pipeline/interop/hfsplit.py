@@ -2,15 +2,16 @@
 (`tierpipe export --to safetensors --merged`): at most one rank's state in memory, never the
 whole model.
 
-Two passes over the ranks. The first (`plan`) reads each rank's header only (its shapes,
-dtypes, sharded entries and plain values; `shaped`) and lays the output out: every sharded
-tensor as its global tensor, every other tensor and value rank 0's (`tierpipe.interop.merge`
-says which rank's part each piece takes and checks that the shards tile each tensor); files
-of at most `max_file_bytes` (Hugging Face's 5 GB by default), each made at its full size with
-its safetensors header. The second (`add`) copies each rank's parts into their places in the
-mapped files. `finish` checks that every part arrived, syncs the files, renames them into
-place and, for more than one file, writes `model.safetensors.index.json` (Hugging Face's:
-`metadata.total_size` and `weight_map`, key -> file) last.
+Two passes over the ranks (a rank with no copy on this node's NVMe is downloaded in each).
+The first (`plan`) reads each rank's header only (its shapes, dtypes, sharded entries and plain
+values; `shaped`) and lays the output out: every sharded tensor as its global tensor, every
+other tensor and value rank 0's (`tierpipe.interop.merge` says which rank's part each piece
+takes and checks that the shards tile each tensor); files of at most `max_file_bytes` (Hugging
+Face's 5 GB by default), each made at its full size with its safetensors header. The second
+(`add`) copies each rank's parts into their places in the mapped files. `finish` checks that
+every part arrived, syncs the files, renames them into place and, for more than one file,
+writes `model.safetensors.index.json` (Hugging Face's: `metadata.total_size` and
+`weight_map`, key -> file) last.
 
 Each file is a plain safetensors file: an 8-byte header length, the JSON header (each
 tensor's dtype, shape and byte range; `__metadata__` with `format: pt`, the checkpoint's
