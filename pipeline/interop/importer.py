@@ -9,6 +9,11 @@ goes on in the agent, as for any save (`tierpipe status --job J` shows it). A tr
 job restores the step as usual: at world 1 as saved; into DTensor targets, each rank reads its
 part of every full tensor (a resharded restore); with `world_size` N, each of N ranks holds the
 full state, for a job that restores plain (replicated, e.g. DDP) state on N ranks as saved.
+
+The state comes back nested as DCP recorded it (`planner_data`): DCP turns every dict key into
+a string when it flattens a state (`optim.state.0.exp_avg`), so an optimizer's state saved with
+int keys comes back keyed "0", "1", ...; load it as DCP's users do, with torch's
+`set_optimizer_state_dict`, or map the keys back.
 """
 
 from __future__ import annotations
