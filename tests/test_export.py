@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.conftest import Agent, Events, run_cli
+from tests.conftest import Agent, Events
 from tierpipe import Checkpointer
 from tierpipe.dev.process import free_ports
 from tierpipe.names import shard_relpath
@@ -34,6 +34,18 @@ from tierpipe.storage.shardfile import seal_image
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """`tierpipe <args>` as an operator runs it (conftest's, with room for a loaded machine:
+    an export or import reads and writes whole checkpoints)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def saved_state() -> dict[str, Any]:

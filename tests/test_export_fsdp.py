@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Agent, run_cli
+from tests.conftest import Agent
+from tests.test_export import run_cli
 from tierpipe.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import Agent, run_cli
+from tests.conftest import Agent
 from tierpipe import Checkpointer
 from tierpipe.dev.process import free_ports
 from tierpipe.settings import Settings
@@ -26,6 +26,18 @@ from tierpipe.settings import Settings
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """`tierpipe <args>` as an operator runs it (conftest's, with room for a loaded machine:
+    an export or import reads and writes whole checkpoints)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", *args],
+        env={**os.environ, **settings.as_env()},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def full_state() -> dict[str, Any]:
