@@ -104,7 +104,20 @@ def _run(args: argparse.Namespace) -> int:
             return ops.prefetch(settings, job, node=node, step=args.step)
         case "export":
             job = validate_token("job", args.job)
-            return ops.export(settings, job, args.step, args.to, Path(args.dir))
+            if args.merged and args.to == "dcp":
+                raise ConfigError("--merged is for torch and safetensors (dcp is always merged)")
+            return ops.export(
+                settings, job, args.step, args.to, Path(args.dir), merged=args.merged,
+                max_file_bytes=parse_rate(args.max_file_size),
+            )  # fmt: skip
+        case "import":
+            job = validate_token("job", args.job)
+            if args.step is not None and args.step < 0:
+                raise ConfigError(f"--step must be >= 0 (got {args.step})")
+            return ops.import_dcp(
+                settings, Path(args.dir), job, step=args.step, world_size=args.world,
+                timeout_s=args.timeout_s,
+            )  # fmt: skip
         case "up":
             return ops.up(
                 settings, data=args.data, nats_url=args.nats_url, nats_port=args.nats_port,

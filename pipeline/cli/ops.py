@@ -1,6 +1,6 @@
 """The operations of `tierpipe`: run the node agent (`worker`), change the flush rate and a job's
-budgets, rebuild a job's events (`reindex`), export, prefetch, collect garbage, delete a job
-(`rm`), and run this machine's servers (`up`) or the demo."""
+budgets, rebuild a job's events (`reindex`), export, import, prefetch, collect garbage, delete a
+job (`rm`), and run this machine's servers (`up`) or the demo."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from tierpipe.schemas.jobstate import Budget, Shares
 from tierpipe.settings import Settings
 
 __all__ = (
-    "budget", "demo", "demo_rank", "export", "flush", "gc", "prefetch", "reindex", "rm", "up",
-    "worker",
+    "budget", "demo", "demo_rank", "export", "flush", "gc", "import_dcp", "prefetch", "reindex",
+    "rm", "up", "worker",
 )  # fmt: skip
 
 
@@ -191,10 +191,18 @@ def reindex(settings: Settings, job: str, *, verify: bool, s3: bool) -> int:
     return 0
 
 
-def export(settings: Settings, job: str, step: int | None, fmt: str, out: Path) -> int:
-    from tierpipe.recovery.export import export_step
+def export(
+    settings: Settings, job: str, step: int | None, fmt: str, out: Path, *, merged: bool = False,
+    max_file_bytes: int = 5 * 10**9,
+) -> int:  # fmt: skip
+    from tierpipe.recovery.export import Exported, export_step
 
-    async def run() -> tuple[int, list[Path]]:
+    if max_file_bytes <= 0:
+        raise ConfigError(f"--max-file-size must be above 0 (got {max_file_bytes} bytes)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: not a directory")
+
+    async def run() -> tuple[int, Exported]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore.opened(bus)
             chosen = step
@@ -204,10 +212,29 @@ def export(settings: Settings, job: str, step: int | None, fmt: str, out: Path) 
                 if not complete:
                     raise NoCheckpointError(f"job {job!r} has no complete step to export")
                 chosen = complete[-1]
-            return chosen, await export_step(settings, store, job, chosen, fmt, out)
+            elif await store.head(job) is None and await store.keep(job) is None:
+                raise ConfigError(f"unknown job {job!r}: no job state in KV bucket "
+                                  f"{settings.kv_bucket}")  # fmt: skip
+            done = await export_step(settings, store, job, chosen, fmt, out, merged=merged,
+                                     max_file_bytes=max_file_bytes)  # fmt: skip
+            return chosen, done
 
-    chosen, paths = anyio.run(run)
-    print(f"exported step {chosen} of {job} ({len(paths)} ranks) as {fmt} into {out}")
+    chosen, done = anyio.run(run)
+    how = f"{fmt} (merged)" if merged else fmt
+    print(f"exported step {chosen} of {job} ({done.world_size} ranks) as {how} into {out}")
+    return 0
+
+
+def import_dcp(
+    settings: Settings, folder: Path, job: str, *, step: int | None, world_size: int,
+    timeout_s: float,
+) -> int:  # fmt: skip
+    from tierpipe.interop.importer import import_dcp as bring_in
+
+    done = bring_in(settings, folder, job, step=step, world_size=world_size, timeout_s=timeout_s)
+    print(f"imported {folder} as step {done.step} of {done.job} ({done.world_size} ranks, "
+          f"{done.tensors} tensors, {done.nbytes} bytes), verified on NVMe in "
+          f"{done.seconds:.1f} s; the agent flushes it to object storage")  # fmt: skip
     return 0
 
 

@@ -154,15 +154,50 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export",
         help="write a step of a job in a format other tools load (torch, safetensors, dcp)",
-        description="Reads every rank's shard of the step (this node's NVMe copy, else object "
-        "storage; every digest checked) and writes it per rank into DIR: rank-R-of-W.pt "
-        "(torch.load(..., weights_only=True)), rank-R-of-W.safetensors (tensors by dotted key "
-        "path, other values in its metadata) or rank-R-of-W/ (torch.distributed.checkpoint).",
+        description="Reads every rank's shard of the step, one rank at a time (this node's "
+        "NVMe copy, else object storage; every digest checked) and writes into DIR: with --to "
+        "dcp one torch.distributed.checkpoint checkpoint of the whole step (every rank's "
+        "shards, one .metadata) that dcp.load reads into any world size; with --merged the "
+        "full model (every sharded tensor assembled, other values rank 0's) as model.pt or "
+        "model.safetensors (split into files of at most --max-file-size with a "
+        "model.safetensors.index.json when larger); else one file per rank: rank-R-of-W.pt "
+        "(torch.load(..., weights_only=True)) or rank-R-of-W.safetensors (tensors by dotted "
+        "key path, other values in its metadata).",
     )
     export.add_argument("--job", required=True)
     export.add_argument("--step", type=int, help="default: the newest complete step")
     export.add_argument("--to", required=True, choices=("torch", "safetensors", "dcp"))
+    export.add_argument(
+        "--merged", action="store_true",
+        help="torch, safetensors: the full model as one file set instead of a file per rank",
+    )  # fmt: skip
+    export.add_argument(
+        "--max-file-size", default="5GB",
+        help="--merged safetensors: split above this size (5GB, as Hugging Face's)",
+    )  # fmt: skip
     export.add_argument("dir", help="where to write (made if missing)")
+
+    imports = sub.add_parser(
+        "import",
+        help="start a job from an existing torch.distributed.checkpoint (DCP) checkpoint",
+        description="Reads the DCP checkpoint in DIR whole (its .metadata through an "
+        "allow-list of DCP's types, every value with torch.load(weights_only=True): nothing in "
+        "it can run code; sharded tensors assembled into full tensors) and saves it as step "
+        "--step (default 0) of --job through this node's agent, waiting until it is verified "
+        "on NVMe (the agent then flushes it to object storage as any save). Refuses a job that "
+        "already has that step or a newer one. --world N saves the full state as each of N "
+        "ranks (a job restoring plain state on N ranks); a DTensor job restores the default "
+        "world-1 step into any mesh.",
+    )
+    imports.add_argument("--from", dest="source", required=True, choices=("dcp",))
+    imports.add_argument("dir", help="the DCP checkpoint's folder (with its .metadata)")
+    imports.add_argument("--job", required=True)
+    imports.add_argument("--step", type=int, help="the step to save it as (default 0)")
+    imports.add_argument("--world", type=int, default=1, help="ranks to save it as (1)")
+    imports.add_argument(
+        "--timeout-s", type=float, default=600.0,
+        help="how long to wait for the step to be verified on NVMe (600)",
+    )  # fmt: skip
 
     prefetch = sub.add_parser(
         "prefetch",

@@ -9,8 +9,9 @@
 - `survey`: what a restart's ranks can read, from the job state and their own disks.
 - `load`: a shard read back from NVMe or object storage, verified (`_read`: to tensors,
   `_writeback`: a copy from object storage staged for NVMe again, `_short`: resource failures).
-- `prefetch`: a node's shards copied to its NVMe ahead of a restart; `export`: a step written out
-  as one plain file; `reindex`: a job's events rebuilt from the shards themselves.
+- `prefetch`: a node's shards copied to its NVMe ahead of a restart; `export`: a step read rank
+  by rank and written out in other tools' formats (per rank, merged, DCP: `tierpipe.interop`);
+  `reindex`: a job's events rebuilt from the shards themselves.
 
 Import from the modules: this package imports nothing, so `tierpipe plan` and `tierpipe
 reindex` never pay for importing torch.
