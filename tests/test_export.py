@@ -24,7 +24,7 @@ from tests.conftest import Agent, Events
 from tierpipe import Checkpointer
 from tierpipe.dev.process import free_ports
 from tierpipe.names import shard_relpath
-from tierpipe.schemas import ShardedEntry, ShardFlushed
+from tierpipe.schemas import MeshEntry, ShardedEntry, ShardFlushed
 from tierpipe.settings import Settings
 from tierpipe.state import plan_state
 from tierpipe.storage.aligned import aligned_buffer
@@ -231,15 +231,15 @@ def write_sharded(
     shards of global tensors (`ShardedEntry`), as a DTensor save writes it."""
     plan = plan_state(state, job=job, step=step, rank=rank, world_size=world_size, node=node)
     index = {tuple(t.path): i for i, t in enumerate(plan.header.tensors)}
+    # (one mesh entry per coordinate a tensor claims: the gap case claims another rank's)
+    coords = sorted({coord for *_, coord in shards.values()})
+    meshes = tuple(MeshEntry((2, 2), ("dp", "tp"), (0, 1, 2, 3), c) for c in coords)
     entries = tuple(
         ShardedEntry(
             tensor=index[p],
             global_shape=shape,
             offsets=offsets,
-            mesh_shape=(2, 2),
-            mesh_dims=("dp", "tp"),
-            mesh_ranks=(0, 1, 2, 3),
-            coordinate=coord,
+            mesh=coords.index(coord),
             placements=placements,
         )
         for p, (shape, offsets, placements, coord) in shards.items()
@@ -248,7 +248,9 @@ def write_sharded(
     for e in entries:  # (a sharded blob carries a block digest table: zeros until sealed)
         i = plan.header.tensors[e.tensor].blob
         blobs[i] = msgspec.structs.replace(blobs[i], blocks=bytes(blocks_nbytes(blobs[i].nbytes)))
-    header = msgspec.structs.replace(plan.header, sharded=entries, blobs=tuple(blobs))
+    header = msgspec.structs.replace(
+        plan.header, sharded=entries, meshes=meshes, blobs=tuple(blobs)
+    )
     head = encode_head(header, sealed=False)
     old = aligned_buffer(plan.nbytes)
     old[: len(plan.head)] = plan.head
@@ -442,18 +444,12 @@ def sharded_header(rank: int, state: Any, shards: dict) -> Any:
     index = {tuple(t.path): i for i, t in enumerate(plan.header.tensors)}
     entries = tuple(
         ShardedEntry(
-            tensor=index[p],
-            global_shape=shape,
-            offsets=offsets,
-            mesh_shape=(4,),
-            mesh_dims=(),
-            mesh_ranks=(0, 1, 2, 3),
-            coordinate=(rank,),
-            placements=("S0",),
+            tensor=index[p], global_shape=shape, offsets=offsets, mesh=0, placements=("S0",)
         )
         for p, (shape, offsets) in shards.items()
     )
-    return msgspec.structs.replace(plan.header, sharded=entries)
+    meshes = (MeshEntry((4,), (), (0, 1, 2, 3), (rank,)),)
+    return msgspec.structs.replace(plan.header, sharded=entries, meshes=meshes)
 
 
 @pytest.mark.parametrize(
