@@ -8,18 +8,18 @@ function of the global index (`_pattern`), so any rank of any mesh knows what it
 must hold. One node: an embedded nats-server and SeaweedFS, one node agent (`tierpipe worker
 all`), rank processes on this machine (`python -m bench.reshard --rank`, gloo).
 
-1. World 4 (a 2x2 mesh): untimed warm-up save, then `reps` saves, each timed against a memcpy
+1. DDP: 4 ranks each save a replicated model (`DDP_MIB` MiB, identical on every rank,
+   plain tensors as `DistributedDataParallel.state_dict()` gives them) as a job of its own,
+   flushed to object storage. `ddp_object_bytes_over_one_replica` = the bytes of that step's
+   objects over one replica's tensor bytes (4.0 means every rank stored its own copy);
+   `ddp_nvme_bytes_per_node` and `ddp_object_bytes_per_job` are the raw figures.
+2. World 4 (a 2x2 mesh): untimed warm-up save, then `reps` saves, each timed against a memcpy
    (`copy_` into preallocated tensors) of the same local shards taken just before it; every save
-   waits (untimed) for its staging slot to be released before the next. The job's uploads are
-   paused (`Checkpointer.pause_flush`): the restores below read NVMe, and uploads would load
-   the machine while they are timed. `sharded_stall_vs_memcpy` = the median over saves of the
+   waits (untimed) for its staging slot to be released before the next. Uploads are paused
+   from here on (`Checkpointer.pause_flush`): the restores below read NVMe, and uploads would
+   load the machine while they are timed. `sharded_stall_vs_memcpy` = the median over saves of the
    slowest rank's stall over the median of the slowest rank's memcpy (target <= 1.05). The same
    state is then saved with `torch.distributed.checkpoint.save` into a local folder (fsynced).
-2. DDP: the same 4 ranks each save a replicated model (`DDP_MIB` MiB, identical on every rank,
-   plain tensors as `DistributedDataParallel.state_dict()` gives them) as another job, flushed to
-   object storage. `ddp_object_bytes_over_one_replica` = the bytes of that step's objects over
-   one replica's tensor bytes (4.0 means every rank stored its own copy);
-   `ddp_nvme_bytes_per_node` and `ddp_object_bytes_per_job` are the raw figures.
 3. Restores at world 4 (same mesh, 2x2), 2 (2x1) and 8 (4x2): targets are zeroed DTensors of the
    new mesh; each rep runs tierpipe's `Checkpointer.restore(into=...)` and `dcp.load` in a
    shuffled order, each cold (every file of both checkpoints dropped from the page cache with
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import _T0 as T0
 from bench.common import REPO, GiB, MiB, log, median, scratch_dir, shuffled
 
 __all__ = ["run"]
@@ -133,6 +134,10 @@ def _say(**fields: object) -> None:
 
 
 def _rank_main(cfg: dict[str, Any]) -> None:
+    import faulthandler
+    import signal
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,10 +146,15 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     from tierpipe.settings import load_settings
     from tierpipe.trainer.checkpointer import Checkpointer
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the stacks of a hang)
     torch.set_num_threads(1)
     configure_logging("warning", "json", only_if_unconfigured=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
+
+    def progress(msg: str) -> None:
+        _progress(cfg, msg)
+
     mesh = init_device_mesh("cpu", tuple(cfg["mesh"]), mesh_dim_names=("dp", "tp"))
     settings = load_settings(path=None, env=cfg["env"])
 
@@ -154,20 +164,35 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
     if cfg["save"]:
         state = _state(cfg["size_gib"], mesh, zeros=False)
-        with checkpointer(JOB) as ckpt:
-            _save_sharded(cfg, ckpt, state, rank)
-        dist.barrier()
-        _save_dcp(cfg, state, rank)
+        progress("  DDP save")
         with checkpointer(DDP_JOB) as ckpt:
             _save_ddp(cfg, ckpt, rank)
+        progress("  DDP objects flushed; sharded saves")
+        with checkpointer(JOB) as ckpt:
+            _save_sharded(cfg, ckpt, state, rank)
+        progress("  sharded saves verified; DCP save")
+        dist.barrier()
+        _save_dcp(cfg, state, rank)
         expected = _locals(state)
         del state
     else:
         expected = _locals(_state(cfg["size_gib"], mesh, zeros=False))
     targets = _state(cfg["size_gib"], mesh, zeros=True)
+    progress(f"  restores at world {world}")
     with checkpointer(JOB) as ckpt:
+        progress("  checkpointer open")
         _restores(cfg, ckpt, targets, expected, rank)
-    dist.destroy_process_group()
+        progress("  restores done")
+    dist.barrier()
+    # (its lines are out; tearing gloo and torch down takes seconds per process, for nothing)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _progress(cfg: dict[str, Any], msg: str) -> None:
+    """Rank 0's progress on stderr, on the harness's clock."""
+    if os.environ["RANK"] == "0":
+        print(f"[{time.time() - cfg['t0']:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _timed(fn: Any) -> float:
@@ -184,8 +209,8 @@ def _save_sharded(cfg: dict[str, Any], ckpt: Any, state: dict[str, Any], rank: i
     import torch
     import torch.distributed as dist
 
-    if rank == 0:
-        ckpt.pause_flush()  # (the restores read NVMe; uploads would load the machine)
+    if rank == 0:  # (the restores read NVMe; uploads would load the machine: every job's)
+        ckpt.pause_flush(this_node_only=True)
     ckpt.reserve(state)
     shards = _locals(state)
     copies = [torch.empty_like(t) for t in shards]
@@ -293,6 +318,7 @@ def _restores(
                 _say(event="unavailable", candidate=name, error=f"{type(e).__name__}: {e}")
             continue
         _check(targets, expected, f"{name} at world {world}")
+    _progress(cfg, "  warm-up done")
     for rep in range(cfg["reps"]):
         for name in shuffled(list(candidates), rep):
             for t in _locals(targets):
@@ -366,7 +392,8 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
             assert dep.staging_root is not None
             (dep.staging_root / DDP_JOB).mkdir()
             cfg = {"size_gib": size_gib, "reps": reps, "ddp_mib": ddp_mib,
-                   "dcp": str(work / "dcp"), "env": dep.settings.as_env()}  # fmt: skip
+                   "dcp": str(work / "dcp"), "env": dep.settings.as_env(),
+                   "t0": time.time() - (time.perf_counter() - T0)}  # fmt: skip
             lines: list[dict[str, Any]] = []
             for world, mesh in MESHES:
                 log(f"world {world} ({mesh[0]}x{mesh[1]})" + (": save, then" if world == 4 else
