@@ -20,9 +20,10 @@ restores first, into the state dict of a model built on this run's mesh (any wor
 continues to `--steps`.
 
 With `--out FILE` each rank appends JSON lines: `step` (the loss, `float.hex`: exact), `saved`
-and `restored` (step; rank 0 adds `digests`, a sha256 of every gathered full tensor
-(`DTensor.full_tensor()`) by its key path, the same on every mesh), `holding` (with `--hold`:
-the run trained its steps and waits to be killed), and `done` (digests of the final state).
+and `restored` (step, `rng`: a sha256 of this rank's RNG state; rank 0 adds `digests`, a sha256
+of every gathered full tensor (`DTensor.full_tensor()`) by its key path, the same on every
+mesh), `holding` (with `--hold`: the run trained its steps and waits to be killed), and `done`
+(rank 0: the final state's digests, unless nothing was trained after the restore).
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> None:
                 event="restored",
                 step=restored.step,
                 tier=restored.source.tier,
+                rng=_rng_digest(),
                 **({"digests": digests} if rank == 0 else {}),
             )
         for step in range(start, args.steps + 1):
@@ -255,15 +257,23 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> None:
                 state = {"model": msd, "optim": osd}
                 ckpt.save(step, {**state, "step": step, "rng": torch.get_rng_state()})
                 digests = full_digests(state)
-                lines.emit(event="saved", step=step, **({"digests": digests} if rank == 0 else {}))
+                extra = {"digests": digests} if rank == 0 else {}
+                lines.emit(event="saved", step=step, rng=_rng_digest(), **extra)
         if args.hold:
             lines.emit(event="holding", step=args.steps)
             while True:  # (the test kills the run here, its saves in flight or done)
                 signal.pause()
         ckpt.wait_until_finished(timeout=300)
+        if start > args.steps:  # (nothing trained since the restore: its digests stand)
+            lines.emit(event="done", step=start - 1)
+            return
         msd, osd = get_state_dict(model, optim)
         digests = full_digests({"model": msd, "optim": osd})
         lines.emit(event="done", step=args.steps, **({"digests": digests} if rank == 0 else {}))
+
+
+def _rng_digest() -> str:
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
 if __name__ == "__main__":
