@@ -50,6 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
@@ -127,9 +128,9 @@ def build(mesh: DeviceMesh, c: type[Config] = Config) -> Transformer:
     model = Transformer(c)
     tp = mesh["tp"]
     for block in model.blocks:
-        plan = {name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1")}
+        plan: dict[str, ParallelStyle] = {n: ColwiseParallel() for n in ("wq", "wk", "wv", "w1")}
         plan |= {"wo": RowwiseParallel(), "w2": RowwiseParallel()}
-        parallelize_module(block, tp, plan)  # type: ignore[arg-type]
+        parallelize_module(block, tp, plan)
     parallelize_module(
         model,
         tp,
@@ -251,7 +252,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> None:
             optim.zero_grad()
             loss.backward()
             optim.step()
-            lines.emit(event="step", step=step, loss=loss.item().hex())
+            lines.emit(event="step", step=step, loss=float(loss.item()).hex())
             if args.every and step % args.every == 0:
                 msd, osd = get_state_dict(model, optim)
                 state = {"model": msd, "optim": osd}
