@@ -6,7 +6,9 @@ numpy arrays, plain values (None, bool, int, float, str, bytes), numpy scalars, 
 which are stored as their state dict. The structure and plain values go into the header as msgpack
 (the state tree: `tierpipe.tree`); every tensor becomes a view of a blob. Tensors that share
 storage share one blob and come back sharing it (tied weights stay tied); any other tensor is
-stored compact and comes back contiguous. No pickle: a shard holds data only.
+stored compact and comes back contiguous. A DTensor is stored as its local shard, in a blob of its
+own with a digest per 1 MiB block (a resharded restore reads parts of it), and its global layout
+(`ShardHeader.sharded`). No pickle: a shard holds data only.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 
 from tierpipe.schemas import BlobEntry, ShardHeader, TensorEntry
-from tierpipe.storage.shard import DTYPE_SIZES, align_up, encode_head
-from tierpipe.tree import KeyPath, decode_tree, dtype_name, encode_tree
+from tierpipe.storage.shard import DTYPE_SIZES, align_up, blocks_nbytes, encode_head
+from tierpipe.tree import KeyPath, decode_tree, dtype_name, encode_tree, is_dtensor
 
 __all__ = (
     "StatePlan",
@@ -161,11 +163,13 @@ def plan_state(
 def _plan_state(
     state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int
 ) -> StatePlan:
-    tree_bytes, tensors, paths = encode_tree(state)
+    tree_bytes, tensors, paths, sharded = encode_tree(state)
+    # A local shard gets a blob of its own, so its block digests describe exactly its bytes.
+    own = {s.tensor for s in sharded}
 
     groups: dict[object, list[int]] = {}
     for i, t in enumerate(tensors):
-        shareable = t.numel() > 0 and not (t.is_conj() or t.is_neg())
+        shareable = t.numel() > 0 and not (t.is_conj() or t.is_neg()) and i not in own
         key = (t.device, t.untyped_storage().data_ptr()) if shareable else ("own", i)
         groups.setdefault(key, []).append(i)
 
@@ -206,7 +210,8 @@ def _plan_state(
             src = torch.empty(0, dtype=torch.uint8, device=first.device)
             src.set_(first.untyped_storage(), start, (nbytes,), (1,))
             raw = True
-        blobs.append(BlobEntry(offset, nbytes, _ZERO))
+        blocks = bytes(blocks_nbytes(nbytes)) if members[0] in own else b""
+        blobs.append(BlobEntry(offset, nbytes, _ZERO, blocks))
         copies.append((blob, nbytes, src, raw))
         offset = align_up(offset + nbytes)
 
@@ -221,6 +226,7 @@ def _plan_state(
         tree=tree_bytes,
         tensors=tuple(e for e in entries if e is not None),
         blobs=tuple(blobs),
+        sharded=tuple(sharded),
     )
     head = encode_head(header, sealed=False)
     data_offset = len(head)
@@ -264,8 +270,9 @@ def blob_view(blob: torch.Tensor, e: TensorEntry) -> torch.Tensor:
 
 def flatten_targets(into: Any) -> tuple[dict[KeyPath, torch.Tensor], list[tuple[Any, KeyPath]]]:
     """Key path -> tensor for every tensor in `into` (objects with `state_dict()` contribute
-    their state's tensors, which alias their parameters), and the objects with
-    `load_state_dict()` with their key paths, outermost first."""
+    their state's tensors, which alias their parameters; a DTensor stays one), and the objects
+    with `load_state_dict()` with their key paths, outermost first. A fresh optimizer of DTensor
+    parameters gets its state first (`_init_sharded_optimizer`)."""
     targets: dict[KeyPath, torch.Tensor] = {}
     loaders: list[tuple[Any, KeyPath]] = []
 
@@ -281,10 +288,26 @@ def flatten_targets(into: Any) -> tuple[dict[KeyPath, torch.Tensor], list[tuple[
         elif callable(getattr(v, "state_dict", None)):
             if callable(getattr(v, "load_state_dict", None)):
                 loaders.append((v, path))
+            if isinstance(v, torch.optim.Optimizer):
+                _init_sharded_optimizer(v)
             walk(v.state_dict(), path)
 
     walk(into, ())
     return targets, loaders
+
+
+def _init_sharded_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer of DTensor parameters its state (as DCP does before a load: one
+    step with zero gradients and a zero learning rate), so its DTensor states are targets the
+    saved shards go into in place. Without them, the shards would come back as plain local
+    tensors, which such an optimizer cannot step with."""
+    if optimizer.state or not any(
+        is_dtensor(p) for group in optimizer.param_groups for p in group["params"]
+    ):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:

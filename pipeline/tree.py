@@ -1,11 +1,13 @@
 """The state tree: a state's structure and plain values, as msgpack, with references to tensors.
 
 `encode_tree` walks a state (see `tierpipe.state`) and writes its structure as msgpack values:
-scalars as they are; containers and references as arrays tagged by their first item (`d` dict,
-`l` list, `t` tuple, `T` tensor and `N` numpy array by index, `I` big int, `S` numpy scalar, `Z`
+scalars as they are; containers and references as arrays tagged by their first item (`d` dict, `l`
+list, `t` tuple, `T` tensor and `N` numpy array by index, `I` big int, `S` numpy scalar, `Z`
 `torch.Size`, `y` dtype, `v` device). Tensors are collected, in order, with their key paths; the
-shard stores their bytes as blobs. `decode_tree` reads a tree back from a file, so it checks every
-tag's items to be what `encode_tree` writes. No pickle: a tree holds data only.
+shard stores their bytes as blobs. A DTensor is stored as its local shard (a `T` reference like any
+tensor) with its global layout beside it (`describe_dtensor`: a `ShardedEntry`). `decode_tree`
+reads a tree back from a file, so it checks every tag's items to be what `encode_tree` writes. No
+pickle: a tree holds data only.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import msgspec
 import torch
 
 from tierpipe.errors import ShardFormatError, UnsupportedStateError
+from tierpipe.schemas import ShardedEntry
 from tierpipe.storage.shard import DTYPE_SIZES
+from tierpipe.storage.sharding import local_box
 
-__all__ = ("KeyPath", "decode_tree", "dtype_name", "encode_tree")
+__all__ = ("KeyPath", "decode_tree", "describe_dtensor", "dtype_name", "encode_tree", "is_dtensor")
 
 KeyPath = tuple[str | int, ...]
 
@@ -42,20 +46,26 @@ _NUMPY_DTYPES = frozenset(
 _NUMPY_SCALAR = re.compile(r"[<>|=][biufc][0-9]{1,2}")
 
 
-def encode_tree(state: Any) -> tuple[bytes, list[torch.Tensor], list[KeyPath]]:
-    """The state tree of `state` as msgpack, its tensors in reference order, and their key paths.
+def encode_tree(
+    state: Any,
+) -> tuple[bytes, list[torch.Tensor], list[KeyPath], list[ShardedEntry]]:
+    """The state tree of `state` as msgpack, its tensors in reference order, their key paths,
+    and the global layouts of those that are DTensors' local shards (`ShardedEntry.tensor`
+    indexes the tensors).
 
     Raises:
-        UnsupportedStateError: a value cannot be stored without pickle (names its key path).
+        UnsupportedStateError: a value cannot be stored without pickle, or a DTensor's layout
+            cannot be described (names its key path).
     """
     tensors: list[torch.Tensor] = []
     paths: list[KeyPath] = []
-    tree = _encode(state, (), tensors, paths, set())
+    sharded: list[ShardedEntry] = []
+    tree = _encode(state, (), tensors, paths, set(), sharded)
     try:
         tree_bytes = _tree_encoder.encode(tree)
     except (TypeError, OverflowError, UnicodeEncodeError) as e:
         raise UnsupportedStateError((), f"cannot encode plain values: {e}") from e
-    return tree_bytes, tensors, paths
+    return tree_bytes, tensors, paths, sharded
 
 
 def decode_tree(tree: bytes, tensors: list[Any], path: str) -> Any:
@@ -71,10 +81,16 @@ def decode_tree(tree: bytes, tensors: list[Any], path: str) -> Any:
         raise ShardFormatError(path, f"garbled state tree: {e}") from e
 
 
-def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int]) -> Any:
+def _encode(
+    v: Any, path: KeyPath, tensors: list, paths: list, active: set[int], sharded: list
+) -> Any:
     if type(v) in _SCALARS and type(v) is not int:
         return v
     if isinstance(v, torch.Tensor):
+        if is_dtensor(v):
+            local, layout = describe_dtensor(v, path)
+            sharded.append(msgspec.structs.replace(layout, tensor=len(tensors)))
+            v = local
         paths.append(path)
         tensors.append(_check_tensor(v, path))
         return ["T", len(tensors) - 1]
@@ -104,8 +120,8 @@ def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int])
                 if not isinstance(k, str | int):
                     raise UnsupportedStateError(path, f"dict key {k!r} is not a str or int")
                 out += [
-                    _encode(k, path, tensors, paths, active),
-                    _encode(item, (*path, k), tensors, paths, active),
+                    _encode(k, path, tensors, paths, active, sharded),
+                    _encode(item, (*path, k), tensors, paths, active, sharded),
                 ]
             return out
         if isinstance(v, list | tuple):
@@ -114,10 +130,12 @@ def _encode(v: Any, path: KeyPath, tensors: list, paths: list, active: set[int])
                 _INT_MIN <= x <= _UINT_MAX for x in v if type(x) is int
             ):  # e.g. random.getstate(): 625 ints, encoded as they are
                 return [tag, *v]
-            items = [_encode(x, (*path, i), tensors, paths, active) for i, x in enumerate(v)]
+            items = [
+                _encode(x, (*path, i), tensors, paths, active, sharded) for i, x in enumerate(v)
+            ]
             return [tag, *items]
         if callable(getattr(v, "state_dict", None)):
-            return _encode(v.state_dict(), path, tensors, paths, active)
+            return _encode(v.state_dict(), path, tensors, paths, active, sharded)
     finally:
         active.discard(id(v))
     raise UnsupportedStateError(path, f"values of type {type(v).__qualname__} are not supported")
@@ -211,6 +229,79 @@ def _check_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
         )
     dtype_name(t.dtype, path)
     return t.detach()
+
+
+def is_dtensor(v: object) -> bool:
+    """Whether `v` is a `torch.distributed.tensor.DTensor` (none exists unless that module was
+    imported, so a state without one never imports torch.distributed)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(v, module.DTensor)
+
+
+def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedEntry]:
+    """A DTensor's local tensor (detached: it is this rank's memory, no copy) and its global
+    layout (`ShardedEntry.tensor` left 0): the global shape, where the local shard lies in the
+    global tensor (torch's `compute_local_shape_and_global_offset`, what DCP records as a
+    chunk), the mesh, this rank's coordinate and the placements.
+
+    Raises:
+        UnsupportedStateError: a layout a `ShardedEntry` cannot describe exactly, named with
+            its key path: a `Partial` placement (a pending reduction, not a value yet), a rank
+            outside the mesh, a shard that is not one box of the global tensor, a non-default
+            shard order.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = v.device_mesh
+    placements: list[str] = []
+    for p in v.placements:
+        if isinstance(p, _StridedShard):
+            placements.append(f"SS{p.dim}:{int(p.split_factor)}")
+        elif isinstance(p, Shard):
+            placements.append(f"S{p.dim}")
+        elif isinstance(p, Replicate):
+            placements.append("R")
+        elif isinstance(p, Partial):
+            raise UnsupportedStateError(
+                path, f"DTensor with a Partial placement ({p}): a pending reduction, not a value "
+                "yet (redistribute it to Replicate or Shard before saving)"
+            )  # fmt: skip
+        else:
+            raise UnsupportedStateError(path, f"DTensor placement {p!r} is not supported")
+    spec = getattr(v, "_spec", None)
+    if (
+        spec is not None
+        and not spec.use_strided_shard_as_shard_order
+        and spec.shard_order != spec.compute_default_shard_order(spec.placements)
+    ):
+        order = spec.shard_order
+        raise UnsupportedStateError(path, f"DTensor with a non-default shard order {order}")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedStateError(path, "DTensor on a mesh this rank is not part of")
+    local = v.to_local().detach()
+    global_shape = tuple(map(int, v.shape))
+    shape, offsets = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
+    layout = ShardedEntry(
+        tensor=0,
+        global_shape=global_shape,
+        offsets=tuple(map(int, offsets)),
+        mesh_shape=tuple(map(int, mesh.shape)),
+        mesh_dims=tuple(mesh.mesh_dim_names or ()),
+        mesh_ranks=tuple(map(int, mesh.mesh.flatten().tolist())),
+        coordinate=tuple(map(int, coordinate)),
+        placements=tuple(placements),
+    )
+    box = local_box(global_shape, layout.mesh_shape, layout.coordinate, layout.placements)
+    if box != (layout.offsets, tuple(local.shape)) or tuple(shape) != tuple(local.shape):
+        raise UnsupportedStateError(
+            path, f"DTensor of shape {global_shape} with placements {v.placements}: this "
+            f"rank's shard (shape {tuple(local.shape)} at {layout.offsets}) is not one box of "
+            "the global tensor"
+        )  # fmt: skip
+    return local, layout
 
 
 def dtype_name(dtype: torch.dtype, path: KeyPath = ()) -> str:

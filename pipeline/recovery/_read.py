@@ -5,6 +5,8 @@ on each blob once its digest matched). `Match` pairs the saved tensors with the 
 targets; a blob whose tensors all go into targets only passes through (the NVMe reader stages it
 in a reused arena, which `Assembly.pin` page-locks for asynchronous copies to a GPU) and is
 copied into them in place; any other blob's memory becomes the returned tensors without a copy.
+A DTensor target of the saved layout receives its shard into its local tensor; one of another
+layout is a `LayoutMismatchError` (a resharded restore's business, not this one's).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 
 import torch
 
-from tierpipe.schemas import ShardHeader, TensorEntry
+from tierpipe.errors import LayoutMismatchError, UnsupportedStateError
+from tierpipe.schemas import ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
 from tierpipe.storage.shard import Head
+from tierpipe.tree import describe_dtensor, is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
 
@@ -41,13 +45,26 @@ def _alone(data: memoryview, e: TensorEntry) -> torch.Tensor:
 
 
 class Match:
-    """The caller's targets matched to the saved tensors: key path, shape and dtype equal."""
+    """The caller's targets matched to the saved tensors: key path, shape and dtype equal (for
+    a DTensor target: the saved layout; its local tensor is the target).
+
+    Raises:
+        LayoutMismatchError: a DTensor target whose layout is not the saved one, or a saved
+            tensor and its target of which only one is sharded (names the key path and both).
+    """
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
         targets, self.loaders = flatten_targets(into) if into is not None else ({}, [])
+        layouts = {s.tensor: s for s in header.sharded}
         self.targets: list[torch.Tensor | None] = []
-        for e in header.tensors:
+        #: What the state returned holds for a tensor with a target: the target itself (for a
+        #: DTensor, not its local tensor).
+        self.values: dict[int, torch.Tensor] = {}
+        for index, e in enumerate(header.tensors):
             t = targets.get(e.path)
+            if t is not None and (index in layouts or is_dtensor(t)):
+                self.values[index] = t
+                t = _local_target(t, e, layouts.get(index))
             ok = (
                 t is not None
                 and t.dtype == getattr(torch, e.dtype)
@@ -113,8 +130,8 @@ class Assembly:
                 self._restored[t] = view
                 continue
             target.copy_(view, non_blocking=target.is_cuda)
-            self._restored[t] = target
-            self._copied[e.path] = target
+            value = self._match.values.get(t, target)
+            self._restored[t] = self._copied[e.path] = value
         if reused:
             self._synchronize()  # the copies out of `data` are done before it is overwritten
 
@@ -133,6 +150,43 @@ class Assembly:
     def _synchronize(self) -> None:
         for device in self._match.cuda_devices:
             torch.cuda.current_stream(device).synchronize()
+
+
+def _local_target(target: torch.Tensor, e: TensorEntry, saved: ShardedEntry | None) -> torch.Tensor:
+    """The tensor a saved local shard goes into: the DTensor target's local tensor, where the
+    target has the saved layout (global shape, dtype, mesh shape, placements and this rank's
+    box in the global tensor)."""
+    where = "/".join(map(str, e.path)) or "<root>"
+    saved_text = _layout_text(saved, e.shape) if saved else f"a plain tensor of shape {e.shape}"
+    if not is_dtensor(target):
+        raise LayoutMismatchError(
+            f"{where}: saved as {saved_text}, the target is a plain tensor of shape "
+            f"{tuple(target.shape)}"
+        )
+    try:
+        local, layout = describe_dtensor(target, e.path)
+    except UnsupportedStateError as err:
+        raise LayoutMismatchError(f"{where}: saved as {saved_text}; {err.reason}") from err
+    target_text = _layout_text(layout, tuple(local.shape))
+    mine = (layout.global_shape, layout.offsets, layout.mesh_shape, layout.placements)
+    if (
+        saved is None
+        or (saved.global_shape, saved.offsets, saved.mesh_shape, saved.placements) != mine
+        or tuple(local.shape) != e.shape
+        or getattr(torch, e.dtype) != local.dtype
+    ):
+        raise LayoutMismatchError(
+            f"{where}: saved as {saved_text} ({e.dtype}), the target is {target_text} "
+            f"({str(local.dtype).removeprefix('torch.')})"
+        )
+    return local
+
+
+def _layout_text(s: ShardedEntry, shape: tuple[int, ...]) -> str:
+    return (
+        f"a shard of shape {tuple(shape)} at {s.offsets} of a {s.global_shape} DTensor, "
+        f"placements {'/'.join(s.placements)} on a {'x'.join(map(str, s.mesh_shape))} mesh"
+    )
 
 
 def _restored_in_place(
@@ -159,6 +213,15 @@ def _restored_in_place(
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if is_dtensor(a) or is_dtensor(b):
+        return (
+            is_dtensor(a)
+            and is_dtensor(b)
+            and a.placements == b.placements  # type: ignore[attr-defined]
+            and a.device_mesh == b.device_mesh  # type: ignore[attr-defined]
+            and a.shape == b.shape
+            and _same_tensor(a.to_local(), b.to_local())  # type: ignore[attr-defined]
+        )
     return (
         a.dtype == b.dtype
         and a.device == b.device

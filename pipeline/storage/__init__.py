@@ -13,7 +13,8 @@
 - `staging`: the staging slots (host RAM, shared memory), the trainer's side: slots, markers,
   and a sealed image staged with its `staged` event (`stage_image`, `staged_event`).
 - `staged_image`: a staging slot as the node agent sees it: mapped, proven unchanged, released.
-- `shard`: the shard file format: prefix, header, slot generation, digests.
+- `shard`: the shard file format: prefix, header, slot generation, digests (a sharded tensor's
+  blob also per 1 MiB block); `sharding` (a sharded tensor's placements and the box its shard is).
 - `pinned`: page-locking host memory for CUDA copies (`cudaHostRegister`).
 - `reader`: shard files read back: the head, and the one read-and-hash engine that verify and
   restore share; `layout` (where the bytes land as they are read: scratch ring or arena).

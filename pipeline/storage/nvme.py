@@ -2,16 +2,17 @@
 
 Writes go to a temp file beside the final path (named by stage, PID and process instance:
 `lock.temp_path`), preallocated with `posix_fallocate` (a full disk fails before any byte is
-written), written with large aligned O_DIRECT writes at queue depth > 1 while another thread
-hashes the same source bytes, fsynced, hard-linked into place (never over an existing file) and
-the directory fsynced. So a final file is either absent or complete, and a valid final file is
-never replaced by another save unless that save supersedes it (a rewound run's newer timeline);
-an unreadable or corrupt one is set aside as `.<name>.corrupt` (see `placement`). Verification
-re-reads with O_DIRECT (or drops the page cache first where O_DIRECT is not supported) and hashes
-while reading (`reader.BlobReader`); a restore reads into the caller's memory with the same engine
-(`reader.read_shard`). python-xxhash and os.pread/pwrite release the GIL, so hashing and I/O
-overlap on separate cores. The `ShardStore` methods (`write`, `verify`, `read_into`, `delete`) run
-the blocking ones (`write_image`, `verify_file`, `remove`) in a worker thread.
+written), written with large aligned O_DIRECT writes at queue depth > 1 while another thread hashes
+the same source bytes (a sharded tensor's blob per 1 MiB block too), fsynced, hard-linked into
+place (never over an existing file) and the directory fsynced. So a final file is either absent or
+complete, and a valid final file is never replaced by another save unless that save supersedes it
+(a rewound run's newer timeline); an unreadable or corrupt one is set aside as `.<name>.corrupt`
+(see `placement`). Verification re-reads with O_DIRECT (or drops the page cache first where
+O_DIRECT is not supported) and hashes while reading (`reader.BlobReader`); a restore reads into the
+caller's memory with the same engine (`reader.read_shard`). python-xxhash and os.pread/pwrite
+release the GIL, so hashing and I/O overlap on separate cores. The `ShardStore` methods (`write`,
+`verify`, `read_into`, `delete`) run the blocking ones (`write_image`, `verify_file`, `remove`) in
+a worker thread.
 
 Each agent stage holds `<root>/.agent-<stage>.lock` for its whole life: one agent per node name
 and NVMe root (`NvmeStore.lock`, see `lock`).
@@ -40,7 +41,7 @@ from tierpipe.errors import (
 )
 from tierpipe.faults import maybe_die
 from tierpipe.names import shard_relpath
-from tierpipe.schemas import ALIGN
+from tierpipe.schemas import ALIGN, BLOCK_BYTES
 from tierpipe.settings import Settings
 from tierpipe.storage.aligned import O_DIRECT, aligned_copy, open_direct, pwrite_all
 from tierpipe.storage.durable import (
@@ -317,7 +318,7 @@ class NvmeStore:
             _wait_all([*writes, hashing])
             if check is not None:
                 check()  # every byte read from the source is still this save's
-            header = seal_header(head.header, hashing.result())
+            header = seal_header(head.header, *hashing.result())
             sealed = encode_head(header, sealed=True)
             if len(sealed) != head.data_offset:  # digests are fixed-size, so this cannot move
                 raise AssertionError("sealed head changed size")
@@ -395,15 +396,29 @@ class NvmeStore:
         return VerifyResult(str(path), size, header_digest, time.perf_counter() - t0)
 
 
-def _blob_digests(image: memoryview, head: Head) -> list[bytes]:
+def _blob_digests(image: memoryview, head: Head) -> tuple[list[bytes], list[bytes]]:
+    """Every blob's xxh3-128, and the block digests of those that carry them (a sharded
+    tensor's: `shard.block_digests`), in one pass: each block is hashed twice while it is
+    in cache."""
     base = head.data_offset
-    return [
-        xxhash.xxh3_128_digest(image[base + b.offset : base + b.offset + b.nbytes])
-        for b in head.header.blobs
-    ]
+    digests, blocks = [], []
+    for b in head.header.blobs:
+        data = image[base + b.offset : base + b.offset + b.nbytes]
+        if not b.blocks:
+            digests.append(xxhash.xxh3_128_digest(data))
+            blocks.append(b"")
+            continue
+        whole, per_block = xxhash.xxh3_128(), []
+        for at in range(0, b.nbytes, BLOCK_BYTES):
+            block = data[at : at + BLOCK_BYTES]
+            whole.update(block)
+            per_block.append(xxhash.xxh3_64_digest(block))
+        digests.append(whole.digest())
+        blocks.append(b"".join(per_block))
+    return digests, blocks
 
 
-def _wait_all(futures: list[Future[None] | Future[list[bytes]]]) -> None:
+def _wait_all(futures: list[Future[None] | Future[tuple[list[bytes], list[bytes]]]]) -> None:
     """Wait for every write and the hashing; then raise the first failure, if any."""
     error: BaseException | None = None
     for f in futures:

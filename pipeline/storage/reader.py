@@ -13,6 +13,10 @@ matched. os.preadv and python-xxhash release the GIL, so reads and hashing overl
 cores. `BlobReader` verifies whole files with it; `read_shard` reads one into a `BlobSink`
 (O_DIRECT unless the page cache holds the file; its arena unmapped in the background);
 `deliver_image` and `check_image` do the same for a shard already in memory, blob by blob.
+
+A verify also checks a sharded tensor's block digests (`BlobEntry.blocks`, which a resharded
+restore's ranged reads rely on) against the bytes it read; a restore that reads whole blobs
+checks their whole digests only (they cover every byte it uses).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Generator, Iterator
 import xxhash
 
 from tierpipe.errors import IntegrityError, ShardFormatError, ShardMissingError
-from tierpipe.schemas import ALIGN, ShardHeader
+from tierpipe.schemas import ALIGN, BLOCK_BYTES, BLOCK_DIGEST_BYTES, ShardHeader
 from tierpipe.storage.aligned import (
     aligned_buffer,
     open_direct,
@@ -43,6 +47,7 @@ from tierpipe.storage.store import BlobSink
 __all__ = (
     "BlobReader",
     "check_blob",
+    "check_blocks",
     "check_header",
     "check_image",
     "deliver_image",
@@ -116,7 +121,8 @@ class BlobReader:
             if self._ring is None:
                 self._ring = aligned_buffer(self._chunk_bytes * self._queue_depth)
             plan = scratch_plan(head, self._ring, self._chunk_bytes)
-            with contextlib.closing(verified_blobs(fd, head, path, plan, self._queue_depth)) as it:
+            blobs = verified_blobs(fd, head, path, plan, self._queue_depth, blocks=True)
+            with contextlib.closing(blobs) as it:
                 for _ in it:
                     pass
 
@@ -200,8 +206,11 @@ def check_image(image: mmap.mmap, location: str, header_digest: str, nbytes: int
     head = image_head(image, location, nbytes)
     check_header(head, header_digest, location)
     with memoryview(image) as view:
-        for _ in image_blobs(view, head, location):
-            pass
+        for i, data in image_blobs(view, head, location):
+            if head.header.blobs[i].blocks:
+                hasher = _BlockHasher()
+                hasher.update(data)
+                check_blocks(location, head.header, i, hasher.digest())
 
 
 def image_blobs(view: memoryview, head: Head, location: str) -> Iterator[tuple[int, memoryview]]:
@@ -214,11 +223,12 @@ def image_blobs(view: memoryview, head: Head, location: str) -> Iterator[tuple[i
 
 
 def verified_blobs(
-    fd: int, head: Head, path: str, plan: ReadPlan, depth: int
+    fd: int, head: Head, path: str, plan: ReadPlan, depth: int, *, blocks: bool = False
 ) -> Generator[int, None, None]:
     """Every blob's index in file order, once all its bytes were read as `plan` lays them out
-    (by `depth` threads) and its digest matched; empty blobs first. Ring memory of a blob is
-    reused only once the caller resumes this generator (close it to stop the readers).
+    (by `depth` threads) and its digest matched (with `blocks`, its block digests too, where it
+    has them); empty blobs first. Ring memory of a blob is reused only once the caller resumes
+    this generator (close it to stop the readers).
 
     Raises:
         ShardFormatError: the data region is truncated.
@@ -228,6 +238,7 @@ def verified_blobs(
     # A blob read in one piece is hashed at once; only one split over reads gets a streaming
     # hasher (~1 KiB each: 200 MiB for 200,000 tensors if every blob had one).
     split: dict[int, tuple[xxhash.xxh3_128, int]] = {}  # blob -> (its hasher, bytes hashed)
+    by_block = {i: _BlockHasher() for i, b in enumerate(blobs) if blocks and b.blocks}
     for i, b in enumerate(blobs):  # empty blobs have nothing to read
         if not b.nbytes:
             check_blob(path, head.header, i, xxhash.xxh3_128_digest(b""))
@@ -239,6 +250,8 @@ def verified_blobs(
                 raise ShardFormatError(path, "truncated data region")
             with memoryview(r.buffer) as view:
                 for i, at, n in r.pieces:
+                    if i in by_block:
+                        by_block[i].update(view[at : at + n])
                     if n == blobs[i].nbytes:
                         digest = xxhash.xxh3_128_digest(view[at : at + n])
                     else:
@@ -249,6 +262,8 @@ def verified_blobs(
                             continue
                         digest = hasher.digest()
                     check_blob(path, head.header, i, digest)
+                    if i in by_block:
+                        check_blocks(path, head.header, i, by_block.pop(i).digest())
                     yield i
             if r.frees:
                 readers.release(r.frees)
@@ -276,6 +291,55 @@ def check_blob(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
             f"blob {i}",
         )
         raise IntegrityError(path, name, expected.hex(), actual.hex())
+
+
+def check_blocks(path: str, header: ShardHeader, i: int, actual: bytes) -> None:
+    """Raise unless blob `i`'s block digests are `actual`.
+
+    Raises:
+        IntegrityError: names the blob's tensor and the first block that differs.
+    """
+    expected = header.blobs[i].blocks
+    if actual == expected:
+        return
+    size = BLOCK_DIGEST_BYTES
+    at = range(0, len(expected), size)
+    k = next((k for k in at if expected[k : k + size] != actual[k : k + size]), len(expected))
+    name = next(("tensor " + "/".join(map(str, e.path)) for e in header.tensors if e.blob == i), "")
+    raise IntegrityError(
+        path,
+        f"{name or f'blob {i}'} block {k // size}",
+        expected[k : k + size].hex(),
+        actual[k : k + size].hex(),
+    )
+
+
+class _BlockHasher:
+    """The xxh3-64 of each `BLOCK_BYTES` block of one blob, fed in pieces of any size."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+        self._filled = 0  # bytes of the current block hashed so far
+        self._digests: list[bytes] = []
+
+    def update(self, data: memoryview) -> None:
+        at = 0
+        while at < len(data):
+            take = min(BLOCK_BYTES - self._filled, len(data) - at)
+            if not self._filled and take == BLOCK_BYTES:
+                self._digests.append(xxhash.xxh3_64_digest(data[at : at + take]))
+            else:
+                self._hasher.update(data[at : at + take])
+                self._filled += take
+                if self._filled == BLOCK_BYTES:
+                    self._digests.append(self._hasher.digest())
+                    self._hasher.reset()
+                    self._filled = 0
+            at += take
+
+    def digest(self) -> bytes:
+        tail = [self._hasher.digest()] if self._filled else []
+        return b"".join(self._digests + tail)
 
 
 class _Readers:

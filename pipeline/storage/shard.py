@@ -1,9 +1,10 @@
 """Shard file format at the byte level: the 64-byte prefix, the header, and layout checks.
 
 A shard image is the same bytes on every tier. In a staging slot it is *unsealed* (all digests
-zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests and the header
-digest. Nothing here imports torch: the node agent works on bytes only (see `tierpipe.state` for
-tensors).
+zero); the nvme-write stage seals it by filling in the per-blob xxh3-128 digests (and the block
+digests of a sharded tensor's blob: `block_digests`) and the header digest. A sharded tensor's
+global layout is checked here too (against `sharding.local_box`). Nothing here imports torch: the
+node agent works on bytes only (see `tierpipe.state` for tensors).
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ import msgspec
 import xxhash
 
 from tierpipe.errors import IntegrityError, ShardFormatError
-from tierpipe.schemas import ALIGN, FORMAT_VERSION, MAGIC, BlobEntry, ShardHeader, TensorEntry
+from tierpipe.schemas import (
+    ALIGN,
+    BLOCK_BYTES,
+    BLOCK_DIGEST_BYTES,
+    FORMAT_VERSION,
+    MAGIC,
+    BlobEntry,
+    ShardedEntry,
+    ShardHeader,
+    TensorEntry,
+)
+from tierpipe.storage.sharding import local_box
 
 __all__ = (
     "DTYPE_SIZES",
@@ -26,6 +38,8 @@ __all__ = (
     "PREFIX_NBYTES",
     "Head",
     "align_up",
+    "block_digests",
+    "blocks_nbytes",
     "encode_head",
     "file_nbytes",
     "parse_head",
@@ -133,12 +147,32 @@ def set_slot_generation(image: memoryview | bytearray, generation: int) -> None:
     _GENERATION.pack_into(image, GENERATION_OFFSET, generation)
 
 
-def seal_header(header: ShardHeader, digests: list[bytes]) -> ShardHeader:
-    """The header with each blob's digest filled in."""
+def seal_header(
+    header: ShardHeader, digests: list[bytes], blocks: list[bytes] | None = None
+) -> ShardHeader:
+    """The header with each blob's digest filled in, and its block digests where `blocks` has
+    them (one entry per blob; empty for a blob without block digests: its placeholder stays)."""
     blobs = tuple(
-        msgspec.structs.replace(b, digest=d) for b, d in zip(header.blobs, digests, strict=True)
+        msgspec.structs.replace(b, digest=d, blocks=k or b.blocks)
+        for b, d, k in zip(header.blobs, digests, blocks or [b""] * len(digests), strict=True)
     )
     return msgspec.structs.replace(header, blobs=blobs)
+
+
+def blocks_nbytes(nbytes: int) -> int:
+    """The length of a `nbytes` blob's block digests (`BlobEntry.blocks`)."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_DIGEST_BYTES
+
+
+def block_digests(data: bytes | memoryview) -> bytes:
+    """xxh3-64 (8 bytes, big-endian) of each `BLOCK_BYTES` block of `data`, concatenated: what
+    `BlobEntry.blocks` records for a blob of these bytes (a ranged read of whole blocks from
+    offset k * BLOCK_BYTES checks against digests k...)."""
+    with memoryview(data) as view:
+        return b"".join(
+            xxhash.xxh3_64_digest(view[at : at + BLOCK_BYTES])
+            for at in range(0, len(view), BLOCK_BYTES)
+        )
 
 
 def parse_prefix(prefix: bytes | memoryview, path: str) -> tuple[int, int, bytes, bool]:
@@ -222,6 +256,57 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
     users = Counter(t.blob for t in header.tensors)
     for t in header.tensors:
         _check_tensor(t, header.blobs, users[t.blob] > 1, path)
+    sharded_blobs = set()
+    for s in header.sharded:
+        if not 0 <= s.tensor < len(header.tensors):
+            raise ShardFormatError(path, f"sharded entry names missing tensor {s.tensor}")
+        t = header.tensors[s.tensor]
+        if users[t.blob] > 1 or t.blob in sharded_blobs:
+            raise ShardFormatError(path, f"sharded tensor {t.path!r} shares blob {t.blob}")
+        sharded_blobs.add(t.blob)
+        _check_sharded(s, t, path)
+    for i, b in enumerate(header.blobs):
+        want = blocks_nbytes(b.nbytes) if i in sharded_blobs else 0
+        if len(b.blocks) != want:
+            raise ShardFormatError(
+                path, f"blob {i} has {len(b.blocks)} bytes of block digests, not {want}"
+            )
+
+
+def _check_sharded(s: ShardedEntry, t: TensorEntry, path: str) -> None:
+    """A sharded entry's layout is consistent: its shard is the box its placements give this
+    coordinate of the mesh, inside the global shape."""
+    ndim, mesh_ndim = len(s.global_shape), len(s.mesh_shape)
+    problem = ""
+    if not (len(t.shape) == len(s.offsets) == ndim):
+        problem = "dimensions differ from the tensor's"
+    elif not (len(s.coordinate) == len(s.placements) == mesh_ndim) or len(s.mesh_dims) not in (
+        0,
+        mesh_ndim,
+    ):
+        problem = "mesh dimensions differ"
+    elif not all(0 <= n <= _INT64_MAX for n in (*s.global_shape, *s.offsets)) or not all(
+        0 < n <= _INT64_MAX for n in s.mesh_shape
+    ):
+        problem = "malformed shape, offsets or mesh"
+    elif math.prod(s.mesh_shape) != len(s.mesh_ranks) or len(set(s.mesh_ranks)) != len(
+        s.mesh_ranks
+    ):
+        problem = f"{len(s.mesh_ranks)} mesh ranks for a mesh of shape {s.mesh_shape}"
+    elif not all(0 <= c < n for c, n in zip(s.coordinate, s.mesh_shape, strict=True)):
+        problem = f"coordinate {s.coordinate} outside the mesh {s.mesh_shape}"
+    elif any(o + n > g for o, n, g in zip(s.offsets, t.shape, s.global_shape, strict=True)):
+        problem = f"shard at {s.offsets} of shape {t.shape} outside {s.global_shape}"
+    else:
+        try:
+            box = local_box(s.global_shape, s.mesh_shape, s.coordinate, s.placements)
+        except ValueError as e:
+            problem = str(e)
+        else:
+            if box != (s.offsets, t.shape):
+                problem = f"placements {s.placements} do not give the shard at {s.offsets}"
+    if problem:
+        raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
 
 
 def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:
