@@ -89,7 +89,6 @@ def test_fsdp_tp_restores_bitwise_on_any_mesh(
     """A 2x2 FSDP2 + TP job saved and SIGKILLed restores bitwise on the same mesh and trains on
     exactly as the uninterrupted run did; on 2x1 and 4x2 meshes its gathered full tensors are
     bitwise the saved ones."""
-    pytest.skip("needs helper A's DTensor save and in-place restore (issue 23 items 1-2)")
     agent().wait_ready()
     run1 = tmp_path / "run1.jsonl"
     ranks = launch(settings, job, (2, 2), run1, "--steps", str(STEPS), "--every", str(EVERY),
