@@ -10,7 +10,8 @@ One process per rank, as torchrun starts them (`RANK`, `WORLD_SIZE`, `MASTER_ADD
 The model's attention and MLP projections are split over the mesh's `tp` dimension
 (`ColwiseParallel` in, `RowwiseParallel` out; the embedding row-wise, the output head
 column-wise), then every block and the whole model are sharded over `dp` with `fully_shard`:
-the state dict holds DTensors with `Shard`, `_StridedShard` and `Replicate` placements. The
+the state dict holds DTensors on the 2-D mesh (`(_StridedShard(0), Shard(0))`,
+`(Shard(0), Shard(1))`, `(Shard(0), Replicate())`) and on `dp` alone (the norms). The
 batch of every step is a function of the step alone (split over `dp`), so a resumed run on the
 same mesh computes every step exactly as an uninterrupted one.
 
@@ -190,7 +191,11 @@ class _Lines:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tierpipe.dev.fsdp_tp", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m tierpipe.dev.fsdp_tp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--job", default=JOB)
     p.add_argument("--dp", type=int, default=2, help="FSDP ranks (mesh dim 0)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (mesh dim 1)")
