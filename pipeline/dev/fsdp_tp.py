@@ -123,10 +123,10 @@ class Transformer(nn.Module):
 
 
 def build(mesh: DeviceMesh, c: type[Config] = Config) -> Transformer:
-    """The model on `mesh` (dims `dp`, `tp`): the same initial values on every mesh (one seed),
-    tensor parallel over `tp`, then FSDP2 over `dp`."""
+    """The model on `mesh` (dims `dp`, `tp`): the same initial values on every mesh and device
+    (one seed, drawn on the CPU), tensor parallel over `tp`, then FSDP2 over `dp`."""
     torch.manual_seed(0)
-    model = Transformer(c)
+    model = Transformer(c).to(mesh.device_type)
     tp = mesh["tp"]
     for block in model.blocks:
         plan: dict[str, ParallelStyle] = {n: ColwiseParallel() for n in ("wq", "wk", "wv", "w1")}
@@ -173,7 +173,7 @@ def full_digests(state: Any) -> dict[str, str]:
         if isinstance(v, DTensor):
             v = v.full_tensor()
         if isinstance(v, torch.Tensor):
-            raw = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            raw = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             out[path] = hashlib.sha256(raw).hexdigest()
     return out
 
@@ -204,6 +204,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="restore the newest step first")
     p.add_argument("--hold", action="store_true", help="after the last step, wait to be killed")
     p.add_argument("--out", default=None, help="append this rank's JSON lines to this file")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo (default); cuda: NCCL, the GPU of LOCAL_RANK",
+    )
     return p.parse_args(argv)
 
 
@@ -218,7 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     # view, and the two all-gathers `full_tensor()` makes of a strided (FSDP over TP) shard.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"  # (gloo too: the Checkpointer's restore agrees on the CPU)
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
     try:
         _train(args, rank, world)
     finally:
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(args: argparse.Namespace, rank: int, world: int) -> None:
     lines = _Lines(args.out, rank)
-    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(args.device, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model = build(mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=Config.lr)
@@ -251,7 +261,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> None:
                 **({"digests": digests} if rank == 0 else {}),
             )
         for step in range(start, args.steps + 1):
-            tokens = batch(step, dp_rank, args.dp)
+            tokens = batch(step, dp_rank, args.dp).to(args.device)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, Config.vocab), tokens[:, 1:].reshape(-1))
             optim.zero_grad()
