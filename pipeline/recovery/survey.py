@@ -271,7 +271,7 @@ async def survey(
             if i == 0 and rec is not None:
                 raise WorldSizeMismatchError(
                     f"step {s} of job {reads.job!r} was saved by {rec.world_size} ranks, this run "
-                    f"has {world_size}; restore needs the same world size (no resharding yet)"
+                    f"has {world_size}; restore into DTensor targets or pass value_rank to reshard"
                 )
             _all_missing(found, s, why)
             continue

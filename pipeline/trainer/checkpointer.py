@@ -28,6 +28,7 @@ from tierpipe.names import flush_control_subject, node_name, shard_subject, vali
 from tierpipe.recovery.agree import Restored, Restorer
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.load import Loader
+from tierpipe.reshard.restore import Resharder, ValueRank, restore_or_reshard
 from tierpipe.schemas import Event, FlushControl
 from tierpipe.schemas.jobstate import Keep
 from tierpipe.settings import Settings, load_settings
@@ -279,8 +280,9 @@ class Checkpointer:
     # --- restoring
 
     def restore(
-        self, into: Any = None, *, step: int | None = None, restart: str | None = None
-    ) -> Restored:
+        self, into: Any = None, *, step: int | None = None, restart: str | None = None,
+        value_rank: ValueRank = None,
+    ) -> Restored:  # fmt: skip
         """Load the newest checkpoint every rank can reach (or exactly `step`); all ranks call it.
 
         Rank 0 plans from the event stream (each rank reads its own node's NVMe copy if that
@@ -288,7 +290,8 @@ class Checkpointer:
         broadcasts it with torch.distributed when that is initialised for this job); every
         digest is checked before bytes reach a tensor; a bad copy falls back to the next source,
         and if a rank has none left, all ranks move to an older step together. A shard read from
-        object storage is staged again afterwards, so this node's NVMe gets its copy back.
+        object storage is staged again afterwards, so this node's NVMe gets its copy back. DTensor
+        targets of another world size or mesh are resharded (`tierpipe.reshard.restore`).
 
         Args:
             into: objects to restore into in place, shaped like what was saved (e.g.
@@ -297,11 +300,15 @@ class Checkpointer:
             step: restore this step instead of the newest restorable one.
             restart: an id every rank of this restart shares; default from torchelastic
                 (`TORCHELASTIC_RUN_ID`-`TORCHELASTIC_RESTART_COUNT`), else stream order.
+            value_rank: when resharding, the saved rank whose values (all but DTensors) this
+                rank takes, or a function of this rank (default: `rank % saved world size`).
 
         Raises:
             NoCheckpointError: nothing restorable (the message says why, step by step); at
                 once for a job without any state (naming jobs of similar names).
-            WorldSizeMismatchError: the checkpoint was saved by another number of ranks.
+            WorldSizeMismatchError: saved by another number of ranks, and no DTensor target nor
+                `value_rank` says how to reshard it.
+            LayoutMismatchError: a saved tensor does not fit its DTensor target.
             RestoreTimeoutError: the other ranks (or rank 0's plan) did not show up in time.
             ResourceExhaustedError: a rank ran out of memory, mappings, file descriptors or
                 threads while loading (no copy is marked bad: free some and restore again).
@@ -322,9 +329,11 @@ class Checkpointer:
             into=into, collective=collective, local_rank=self.local_rank,
             local_world_size=self.local_world_size,
         )  # fmt: skip
-        restored = self._bus.run(
-            partial(restorer.run, step=step), timeout=self.settings.restore_timeout_s + 60
-        )
+        resharder = partial(Resharder, bus, self.settings, store, self.job, self.rank,
+                            self.world_size, self.node, collective)  # fmt: skip
+        run = partial(restore_or_reshard, partial(restorer.run, step=step), resharder, into,
+                      step=step, value_rank=value_rank)  # fmt: skip
+        restored = self._bus.run(run, timeout=2 * self.settings.restore_timeout_s + 60)
         # Saves from here on branch the job's history at the restored step: this rank's older
         # epochs' saves of later steps are superseded (a normal restart has none that count).
         self._local().restored(restored.step)

@@ -1,0 +1,388 @@
+"""Ranged reads of saved shards, every block checked before its bytes are used.
+
+A resharded restore reads parts of other ranks' shards. `read_parts` reads one saved rank's
+head (prefix and header: its identity and header digest checked against the job state's
+record, `check_head`), then the whole blocks the caller asks for (`layout.Span`s, which it
+works out from that header), each block's xxh3-64 compared with the header's
+`BlobEntry.blocks` before the bytes reach the caller (`take`). A blob without block digests (a
+plain tensor read as the whole of a DTensor) is read whole and checked by its xxh3-128.
+
+Copies are tried best first: this node's NVMe file (pread, O_DIRECT where the filesystem has
+it), then a peer's endpoint (ranged GETs: the node that saved the shard serves its own copy,
+partners their replicas), then object storage (ranged GETs). A copy that is missing,
+unreachable or proven bad (a digest, a garbled head) is dropped for the spans still to read,
+which the next copy serves; spans already taken are not read again (their bytes were checked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+import structlog
+import xxhash
+
+from tierpipe.bus.client import Bus
+from tierpipe.control.advert import read_node
+from tierpipe.errors import (
+    EVIDENCE_ERRORS,
+    ConfigError,
+    IntegrityError,
+    PeerUnavailableError,
+    ShardFormatError,
+    ShardMissingError,
+    StorageUnavailableError,
+    TierpipeError,
+)
+from tierpipe.peer.client import PeerClient, shard_url
+from tierpipe.recovery.load import Expected, check_head
+from tierpipe.reshard.layout import Span
+from tierpipe.schemas import ALIGN, BLOCK_BYTES, BLOCK_DIGEST_BYTES, BlobEntry, SourceRef
+from tierpipe.settings import Settings
+from tierpipe.storage.aligned import aligned_buffer, close_quietly, open_direct, pread_into
+from tierpipe.storage.aligned import round_up as align_up
+from tierpipe.storage.resources import translated
+from tierpipe.storage.s3.errors import NotFound
+from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
+
+if TYPE_CHECKING:
+    from tierpipe.storage.s3.store import S3Store
+
+__all__ = ("Origin", "Ranged", "Tiers", "read_parts", "verify_span")
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """One saved rank's shard of a step: what it must be and where its copies are, best first."""
+
+    expected: Expected
+    nbytes: int
+    copies: list[SourceRef]
+
+
+@dataclass(slots=True)
+class Tally:
+    """Bytes read per tier (heads and blocks), and the copies that failed: (saved rank, the
+    copy, why)."""
+
+    nbytes: dict[str, int] = field(default_factory=dict)
+    failed: list[tuple[int, SourceRef, TierpipeError]] = field(default_factory=list)
+
+    def add(self, tier: str, n: int) -> None:
+        self.nbytes[tier] = self.nbytes.get(tier, 0) + n
+
+
+class Ranged(Protocol):
+    """One copy of a shard, read by byte ranges."""
+
+    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
+        """Fill the first `nbytes` of `buf` (page-aligned, at least `nbytes` rounded up to
+        `ALIGN` long: an O_DIRECT read may fill the rest) with the copy's bytes from `start`.
+
+        Raises:
+            ShardFormatError: the copy is shorter.
+            ShardMissingError, UnavailableError: it is not there, or did not answer.
+        """
+
+
+#: What a reader hands on: a span once its blocks were checked, and its bytes.
+Take = Callable[[Head, Span, memoryview], None]
+
+
+async def read_parts(
+    tiers: Tiers,
+    origin: Origin,
+    need: Callable[[Head], Sequence[Span]],
+    take: Take,
+    tally: Tally,
+) -> Head:
+    """Read the spans `need` names (from the header) of `origin`'s shard from its first good
+    copies, each span handed to `take` once its blocks were checked (in a worker thread).
+
+    Returns:
+        The header (of the last copy read).
+
+    Raises:
+        ShardMissingError: no copy was left for some span (the message names why each failed).
+    """
+    left: list[Span] | None = None
+    problems: list[str] = []
+    head: Head | None = None
+    for copy in origin.copies:
+        try:
+            async with tiers.open(copy, origin) as ranged:
+                head = await _head(ranged, copy.location, origin)
+                tally.add(copy.tier, head.data_offset)
+                if left is None:
+                    left = list(need(head))
+                while left:
+                    span = left[0]
+                    await _span(ranged, head, span, copy, take, tally)
+                    left.pop(0)
+            return head
+        except ConfigError:  # (the plan does not fit the shard: no other copy would)
+            raise
+        except TierpipeError as e:
+            evidence = type(e).__name__ in EVIDENCE_ERRORS
+            log.warning("reshard_source_failed", rank=origin.expected.rank,
+                        step=origin.expected.step, tier=copy.tier, node=copy.node,
+                        location=copy.location, error=str(e), corrupt=evidence)  # fmt: skip
+            tally.failed.append((origin.expected.rank, copy, e))
+            problems.append(f"{copy.tier}: {type(e).__name__}")
+    where = f"rank {origin.expected.rank} of step {origin.expected.step}"
+    raise ShardMissingError(where, "no good copy left (" + (", ".join(problems) or "none") + ")")
+
+
+async def _head(ranged: Ranged, location: str, origin: Origin) -> Head:
+    """Read and check a copy's head (its identity and header digest: `origin.expected`)."""
+    first = await _bytes(ranged, 0, min(ALIGN, origin.nbytes))
+    need = PREFIX_NBYTES + parse_prefix(first, location)[0]
+    if need > len(first):
+        if need > origin.nbytes:
+            raise ShardFormatError(location, f"header of {need} bytes in a {origin.nbytes} file")
+        first += await _bytes(ranged, len(first), need - len(first))
+    head = parse_head(first[:need], location, actual_nbytes=origin.nbytes)
+    check_head(head, origin.expected, location)
+    return head
+
+
+async def _bytes(ranged: Ranged, start: int, nbytes: int) -> bytes:
+    buf = aligned_buffer(max(align_up(nbytes), ALIGN))
+    try:
+        await ranged.read(start, buf, nbytes)
+        return buf[:nbytes]
+    finally:
+        close_quietly(buf)
+
+
+async def _span(
+    ranged: Ranged, head: Head, span: Span, copy: SourceRef, take: Take, tally: Tally
+) -> None:
+    blob = _blob(head, span.blob, copy.location)
+    if not blob.blocks:  # (no block digests: the blob is read whole, checked whole)
+        span = Span(span.blob, 0, -(-blob.nbytes // BLOCK_BYTES))
+    start, stop = span.byte_range(blob.nbytes)
+    at = head.data_offset + blob.offset + start
+    buf = aligned_buffer(max(align_up(stop - start), ALIGN))
+    try:
+        await ranged.read(at, buf, stop - start)
+        tally.add(copy.tier, stop - start)
+        with translated(copy.location), memoryview(buf) as view, view[: stop - start] as data:
+            await anyio.to_thread.run_sync(_check_then_take, head, span, data, copy, take)
+    finally:
+        close_quietly(buf)
+
+
+def _check_then_take(head: Head, span: Span, data: memoryview, copy: SourceRef, take: Take) -> None:
+    verify_span(head, span, data, copy.location)
+    take(head, span, data)
+
+
+def _blob(head: Head, index: int, location: str) -> BlobEntry:
+    blobs = head.header.blobs
+    if not 0 <= index < len(blobs):
+        raise ShardFormatError(location, f"no blob {index} (the plan needs it)")
+    return blobs[index]
+
+
+def verify_span(head: Head, span: Span, data: memoryview, location: str) -> None:
+    """Check the bytes of `span` against the blob's block digests (or, for a blob without
+    them, read whole, its digest).
+
+    Raises:
+        IntegrityError: a block (or the blob) does not match (names the block).
+        ShardFormatError: the header's block digests do not fit the blob.
+    """
+    blob = _blob(head, span.blob, location)
+    name = _tensor_name(head, span.blob)
+    if not blob.blocks:
+        actual = xxhash.xxh3_128_digest(data)
+        if actual != blob.digest:
+            raise IntegrityError(location, name, blob.digest.hex(), actual.hex())
+        return
+    count = -(-blob.nbytes // BLOCK_BYTES)
+    if len(blob.blocks) != count * BLOCK_DIGEST_BYTES:
+        raise ShardFormatError(location, f"{name}: {len(blob.blocks)} bytes of block digests "
+                                         f"for {count} blocks")  # fmt: skip
+    for k in range(span.first, span.stop):
+        piece = data[(k - span.first) * BLOCK_BYTES : (k - span.first + 1) * BLOCK_BYTES]
+        actual = xxhash.xxh3_64_digest(piece)
+        expected = blob.blocks[k * BLOCK_DIGEST_BYTES : (k + 1) * BLOCK_DIGEST_BYTES]
+        if actual != expected:
+            raise IntegrityError(location, f"{name} block {k}", expected.hex(), actual.hex())
+
+
+def _tensor_name(head: Head, blob: int) -> str:
+    return next(
+        ("tensor " + "/".join(map(str, e.path)) for e in head.header.tensors if e.blob == blob),
+        f"blob {blob}",
+    )
+
+
+class Tiers:
+    """Opens copies for ranged reads: this node's NVMe files, peers' endpoints (by their node
+    records, or `endpoints`: node -> URL), object storage (one client, opened on first use).
+    An async context manager."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: Bus | None,
+        *,
+        node: str,
+        endpoints: dict[str, str] | None = None,
+    ) -> None:
+        self.settings, self.bus, self.node = settings, bus, node
+        self._stack = contextlib.AsyncExitStack()
+        self._peers: PeerClient | None = None
+        self._s3: S3Store | None = None
+        self._urls: dict[str, str] = dict(endpoints or {})
+
+    async def __aenter__(self) -> Tiers:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+        self._peers = self._s3 = None
+
+    @contextlib.asynccontextmanager
+    async def open(self, copy: SourceRef, origin: Origin) -> AsyncIterator[Ranged]:
+        """`copy` open for ranged reads (a file descriptor is closed on the way out).
+
+        Raises:
+            ShardMissingError: an NVMe copy on another node, or not there; no endpoint.
+            PeerUnavailableError: the holder's node has no live agent with an endpoint.
+        """
+        if copy.tier == "nvme":
+            if copy.node != self.node:
+                raise ShardMissingError(copy.location, f"on node {copy.node}, not {self.node}")
+            try:
+                with translated(copy.location):
+                    fd = open_direct(copy.location, os.O_RDONLY | os.O_CLOEXEC,
+                                     direct=self.settings.direct_io)  # fmt: skip
+            except FileNotFoundError as e:
+                raise ShardMissingError(copy.location, "file is missing") from e
+            try:
+                yield _File(fd, copy.location)
+            finally:
+                os.close(fd)
+        elif copy.tier == "peer":
+            yield _Peer(await self._peer_client(), await self._url(copy, origin))
+        else:
+            yield _Object(await self._object_store(), copy.location)
+
+    async def _url(self, copy: SourceRef, origin: Origin) -> str:
+        if copy.node not in self._urls:
+            if self.bus is None:
+                raise PeerUnavailableError(copy.node, "no bus to find its endpoint")
+            state = await read_node(self.bus, self.settings, copy.node)
+            record = state.record
+            if record is None or not record.peer_url or state.absent():
+                raise PeerUnavailableError(copy.node, "no live agent with a peer endpoint there")
+            self._urls[copy.node] = record.peer_url
+        e = origin.expected
+        return shard_url(self._urls[copy.node], e.job, e.step, e.world_size, e.rank,
+                         header_digest=e.header_digest)  # fmt: skip
+
+    async def _peer_client(self) -> PeerClient:
+        if self._peers is None:
+            client = PeerClient(token=self.settings.peer_token)
+            self._peers = await self._stack.enter_async_context(client)
+        return self._peers
+
+    async def _object_store(self) -> S3Store:
+        if self._s3 is None:
+            from tierpipe.storage.s3.store import S3Store  # (boto: only once a read needs it)
+
+            self._s3 = await self._stack.enter_async_context(S3Store(self.settings))
+        return self._s3
+
+
+class _File:
+    """A copy on this node's NVMe: preads in a thread (whole pages from a page boundary, so
+    O_DIRECT serves them; else through a bounce buffer)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+
+    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
+        with translated(self.path):
+            got = await anyio.to_thread.run_sync(self._read, start, buf, nbytes)
+        if got < nbytes:
+            raise ShardFormatError(self.path, f"{got} bytes from {start}, {nbytes} expected")
+
+    def _read(self, start: int, buf: mmap.mmap, nbytes: int) -> int:
+        if start % ALIGN == 0:
+            with memoryview(buf) as view:
+                return pread_into(self.fd, view[: align_up(nbytes)], start, nbytes)
+        lo = start // ALIGN * ALIGN
+        bounce = aligned_buffer(align_up(start + nbytes - lo))
+        try:
+            got = max(0, min(nbytes, pread_into(self.fd, bounce, lo) - (start - lo)))
+            buf[:got] = bounce[start - lo : start - lo + got]
+            return got
+        finally:
+            close_quietly(bounce)
+
+
+class _Peer:
+    def __init__(self, client: PeerClient, url: str) -> None:
+        self.client, self.url = client, url
+
+    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
+        with memoryview(buf) as view:
+            await self.client.read_range(self.url, start, view[:nbytes])
+
+
+class _Object:
+    """An object, by ranged GETs of at most `part_size_bytes`, `part_concurrency` at once."""
+
+    def __init__(self, store: S3Store, location: str) -> None:
+        self.store, self.location = store, location
+        bucket, _, self.key = location.removeprefix("s3://").partition("/")
+        if not location.startswith("s3://") or bucket != store.bucket or not self.key:
+            raise ShardMissingError(location, f"not in the configured bucket {store.bucket}")
+
+    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
+        part = max(self.store.settings.part_size_bytes, BLOCK_BYTES)
+        lanes = anyio.Semaphore(max(1, self.store.settings.part_concurrency))
+        requests = self.store.requests
+
+        async def get(at: int, size: int) -> None:
+            """One ranged GET into its place in `buf` (one request to retry)."""
+            r = await requests.client.get_object(
+                Bucket=self.store.bucket,
+                Key=self.key,
+                Range=f"bytes={start + at}-{start + at + size - 1}",
+            )
+            got = 0
+            async for chunk in r["Body"].iter_chunks(1 << 20):
+                if got + len(chunk) > size:
+                    raise StorageUnavailableError(f"{self.location}: long read at {start + at}")
+                buf[at + got : at + got + len(chunk)] = chunk
+                got += len(chunk)
+            if got != size:
+                raise ShardFormatError(
+                    self.location, f"{got} bytes from {start + at}, {size} asked"
+                )
+
+        async def one(at: int) -> None:
+            async with lanes:
+                try:
+                    await requests(self.key, lambda: get(at, min(part, nbytes - at)))
+                except NotFound:
+                    raise ShardMissingError(self.location, "no such object") from None
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for at in range(0, nbytes, part):
+                    tg.start_soon(one, at)
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from group
