@@ -23,7 +23,6 @@ FIGURES = (
 
 def test_bench_reshard_quick_reports_every_figure() -> None:
     """Every figure is a positive number, each candidate timed at every world size."""
-    pytest.skip("needs helper R's resharded restore (issue 23 item 3)")
     out = subprocess.run(
         [sys.executable, "-m", "bench", "reshard", "--quick"],
         cwd=Path(__file__).parent.parent,

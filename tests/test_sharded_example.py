@@ -132,7 +132,6 @@ def test_fsdp_tp_restores_bitwise_on_any_mesh(
     assert resumed == {k: v for k, v in losses.items() if k[1] > newest}
 
     # Fewer and more ranks: the gathered full tensors are the saved ones.
-    pytest.skip("needs helper R's resharded restore (issue 23 item 3)")
     for mesh in ((2, 1), (4, 2)):
         out = tmp_path / f"run-{mesh[0]}x{mesh[1]}.jsonl"
         finish(launch(settings, job, mesh, out, "--resume", "--steps", "0", "--every", "0"),
