@@ -1,0 +1,45 @@
+"""`python -m bench reshard --quick` runs end to end (a small sharded state saved at world 4,
+restored at 4, 2 and 8 against DCP; a DDP state in object storage) and its last JSON line has
+the figures the issue names (the targets are the full run's business)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FIGURES = (
+    "reshard_vs_dcp",
+    "same_mesh_vs_dcp",
+    "sharded_stall_vs_memcpy",
+    "ddp_object_bytes_over_one_replica",
+)
+
+
+def test_bench_reshard_quick_reports_every_figure() -> None:
+    """Every figure is a positive number, each candidate timed at every world size."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "reshard", "--quick"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout  # (stdout carries only the JSON line)
+    r = json.loads(lines[-1])
+    for key in FIGURES:
+        assert isinstance(r.get(key), float) and r[key] > 0, (key, r.get(key, "missing"))
+    for world in (2, 4, 8):
+        for candidate in ("tierpipe", "dcp"):
+            assert r[f"{candidate}_load_s_world{world}"] > 0
+    # Every rank stored its own copy of the replica (no dedupe yet): 4 ranks, 4 replicas.
+    assert r["ddp_object_bytes_over_one_replica"] >= 1.0
+    assert r["ddp_nvme_bytes_per_node"] >= r["ddp_replica_bytes"]
+    assert "the target" in out.stderr
