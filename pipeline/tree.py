@@ -27,7 +27,15 @@ from tierpipe.schemas import MeshEntry, ShardedEntry
 from tierpipe.storage.shard import DTYPE_SIZES
 from tierpipe.storage.sharding import local_box
 
-__all__ = ("KeyPath", "decode_tree", "describe_dtensor", "dtype_name", "encode_tree", "is_dtensor")
+__all__ = (
+    "KeyPath",
+    "decode_tree",
+    "describe_dtensor",
+    "dtype_name",
+    "encode_tree",
+    "is_dtensor",
+    "placement_text",
+)
 
 KeyPath = tuple[str | int, ...]
 
@@ -261,6 +269,19 @@ def is_dtensor(v: object) -> bool:
     return module is not None and isinstance(v, module.DTensor)
 
 
+def placement_text(p: object) -> str | None:
+    """A torch placement as `ShardedEntry.placements` spells it (`R`, `S<d>`, `SS<d>:<f>`);
+    None for one that is no value yet (`Partial`) or unknown."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return f"SS{p.dim}:{int(p.split_factor)}"
+    if isinstance(p, Shard):
+        return f"S{p.dim}"
+    return "R" if isinstance(p, Replicate) else None
+
+
 def describe_dtensor(v: Any, path: KeyPath = ()) -> tuple[torch.Tensor, ShardedEntry, MeshEntry]:
     """A DTensor's local tensor (detached: it is this rank's memory, no copy), its global layout
     (`ShardedEntry.tensor` and `.mesh` left 0): the global shape, where the local shard lies in
@@ -301,19 +322,14 @@ def _layout(
     """`describe_dtensor`'s layout, mesh and local shape: the same for every DTensor of one mesh,
     placements and shape, so worked out once (a save describes every DTensor of the state
     each time, and torch's arithmetic takes ~0.2 ms a tensor)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     strings: list[str] = []
     for p in placements:
-        if isinstance(p, _StridedShard):
-            strings.append(f"SS{p.dim}:{int(p.split_factor)}")
-        elif isinstance(p, Shard):
-            strings.append(f"S{p.dim}")
-        elif isinstance(p, Replicate):
-            strings.append("R")
+        if (text := placement_text(p)) is not None:
+            strings.append(text)
         elif isinstance(p, Partial):
             raise UnsupportedStateError(
                 (), f"DTensor with a Partial placement ({p}): a pending reduction, not a value "

@@ -32,6 +32,7 @@ import torch
 
 from tierpipe.errors import LayoutMismatchError
 from tierpipe.schemas import BLOCK_BYTES
+from tierpipe.tree import placement_text
 
 __all__ = (
     "Box",
@@ -75,19 +76,11 @@ def parse_placement(text: str, ndim: int) -> tuple[str, int, int]:
 
 def placements_of(placements: Iterable[object]) -> tuple[str, ...]:
     """torch placements as stored strings (`Partial` refused: it is no value yet)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     out = []
     for p in placements:
-        if isinstance(p, _StridedShard):
-            out.append(f"SS{p.dim}:{p.split_factor}")
-        elif isinstance(p, Shard):
-            out.append(f"S{p.dim}")
-        elif isinstance(p, Replicate):
-            out.append("R")
-        else:
+        if (text := placement_text(p)) is None:
             raise LayoutMismatchError(f"placement {p!r} cannot be resharded (not a value)")
+        out.append(text)
     return tuple(out)
 
 
