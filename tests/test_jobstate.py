@@ -324,3 +324,33 @@ def test_a_coordinator_taking_over_never_claims_more_than_the_history(
                 assert got == want, (step, tier)
             else:
                 assert got <= want or full is None, (step, tier)
+
+
+def test_a_rewind_lowers_the_floors_the_abandoned_branch_raised() -> None:
+    """Floors only rise, but a restart that restored step 2 branches the history there: the
+    abandoned branch's steps 3-6 no longer count, and the new branch's step 3 must not be below
+    an NVMe floor they raised (evict removed it as superseded while flush was uploading it:
+    CI's test_chaos saw `flush` fail "no longer on NVMe" for the restarted run's saves)."""
+    from tierpipe.schemas import RestoreReport, ShardStaged, ShardVerified, ShardWritten
+
+    keep = Keep(nvme_keep_latest_k=2, s3_keep_latest_k=2)
+    events: list = [e for t in range(1, 7) for r in range(WORLD) for e in lifecycle(t, r)[:2]]
+    events += [RestoreReport(job="j", node=NODES[r], ts=0.0, restart="r", rank=r,
+                             world_size=WORLD, phase="loaded", round=1, step=2, tier="nvme")
+               for r in range(WORLD)]  # fmt: skip
+    state = fold(events, keep)
+    assert state.floors().nvme == 5
+    for r in range(WORLD):
+        node, d, p = NODES[r], digest(3, r, 7), path(3, r, NODES[r])
+        for e in (
+            ShardStaged(**ident(3, r, node, 9), staging_path="/s", slot=0, nbytes=1, tensors=1,
+                        stall_s=0, rewind_to=2),
+            ShardWritten(**ident(3, r, node, 9), path=p, nbytes=4096, header_digest=d,
+                         tensors=1, seconds=0),
+            ShardVerified(**ident(3, r, node, 9), path=p, nbytes=4096, header_digest=d,
+                          seconds=0),
+        ):  # fmt: skip
+            events.append(e)
+            state.apply(len(events), e)
+    floors = state.floors()
+    assert floors.nvme <= 3 and state.head().nvme_steps[-1] == 3, (floors, state.head())

@@ -233,7 +233,15 @@ class JobState:
 
     def _rewound(self, rank: int, epoch: int, rewind_to: int) -> None:
         """A rewind of `rank` (folded into the ledger already): its older-epoch copies of
-        later steps no longer count."""
+        later steps no longer count, and floors the abandoned branch raised above `rewind_to`
+        come down to it (floors otherwise only rise: the new branch's steps would be below
+        them, and evict would remove them as superseded)."""
+        floors = self._floors
+        if max(floors.nvme, floors.s3) > rewind_to:
+            self._floors = msgspec.structs.replace(
+                floors, nvme=min(floors.nvme, rewind_to), s3=min(floors.s3, rewind_to)
+            )
+            self._changes.floors = True
         for step in [t for t in self._steps if t > rewind_to]:
             if step not in self._record_only:
                 self._refresh(step, rank, None)
