@@ -11,6 +11,11 @@ callback wraps the strategy's plugin in a `TierpipeCheckpointIO` that answers th
 to the plugin it wraps. So `trainer.fit(model, ckpt_path="tierpipe:latest")` restores exactly what
 a `.ckpt` file would, through Lightning's own restore path.
 
+`ModelParallelStrategy` (FSDP2 and tensor parallel, DTensor state) loads its checkpoints itself,
+not through `CheckpointIO`: there the callback answers `tierpipe:` paths of the strategy's
+`load_checkpoint` instead, restoring the model's and optimizers' DTensor state dicts of this
+run's mesh in place (the saved mesh) or resharded (another world size or mesh).
+
     cb = TierpipeCheckpoint("my-run", every_n_train_steps=500)
     trainer = Trainer(callbacks=[cb], max_epochs=10)
     trainer.fit(model, datamodule=dm, ckpt_path=cb.resume_path(trainer))
@@ -21,6 +26,7 @@ Needs `pip install 'tierpipe[lightning]'`; `import tierpipe` never imports Light
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -30,7 +36,7 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO
     from lightning.pytorch.callbacks import Checkpoint
-    from lightning.pytorch.strategies import Strategy
+    from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError(
@@ -153,9 +159,10 @@ class TierpipeCheckpoint(Checkpoint):
     which asks the first `Checkpoint` callback).
 
     Resume with `trainer.fit(model, ckpt_path=cb.resume_path(trainer))`, or pass
-    `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies load
-    checkpoints through `CheckpointIO` on every rank: single device and DDP (not FSDP,
-    DeepSpeed or ModelParallel, which load sharded checkpoints themselves). A resume from an
+    `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies: single
+    device, DDP, and `ModelParallelStrategy` (each rank saves its DTensor shards; a resume on
+    another world size or mesh reshards them). Not `FSDPStrategy` (FSDP1: ShardedTensor state)
+    nor DeepSpeed (state only in the engine's own files). A resume from an
     epoch-end save is exact; one from a mid-epoch save is exact only if the dataloaders are
     stateful (`state_dict()`/`load_state_dict()`): otherwise Lightning warns and the rest of that
     epoch reads batches from the epoch's start.
@@ -205,6 +212,7 @@ class TierpipeCheckpoint(Checkpoint):
         self._checkpointer: Checkpointer | None = None
         self._io: TierpipeCheckpointIO | None = None
         self._guards: list[RemovableHandle] = []
+        self._sharded_load: Callable[..., dict[str, Any]] | None = None
         self._last_saved: int | None = None
         self._dropped_warned = False
 
@@ -251,16 +259,24 @@ class TierpipeCheckpoint(Checkpoint):
         """Open this rank's `Checkpointer` and wrap the strategy's `CheckpointIO`.
 
         Raises:
-            ConfigError: the strategy loads checkpoints without `CheckpointIO`.
+            ConfigError: the strategy loads checkpoints without `CheckpointIO` and is not
+                `ModelParallelStrategy` (FSDP1, DeepSpeed: the message says why), or
+                `ModelParallelStrategy(save_distributed_checkpoint=False)`.
         """
         strategy = trainer.strategy
-        if type(strategy).load_checkpoint is not Strategy.load_checkpoint:
-            raise ConfigError(
-                f"TierpipeCheckpoint resumes through CheckpointIO, which "
-                f"{type(strategy).__name__} bypasses (use a single device or DDP)"
-            )
+        sharded = isinstance(strategy, ModelParallelStrategy)
+        if isinstance(strategy, ModelParallelStrategy):
+            if not strategy._save_distributed_checkpoint:
+                raise ConfigError(
+                    "TierpipeCheckpoint saves each rank's DTensor shards: use "
+                    "ModelParallelStrategy(save_distributed_checkpoint=True) (the default)"
+                )
+        elif type(strategy).load_checkpoint is not Strategy.load_checkpoint:
+            raise ConfigError(_refusal(strategy))
         if self._checkpointer is None:
             self._checkpointer = self._open(trainer)
+        if sharded:
+            self._hook_sharded_load(trainer)
         io = strategy.checkpoint_io
         if isinstance(io, TierpipeCheckpointIO):  # another trainer's or an earlier stage's
             io = io.base
@@ -313,10 +329,64 @@ class TierpipeCheckpoint(Checkpoint):
         agent still writes the saves staged so far."""
         self._close(trainer, wait=False)
 
+    def _hook_sharded_load(self, trainer: pl.Trainer) -> None:
+        """Answer `tierpipe:` paths of `ModelParallelStrategy.load_checkpoint` (which loads a
+        DCP folder itself, without `CheckpointIO`) from tierpipe; any other path goes on to the
+        strategy's own method."""
+        strategy = trainer.strategy
+        own = type(strategy).load_checkpoint
+
+        def load_checkpoint(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+            ours, step = _parse_resume_path(path)
+            if not ours:
+                return own(strategy, path, weights_only=weights_only)
+            return self._restore_sharded(trainer, step)
+
+        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign,assignment]
+        self._sharded_load = load_checkpoint
+
+    def _restore_sharded(self, trainer: pl.Trainer, step: int | None) -> dict[str, Any]:
+        """Restore a ModelParallel checkpoint: the model's and the optimizers' DTensor state
+        dicts of this run's mesh are the targets (in place on the saved mesh, resharded on
+        another), then loaded as `ModelParallelStrategy.load_checkpoint` does; Lightning
+        restores the rest (loops, LR schedulers, callbacks) from the returned dict."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = trainer.strategy.model
+        assert module is not None
+        optimizers = list(trainer.strategy.optimizers)
+        into = {
+            "state_dict": get_model_state_dict(module),
+            "optimizer_states": [get_optimizer_state_dict(module, o) for o in optimizers],
+        }
+        state = self._restore(step, into=into)
+        saved = state.get("optimizer_states", [])
+        if len(saved) != len(optimizers):
+            raise ConfigError(
+                f"the checkpoint holds {len(saved)} optimizer states, this run has "
+                f"{len(optimizers)} optimizers"
+            )
+        strict = trainer.lightning_module.strict_loading
+        set_model_state_dict(module, state["state_dict"], options=_options(strict))
+        for optimizer, osd in zip(optimizers, saved, strict=True):
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=osd)
+        return state
+
     def _close(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for guard in self._guards:
             guard.remove()
         self._guards = []
+        strategy = trainer.strategy
+        if self._sharded_load is not None and (
+            strategy.__dict__.get("load_checkpoint") is self._sharded_load
+        ):
+            del strategy.load_checkpoint
+        self._sharded_load = None
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.base
         self._io = None
@@ -382,8 +452,8 @@ class TierpipeCheckpoint(Checkpoint):
             log.warning("lightning_hparams_dropped", job=self.job, keys=dropped)
         return out
 
-    def _restore(self, step: int | None) -> dict[str, Any]:
-        restored = self.checkpointer.restore(step=step)
+    def _restore(self, step: int | None, *, into: Any = None) -> dict[str, Any]:
+        restored = self.checkpointer.restore(into, step=step)
         # Lightning may call the epoch-end hooks of the restored step again: not a new save.
         self._last_saved = restored.step
         state = restored.state
@@ -394,6 +464,36 @@ class TierpipeCheckpoint(Checkpoint):
             )
         log.info("lightning_checkpoint_restored", job=self.job, step=restored.step)
         return state
+
+
+def _options(strict: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=strict)
+
+
+def _refusal(strategy: Strategy) -> str:
+    """Why `strategy` cannot resume through TierpipeCheckpoint."""
+    name = type(strategy).__name__
+    if "DeepSpeed" in name:
+        why = (
+            "DeepSpeed keeps the ZeRO-partitioned weights and optimizer state inside its engine, "
+            "which saves and loads them only as its own files (engine.save_checkpoint / "
+            "load_checkpoint), never as a state dict of tensors tierpipe could store"
+        )
+    elif "FSDP" in name:
+        why = (
+            "FSDPStrategy is FSDP1: its sharded state dicts hold ShardedTensors of "
+            "FlatParameters and its optimizer state comes from FSDP.optim_state_dict, both "
+            "loaded only by the strategy from a DCP folder; tierpipe stores DTensor shards: use "
+            "ModelParallelStrategy (FSDP2's fully_shard and tensor parallel in configure_model)"
+        )
+    else:
+        why = "it loads checkpoints itself, bypassing CheckpointIO"
+    return (
+        f"TierpipeCheckpoint supports single device, DDP and ModelParallelStrategy, not {name}: "
+        f"{why}"
+    )
 
 
 def _encodable(value: Any) -> bool:
