@@ -4,7 +4,8 @@ parallel over `tensor_parallel`) on CPU over gloo, saving through `TierpipeCheck
 Run by tests/test_lightning_sharded.py with torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT), so Lightning joins processes it did not create. With `--out`,
 rank 0 writes one JSON line when training starts (after a resume: what was restored) and one
-when it ends: the epoch, the step, and a sha256 of every gathered full tensor of the model and
+when it ends (with `--validate`, one as validation of the newest step starts): the epoch,
+the step, and a sha256 of every gathered full tensor of the model and
 the optimizer state, the same on every mesh.
 """
 
@@ -54,6 +55,12 @@ class Mlp(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.w2(torch.relu(self.w1(x))), y)
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        return self.training_step(batch, batch_idx)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=0.05)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
@@ -69,7 +76,8 @@ class Mlp(pl.LightningModule):
 
 
 def _full(t: Any) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """A copy (`numpy()` of a live FSDP2 parameter would make its storage unresizable)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
 def fingerprint(trainer: pl.Trainer, module: Mlp) -> dict[str, Any]:
@@ -78,16 +86,16 @@ def fingerprint(trainer: pl.Trainer, module: Mlp) -> dict[str, Any]:
     names = {id(p): n for n, p in module.named_parameters()}
     for name, p in module.named_parameters():
         out[name] = hashlib.sha256(_full(p.data).contiguous().numpy().tobytes()).hexdigest()
-    opt = trainer.optimizers[0]
-    for p, st in opt.state.items():
-        for key, v in sorted(st.items()):
-            full = _full(v).contiguous()
-            out[f"{names[id(p)]}/{key}"] = hashlib.sha256(full.numpy().tobytes()).hexdigest()
-    sched = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    for opt in trainer.optimizers:  # (none when validating)
+        for p, st in opt.state.items():
+            for key, v in sorted(st.items()):
+                full = _full(v).contiguous()
+                out[f"{names[id(p)]}/{key}"] = hashlib.sha256(full.numpy().tobytes()).hexdigest()
+    lr = [c.scheduler.state_dict()["_last_lr"] for c in trainer.lr_scheduler_configs]
     return {
         "epoch": trainer.current_epoch,
         "step": trainer.global_step,
-        "lr": sched["_last_lr"],
+        "lr": lr[0] if lr else None,
         "tensors": out,
     }
 
@@ -108,6 +116,10 @@ class Report(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._write(trainer, pl_module, "end")
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not trainer.training and not trainer.sanity_checking:
+            self._write(trainer, pl_module, "validate")
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -116,6 +128,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--out")
+    p.add_argument("--validate", action="store_true", help="validate the newest step, no fit")
     a = p.parse_args()
     torch.manual_seed(0)
     cb = TierpipeCheckpoint(a.job, finish_timeout_s=60)
@@ -127,12 +140,19 @@ def main() -> None:
         ),
         max_epochs=a.epochs,
         use_distributed_sampler=False,  # every rank reads every batch, on any mesh
+        limit_val_batches=None if a.validate else 0,  # (validation only with --validate)
+        # (after a sanity check the root module holds FSDP2's unsharded parameters, which the
+        # fingerprint would not find in the optimizer's state)
+        num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[cb, Report(a.out)],
     )
-    trainer.fit(Mlp(), ckpt_path=cb.resume_path(trainer))
+    if a.validate:
+        trainer.validate(Mlp(), ckpt_path="tierpipe:latest")
+    else:
+        trainer.fit(Mlp(), ckpt_path=cb.resume_path(trainer))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The Lightning integration with `ModelParallelStrategy` (FSDP2 + tensor parallel, DTensor
 state) on CPU over gloo: 2 ranks save through `TierpipeCheckpoint`, 2 ranks on the same mesh
-resume in place, 1 rank and a 1x2 tensor-parallel mesh resume resharded; every restored model
-and optimizer tensor gathers to the saved one bit for bit (`tests/lightning_rank.py`)."""
+resume in place, 1 rank and a 1x2 tensor-parallel mesh resume resharded, 1 rank validates the
+newest step; every restored model and optimizer tensor gathers to the saved one bit for bit
+(`tests/lightning_rank.py`)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ REPO = Path(__file__).parent.parent
 EPOCHS = 2  # 2 batches an epoch (every rank reads all): saves at steps 2 and 4
 
 
-def run(settings: Settings, job: str, world: int, epochs: int, out: Path, tp: int = 1) -> None:
+def run(
+    settings: Settings, job: str, world: int, epochs: int, out: Path, tp: int = 1, *extra: str
+) -> None:
     """`world` ranks of tests/lightning_rank.py as torchrun starts them; all exit 0."""
     port = free_ports(1)[0]
     procs = []
@@ -50,7 +53,7 @@ def run(settings: Settings, job: str, world: int, epochs: int, out: Path, tp: in
         args = ["--job", job, "--world", str(world), "--tp", str(tp), "--epochs", str(epochs)]
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.lightning_rank", *args, "--out", str(out)],
+                [sys.executable, "-m", "tests.lightning_rank", *args, "--out", str(out), *extra],
                 env=env,
                 cwd=REPO,
             )
@@ -98,6 +101,13 @@ def test_model_parallel_saves_and_resumes_in_place_and_resharded(
         assert resumed["tensors"] == end["tensors"], (world, tp)
         assert last["step"] == end["step"] + 2
         end = last
+
+    # Validation of the newest step on one rank: the weights only (no optimizer outside fit).
+    out = tmp_path / "validate.jsonl"
+    run(settings, job, 1, 1, out, 1, "--validate")
+    (validated,) = records(out)
+    weights = {k: v for k, v in end["tensors"].items() if "/" not in k}
+    assert validated["tensors"] == weights
 
 
 def test_fsdp1_and_deepspeed_are_refused_with_the_reason(settings: Settings, job: str) -> None:

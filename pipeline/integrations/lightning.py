@@ -366,14 +366,14 @@ class TierpipeCheckpoint(Checkpoint):
         }
         state = self._restore(step, into=into)
         saved = state.get("optimizer_states", [])
-        if len(saved) != len(optimizers):
+        if optimizers and len(saved) != len(optimizers):  # (none outside fit: weights only)
             raise ConfigError(
                 f"the checkpoint holds {len(saved)} optimizer states, this run has "
                 f"{len(optimizers)} optimizers"
             )
         strict = trainer.lightning_module.strict_loading
         set_model_state_dict(module, state["state_dict"], options=_options(strict))
-        for optimizer, osd in zip(optimizers, saved, strict=True):
+        for optimizer, osd in zip(optimizers, saved if optimizers else [], strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=osd)
         return state
 
