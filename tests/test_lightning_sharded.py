@@ -112,11 +112,16 @@ def test_model_parallel_saves_and_resumes_in_place_and_resharded(
 
 def test_fsdp1_and_deepspeed_are_refused_with_the_reason(settings: Settings, job: str) -> None:
     """FSDPStrategy (FSDP1) is refused at setup, naming why and what to use instead (Lightning
-    builds no FSDPStrategy Trainer on CPU: the strategy alone stands for it)."""
+    builds no FSDPStrategy Trainer on CPU: the strategy alone stands for it), and so is a
+    ModelParallelStrategy that would save full state dicts on rank 0 only."""
     from types import SimpleNamespace
 
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import (
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+    )
 
     from tierpipe.integrations.lightning import TierpipeCheckpoint, _refusal
 
@@ -125,6 +130,9 @@ def test_fsdp1_and_deepspeed_are_refused_with_the_reason(settings: Settings, job
     with pytest.raises(ConfigError, match=r"FSDP1.*ShardedTensor.*ModelParallelStrategy"):
         cb.setup(trainer, pl.LightningModule(), "fit")
     assert cb._checkpointer is None  # refused before anything was opened
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy(save_distributed_checkpoint=False))
+    with pytest.raises(ConfigError, match="save_distributed_checkpoint=True"):
+        cb.setup(trainer, pl.LightningModule(), "fit")
     # (DeepSpeed itself is not installed: an uninitialised strategy object stands for it)
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     assert "ZeRO-partitioned" in _refusal(deepspeed)
