@@ -123,7 +123,8 @@ def test_fsdp1_and_deepspeed_are_refused_with_the_reason(settings: Settings, job
         ModelParallelStrategy,
     )
 
-    from tierpipe.integrations.lightning import TierpipeCheckpoint, _refusal
+    from tierpipe.integrations.lightning import TierpipeCheckpoint
+    from tierpipe.integrations.model_parallel import refusal
 
     cb = TierpipeCheckpoint(job, settings=settings)
     trainer: Any = SimpleNamespace(strategy=FSDPStrategy())
@@ -135,4 +136,4 @@ def test_fsdp1_and_deepspeed_are_refused_with_the_reason(settings: Settings, job
         cb.setup(trainer, pl.LightningModule(), "fit")
     # (DeepSpeed itself is not installed: an uninitialised strategy object stands for it)
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
-    assert "ZeRO-partitioned" in _refusal(deepspeed)
+    assert "ZeRO-partitioned" in refusal(deepspeed)

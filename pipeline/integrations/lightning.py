@@ -26,7 +26,6 @@ Needs `pip install 'tierpipe[lightning]'`; `import tierpipe` never imports Light
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -36,7 +35,6 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO
     from lightning.pytorch.callbacks import Checkpoint
-    from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError(
@@ -44,6 +42,7 @@ except ImportError as e:  # pragma: no cover - only without the extra
     ) from e
 
 from tierpipe.errors import ConfigError, UnsupportedStateError
+from tierpipe.integrations.model_parallel import ShardedLoad, is_sharded
 from tierpipe.names import validate_token
 from tierpipe.trainer.checkpointer import Checkpointer
 from tierpipe.tree import encode_tree
@@ -212,7 +211,7 @@ class TierpipeCheckpoint(Checkpoint):
         self._checkpointer: Checkpointer | None = None
         self._io: TierpipeCheckpointIO | None = None
         self._guards: list[RemovableHandle] = []
-        self._sharded_load: Callable[..., dict[str, Any]] | None = None
+        self._sharded_load: ShardedLoad | None = None
         self._last_saved: int | None = None
         self._dropped_warned = False
 
@@ -264,19 +263,12 @@ class TierpipeCheckpoint(Checkpoint):
                 `ModelParallelStrategy(save_distributed_checkpoint=False)`.
         """
         strategy = trainer.strategy
-        sharded = isinstance(strategy, ModelParallelStrategy)
-        if isinstance(strategy, ModelParallelStrategy):
-            if not strategy._save_distributed_checkpoint:
-                raise ConfigError(
-                    "TierpipeCheckpoint saves each rank's DTensor shards: use "
-                    "ModelParallelStrategy(save_distributed_checkpoint=True) (the default)"
-                )
-        elif type(strategy).load_checkpoint is not Strategy.load_checkpoint:
-            raise ConfigError(_refusal(strategy))
+        sharded = is_sharded(strategy)
         if self._checkpointer is None:
             self._checkpointer = self._open(trainer)
         if sharded:
-            self._hook_sharded_load(trainer)
+            self._sharded_load = ShardedLoad(trainer, _parse_resume_path, self._restore)
+            self._sharded_load.install()
         io = strategy.checkpoint_io
         if isinstance(io, TierpipeCheckpointIO):  # another trainer's or an earlier stage's
             io = io.base
@@ -329,63 +321,12 @@ class TierpipeCheckpoint(Checkpoint):
         agent still writes the saves staged so far."""
         self._close(trainer, wait=False)
 
-    def _hook_sharded_load(self, trainer: pl.Trainer) -> None:
-        """Answer `tierpipe:` paths of `ModelParallelStrategy.load_checkpoint` (which loads a
-        DCP folder itself, without `CheckpointIO`) from tierpipe; any other path goes on to the
-        strategy's own method."""
-        strategy = trainer.strategy
-        own = type(strategy).load_checkpoint
-
-        def load_checkpoint(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-            ours, step = _parse_resume_path(path)
-            if not ours:
-                return own(strategy, path, weights_only=weights_only)
-            return self._restore_sharded(trainer, step)
-
-        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign,assignment]
-        self._sharded_load = load_checkpoint
-
-    def _restore_sharded(self, trainer: pl.Trainer, step: int | None) -> dict[str, Any]:
-        """Restore a ModelParallel checkpoint: the model's and the optimizers' DTensor state
-        dicts of this run's mesh are the targets (in place on the saved mesh, resharded on
-        another), then loaded as `ModelParallelStrategy.load_checkpoint` does; Lightning
-        restores the rest (loops, LR schedulers, callbacks) from the returned dict."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        module = trainer.strategy.model
-        assert module is not None
-        optimizers = list(trainer.strategy.optimizers)
-        into = {
-            "state_dict": get_model_state_dict(module),
-            "optimizer_states": [get_optimizer_state_dict(module, o) for o in optimizers],
-        }
-        state = self._restore(step, into=into)
-        saved = state.get("optimizer_states", [])
-        if optimizers and len(saved) != len(optimizers):  # (none outside fit: weights only)
-            raise ConfigError(
-                f"the checkpoint holds {len(saved)} optimizer states, this run has "
-                f"{len(optimizers)} optimizers"
-            )
-        strict = trainer.lightning_module.strict_loading
-        set_model_state_dict(module, state["state_dict"], options=_options(strict))
-        for optimizer, osd in zip(optimizers, saved if optimizers else [], strict=True):
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=osd)
-        return state
-
     def _close(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for guard in self._guards:
             guard.remove()
         self._guards = []
-        strategy = trainer.strategy
-        if self._sharded_load is not None and (
-            strategy.__dict__.get("load_checkpoint") is self._sharded_load
-        ):
-            del strategy.load_checkpoint
+        if self._sharded_load is not None:
+            self._sharded_load.remove()
         self._sharded_load = None
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.base
@@ -452,7 +393,7 @@ class TierpipeCheckpoint(Checkpoint):
             log.warning("lightning_hparams_dropped", job=self.job, keys=dropped)
         return out
 
-    def _restore(self, step: int | None, *, into: Any = None) -> dict[str, Any]:
+    def _restore(self, step: int | None, into: Any = None) -> dict[str, Any]:
         restored = self.checkpointer.restore(into, step=step)
         # Lightning may call the epoch-end hooks of the restored step again: not a new save.
         self._last_saved = restored.step
@@ -464,36 +405,6 @@ class TierpipeCheckpoint(Checkpoint):
             )
         log.info("lightning_checkpoint_restored", job=self.job, step=restored.step)
         return state
-
-
-def _options(strict: bool) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=strict)
-
-
-def _refusal(strategy: Strategy) -> str:
-    """Why `strategy` cannot resume through TierpipeCheckpoint."""
-    name = type(strategy).__name__
-    if "DeepSpeed" in name:
-        why = (
-            "DeepSpeed keeps the ZeRO-partitioned weights and optimizer state inside its engine, "
-            "which saves and loads them only as its own files (engine.save_checkpoint / "
-            "load_checkpoint), never as a state dict of tensors tierpipe could store"
-        )
-    elif "FSDP" in name:
-        why = (
-            "FSDPStrategy is FSDP1: its sharded state dicts hold ShardedTensors of "
-            "FlatParameters and its optimizer state comes from FSDP.optim_state_dict, both "
-            "loaded only by the strategy from a DCP folder; tierpipe stores DTensor shards: use "
-            "ModelParallelStrategy (FSDP2's fully_shard and tensor parallel in configure_model)"
-        )
-    else:
-        why = "it loads checkpoints itself, bypassing CheckpointIO"
-    return (
-        f"TierpipeCheckpoint supports single device, DDP and ModelParallelStrategy, not {name}: "
-        f"{why}"
-    )
 
 
 def _encodable(value: Any) -> bool:
