@@ -129,3 +129,24 @@ def test_trainer_resumes_bitwise_from_tierpipe(
     # Every log entry (losses, grad norms, learning rates, eval losses) matches, including
     # those logged before the crash, which came back with the trainer state.
     assert history(resumed)[:-1] == history(uninterrupted)[:-1]
+
+
+def test_fsdp_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """FSDP (here FSDP2) is refused when the Trainer starts the callback, saying why: on CPU
+    accelerate does not even run it (it drops the FSDP plugin and trains DDP; a Trainer of one
+    process refuses FSDP itself, so the callback's hook is called directly)."""
+    from transformers import TrainerControl, TrainerState
+
+    from tierpipe.errors import ConfigError
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        fsdp="full_shard",
+        fsdp_config={"fsdp_version": 2},
+        report_to=[],
+        max_steps=1,
+    )
+    cb = TierpipeCallback("j")
+    with pytest.raises(ConfigError, match=r"FSDP training yet.*on CPU it drops the FSDP plugin"):
+        cb.on_init_end(args, TrainerState(), TrainerControl())

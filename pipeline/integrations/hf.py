@@ -71,8 +71,8 @@ class TierpipeCallback(TrainerCallback):
         settings: tierpipe settings; default `load_settings()`.
 
     Raises:
-        ConfigError: (at `Trainer(...)`) DeepSpeed or FSDP is enabled: their sharded states are
-            not what `model.state_dict()` holds on each rank.
+        ConfigError: (at `Trainer(...)`) DeepSpeed or FSDP is enabled (the message says why;
+            see the README's integrations section).
     """
 
     def __init__(
@@ -164,8 +164,21 @@ class TierpipeCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
-        if args.deepspeed or args.fsdp:
-            raise ConfigError("TierpipeCallback does not support DeepSpeed or FSDP training")
+        if args.deepspeed:
+            raise ConfigError(
+                "TierpipeCallback does not support DeepSpeed: the ZeRO-partitioned weights and "
+                "optimizer state live inside the DeepSpeed engine, saved and loaded only as its "
+                "own checkpoint files, never as a state dict of tensors tierpipe could store"
+            )
+        if args.fsdp:
+            raise ConfigError(
+                "TierpipeCallback does not support FSDP training yet: the Trainer saves and "
+                "loads FSDP state through accelerate (save_fsdp_model/load_fsdp_model), and "
+                "accelerate runs FSDP only on accelerators (on CPU it drops the FSDP plugin and "
+                "trains DDP), so this support is untested and refused; for FSDP2 state use "
+                "tierpipe's Checkpointer with get_state_dict/set_state_dict (DTensor state) or "
+                "Lightning's ModelParallelStrategy with TierpipeCheckpoint"
+            )
         self._args = args
 
     def on_step_begin(

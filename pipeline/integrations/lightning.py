@@ -11,6 +11,11 @@ callback wraps the strategy's plugin in a `TierpipeCheckpointIO` that answers th
 to the plugin it wraps. So `trainer.fit(model, ckpt_path="tierpipe:latest")` restores exactly what
 a `.ckpt` file would, through Lightning's own restore path.
 
+`ModelParallelStrategy` (FSDP2 and tensor parallel, DTensor state) loads its checkpoints itself,
+not through `CheckpointIO`: there the callback answers `tierpipe:` paths of the strategy's
+`load_checkpoint` instead, restoring the model's and optimizers' DTensor state dicts of this
+run's mesh in place (the saved mesh) or resharded (another world size or mesh).
+
     cb = TierpipeCheckpoint("my-run", every_n_train_steps=500)
     trainer = Trainer(callbacks=[cb], max_epochs=10)
     trainer.fit(model, datamodule=dm, ckpt_path=cb.resume_path(trainer))
@@ -30,7 +35,6 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO
     from lightning.pytorch.callbacks import Checkpoint
-    from lightning.pytorch.strategies import Strategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError(
@@ -38,6 +42,7 @@ except ImportError as e:  # pragma: no cover - only without the extra
     ) from e
 
 from tierpipe.errors import ConfigError, UnsupportedStateError
+from tierpipe.integrations.model_parallel import ShardedLoad, is_sharded
 from tierpipe.names import validate_token
 from tierpipe.trainer.checkpointer import Checkpointer
 from tierpipe.tree import encode_tree
@@ -153,9 +158,10 @@ class TierpipeCheckpoint(Checkpoint):
     which asks the first `Checkpoint` callback).
 
     Resume with `trainer.fit(model, ckpt_path=cb.resume_path(trainer))`, or pass
-    `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies load
-    checkpoints through `CheckpointIO` on every rank: single device and DDP (not FSDP,
-    DeepSpeed or ModelParallel, which load sharded checkpoints themselves). A resume from an
+    `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies: single
+    device, DDP, and `ModelParallelStrategy` (each rank saves its DTensor shards; a resume on
+    another world size or mesh reshards them). Not `FSDPStrategy` (FSDP1: ShardedTensor state)
+    nor DeepSpeed (state only in the engine's own files). A resume from an
     epoch-end save is exact; one from a mid-epoch save is exact only if the dataloaders are
     stateful (`state_dict()`/`load_state_dict()`): otherwise Lightning warns and the rest of that
     epoch reads batches from the epoch's start.
@@ -205,6 +211,7 @@ class TierpipeCheckpoint(Checkpoint):
         self._checkpointer: Checkpointer | None = None
         self._io: TierpipeCheckpointIO | None = None
         self._guards: list[RemovableHandle] = []
+        self._sharded_load: ShardedLoad | None = None
         self._last_saved: int | None = None
         self._dropped_warned = False
 
@@ -251,16 +258,17 @@ class TierpipeCheckpoint(Checkpoint):
         """Open this rank's `Checkpointer` and wrap the strategy's `CheckpointIO`.
 
         Raises:
-            ConfigError: the strategy loads checkpoints without `CheckpointIO`.
+            ConfigError: the strategy loads checkpoints without `CheckpointIO` and is not
+                `ModelParallelStrategy` (FSDP1, DeepSpeed: the message says why), or
+                `ModelParallelStrategy(save_distributed_checkpoint=False)`.
         """
         strategy = trainer.strategy
-        if type(strategy).load_checkpoint is not Strategy.load_checkpoint:
-            raise ConfigError(
-                f"TierpipeCheckpoint resumes through CheckpointIO, which "
-                f"{type(strategy).__name__} bypasses (use a single device or DDP)"
-            )
+        sharded = is_sharded(strategy)
         if self._checkpointer is None:
             self._checkpointer = self._open(trainer)
+        if sharded:
+            self._sharded_load = ShardedLoad(trainer, _parse_resume_path, self._restore)
+            self._sharded_load.install()
         io = strategy.checkpoint_io
         if isinstance(io, TierpipeCheckpointIO):  # another trainer's or an earlier stage's
             io = io.base
@@ -317,6 +325,9 @@ class TierpipeCheckpoint(Checkpoint):
         for guard in self._guards:
             guard.remove()
         self._guards = []
+        if self._sharded_load is not None:
+            self._sharded_load.remove()
+        self._sharded_load = None
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.base
         self._io = None
@@ -382,8 +393,8 @@ class TierpipeCheckpoint(Checkpoint):
             log.warning("lightning_hparams_dropped", job=self.job, keys=dropped)
         return out
 
-    def _restore(self, step: int | None) -> dict[str, Any]:
-        restored = self.checkpointer.restore(step=step)
+    def _restore(self, step: int | None, into: Any = None) -> dict[str, Any]:
+        restored = self.checkpointer.restore(into, step=step)
         # Lightning may call the epoch-end hooks of the restored step again: not a new save.
         self._last_saved = restored.step
         state = restored.state
