@@ -24,7 +24,6 @@ restore of a sharded checkpoint).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch
 
 from tierpipe.errors import LayoutMismatchError
 from tierpipe.schemas import BLOCK_BYTES
+from tierpipe.storage.sharding import parse_placement as stored_placement
 from tierpipe.tree import placement_text
 
 __all__ = (
@@ -53,25 +53,21 @@ Runs = tuple[tuple[int, int], ...]
 #: Local positions along one dimension: runs of (local start, length), in order.
 Pick = tuple[tuple[int, int], ...]
 
-_PLACEMENT = re.compile(r"R|S(\d+)|SS(\d+):(\d+)")
-
 
 def parse_placement(text: str, ndim: int) -> tuple[str, int, int]:
-    """("R" | "S" | "SS", tensor dim, split factor) of a stored placement.
+    """("R" | "S" | "SS", tensor dim, split factor) of a stored placement
+    (`tierpipe.storage.sharding.parse_placement`, checked against an `ndim`-d tensor).
 
     Raises:
         LayoutMismatchError: not a placement this build reads, or a dim out of range.
     """
-    m = _PLACEMENT.fullmatch(text)
-    if m is None:
-        raise LayoutMismatchError(f"placement {text!r} is not one a restore can reshard")
-    if text == "R":
-        return "R", 0, 1
-    dim = int(m.group(1) if m.group(1) is not None else m.group(2))
-    split = 1 if m.group(3) is None else int(m.group(3))
-    if not 0 <= dim < ndim or split < 1:
+    try:
+        kind, dim, split = stored_placement(text)
+    except ValueError as e:
+        raise LayoutMismatchError(f"placement {text!r} is not one a restore can reshard") from e
+    if kind != "R" and not 0 <= dim < ndim:
         raise LayoutMismatchError(f"placement {text!r} does not fit a {ndim}-d tensor")
-    return ("S" if m.group(1) is not None else "SS"), dim, split
+    return kind, dim, split
 
 
 def placements_of(placements: Iterable[object]) -> tuple[str, ...]:
