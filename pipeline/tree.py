@@ -126,7 +126,7 @@ def _encode(
         tensors.append(_check_tensor(v, path))
         return ["T", len(tensors) - 1]
     np = sys.modules.get("numpy")  # numpy values can only exist if numpy was imported
-    if np is not None and isinstance(v, np.ndarray | np.generic):
+    if np is not None and hasattr(np, "generic") and isinstance(v, np.ndarray | np.generic):
         return _encode_numpy(np, v, path, tensors, paths)
     if isinstance(v, int):  # subclasses (IntEnum, ...) are stored as their base type
         v = int(v)
@@ -264,9 +264,10 @@ def _check_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
 
 def is_dtensor(v: object) -> bool:
     """Whether `v` is a `torch.distributed.tensor.DTensor` (none exists unless that module was
-    imported, so a state without one never imports torch.distributed)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(v, module.DTensor)
+    imported, so a state without one never imports torch.distributed; nor until the module,
+    maybe being imported by another thread, has defined it)."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(v, cls)
 
 
 def placement_text(p: object) -> str | None:

@@ -42,7 +42,8 @@ def main() -> None:
             "rounds": restored.rounds,
             "sums": sums,
         }))  # fmt: skip
-    finally:
+    finally:  # (no rank tears gloo down while another is still in a collective)
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -112,7 +112,8 @@ def main() -> None:
         if mode == "restore":
             train(model, optimizer, 1, seed=9)  # and training goes on from it
         print(json.dumps(result))
-    finally:
+    finally:  # (no rank tears gloo down while another is still in a collective)
+        dist.barrier()
         dist.destroy_process_group()
 
 

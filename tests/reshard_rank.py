@@ -84,7 +84,8 @@ def main() -> None:
             "step": restored.step, "tier": restored.source.tier, "agreement": restored.agreement,
             "rounds": restored.rounds, "r": restored.state["r"], "sums": sums,
         }))  # fmt: skip
-    finally:
+    finally:  # (no rank tears gloo down while another is still in a collective)
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -444,3 +444,21 @@ def _relpath(job: str, step: int, rank: int, world: int) -> Any:
     from tierpipe.names import shard_relpath
 
     return shard_relpath(job, step, rank, world)
+
+
+def test_a_plain_state_saves_while_another_thread_imports_torch_distributed_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`torch.distributed.tensor` is in `sys.modules` before it defines `DTensor` (another thread
+    of the trainer is importing it): a plain tensor is still no DTensor, and its state encodes
+    (CI's fault model failed a save with "partially initialized module ... no attribute
+    'DTensor'")."""
+    import types
+
+    from tierpipe.tree import encode_tree, is_dtensor
+
+    monkeypatch.setitem(
+        sys.modules, "torch.distributed.tensor", types.ModuleType("torch.distributed.tensor")
+    )
+    assert not is_dtensor(torch.zeros(3))
+    assert encode_tree({"w": torch.zeros(3), "step": 1})

@@ -79,7 +79,8 @@ def _load(folder: str, rank: int, world: int, store: str) -> dict[str, Any]:
         dcp.load(state, checkpoint_id=folder)
         optimizer.load_state_dict(state["optim"])
         return {"sums": sums({"model": model.state_dict(), "optim": optimizer.state_dict()})}
-    finally:
+    finally:  # (no rank tears gloo down while another is still in a collective)
+        dist.barrier()
         dist.destroy_process_group()
 
 

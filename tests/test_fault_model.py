@@ -44,6 +44,7 @@ def state(step: int, value: float) -> dict[str, object]:
     return {"w": torch.full((4096,), value), "step": step}
 
 
+@pytest.mark.timeout(480)  # (4 examples of 8 rules: agents killed and started, on 2 loaded cores)
 def test_pipeline_keeps_its_invariants_under_random_faults(
     settings: Settings,
     job: str,

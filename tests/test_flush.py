@@ -231,10 +231,19 @@ def test_retention_over_twelve_steps_matches_the_policy(
     wait_until(lambda: in_s3() == policy_s3(), 60, "retention in object storage")
     uploaded = {e.step for e in events.all("flushed") if isinstance(e, ShardFlushed)}
     assert {4, 8, 12} <= uploaded and len(uploaded) < 12, uploaded
-    evicted = [e for e in events.all("evicted") if isinstance(e, ShardEvicted) and e.tier != "ram"]
-    assert sorted((e.tier, e.step) for e in evicted if e.rank == 0) == sorted(
-        [("nvme", s) for s in range(1, 11)] + [("s3", s) for s in uploaded - set(in_s3())]
-    )
+    gone_from_s3 = uploaded - set(in_s3())
+    want = sorted([("nvme", s) for s in range(1, 11)] + [("s3", s) for s in gone_from_s3])
+
+    def announced() -> list[tuple[str, int]]:  # (an announcement follows its deletion)
+        evicted = events.all("evicted")
+        return sorted(
+            (e.tier, e.step)
+            for e in evicted
+            if isinstance(e, ShardEvicted) and e.tier != "ram" and e.rank == 0
+        )
+
+    wait_until(lambda: announced() == want, 30, "every removal announced")
+    assert announced() == want
 
 
 def test_flush_rate_can_be_changed_and_paused_at_run_time(

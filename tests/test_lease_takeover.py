@@ -171,3 +171,35 @@ def test_what_shows_a_holder_gone() -> None:
 
 async def _never(job: str, step: int, world_size: int) -> None:
     raise AssertionError("no removal")
+
+
+def test_a_restart_whose_fold_loses_the_lease_waits_and_folds_again(
+    settings: Settings, job: str
+) -> None:
+    """A rank folding the job state itself (no coordinator held the lease) that finds a key
+    changed under it (another coordinator began meanwhile: an agent restarted) does not fail
+    the restart with `LeaseLostError`: it goes on waiting for the state, and bids again."""
+    publish(settings, saved(job, 1, 0, "node-b") + saved(job, 1, 1, "node-b"))
+
+    async def main() -> None:
+        async with Bus(settings) as bus, Bus(settings) as other_bus:
+            store = await JobStore(bus.js, settings).open()
+            other = await JobStore(other_bus.js, settings).open()
+            revision, raced = store.kv.revision, []
+
+            async def revision_then_another_writes(key: str) -> int:
+                rev = await revision(key)
+                if not raced:  # (once: the other coordinator's write lands under this one)
+                    raced.append(key)
+                    await other.kv.put(key, b"{}")
+                return rev
+
+            store.kv.revision = revision_then_another_writes  # type: ignore[method-assign]
+            head = await current_head(
+                bus, store, settings, job=job, holder="node-c-rank-0",
+                deadline=time.monotonic() + 30,
+            )  # fmt: skip
+            assert raced, "the fold never wrote a key"
+            assert head is not None and head.s3_steps == [1], head
+
+    anyio.run(main)
