@@ -13,8 +13,8 @@ at once; one of another step is remembered (in memory, acked) and uploaded, its 
 published here, if the floors (watched) name its step (a newer one, or a lower one after a
 rewind: then found again from this node's events); those below a new target are forgotten (evict
 removes them as superseded). An upload of a step the job no longer wants is cancelled (its
-multipart upload aborted), and an object completed just as the floors passed its step is removed
-again, unreported. A job state that cannot be read defers the upload, never starts it.
+multipart upload aborted, its copy maybe gone), and an object completed just as the floors passed
+its step is removed again, unreported. A job state that cannot be read defers the upload.
 
 The upload rate is `flush_max_bytes_per_s`, changed at run time by `FlushControl` messages on
 `tp.ctl.flush` (every node) or `tp.ctl.flush.<node>`; the newest of those is applied at start too,
@@ -144,10 +144,11 @@ async def handle(ctx: Flush, event: ShardVerified, attempt: int) -> ShardFlushed
 
 async def _upload(ctx: Flush, event: ShardVerified, path: Path) -> ShardFlushed | None:
     """Upload the shard at `path` (`handle`, after the checks)."""
-    shard = (event.job, event.step, event.rank, event.world_size)
-    if not await anyio.Path(path).exists():
-        raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
-    location = ctx.s3.locate(*shard)
+    if not await anyio.Path(path).exists():  # (retention took it: fine if no longer kept)
+        if await _kept(ctx, event, "upload_skipped"):
+            raise ShardFormatError(event.path, "no longer on NVMe (evicted unflushed?)")
+        return None
+    location = ctx.s3.locate(event.job, event.step, event.rank, event.world_size)
     source = SealedFile(path, event.header_digest, event.epoch, event.step)
     try:
         async with ctx.uploads.hold(location):
@@ -223,8 +224,7 @@ async def _upload_all(ctx: Flush, events: list[ShardVerified]) -> None:
         while True:
             try:
                 with unit_of_work(job=event.job, step=event.step, rank=event.rank):
-                    # (a step below the floors is skipped: `handle` says None)
-                    if (flushed := await handle(ctx, event, 0)) is not None:
+                    if (flushed := await handle(ctx, event, 0)) is not None:  # (None: skipped)
                         await ctx.bus.publish(flushed)
                         batch = Batcher(ctx.bus)
                         batch.add(flushed)

@@ -262,3 +262,39 @@ def test_an_object_completed_as_the_floors_pass_its_step_is_removed_again(
     event = verified_copy(settings, job, 1, mib=1)
     assert flush_one(settings, event, lambda: True, after_upload=True) is None
     assert objects(settings, s3_server) == {}
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_copy_gone_when_its_upload_starts_fails_only_if_the_step_is_still_kept(
+    settings: Settings, job: str, s3_server, kept: bool
+) -> None:
+    """Retention removed the NVMe copy between the flush's checks and its upload: a step object
+    storage no longer keeps (superseded) is skipped, no failure; a step it still keeps is a
+    failure ("no longer on NVMe"). CI's chaos test saw the first reported as the second."""
+    from tierpipe.errors import ShardFormatError
+
+    event = verified_copy(settings, job, 1, mib=1)
+    Path(event.path).unlink()
+    floors = Floors(upload=1) if kept else Floors(nvme=3, s3=3, upload=3)
+
+    async def main() -> ShardFlushed | ShardFormatError | None:
+        async with Bus(settings) as bus:
+            await bus.ensure_job_stream(job)
+            store = await JobStore(bus.js, settings).open()
+            await store.kv.put(floor_key(job), msgspec.json.encode(floors))
+            result: list[ShardFlushed | ShardFormatError | None] = []
+            with anyio.CancelScope() as scope:  # (the stage's background work runs until then)
+                async with flush_stage.open(settings, bus) as ctx:
+                    try:
+                        result.append(await flush_stage._upload(ctx, event, Path(event.path)))
+                    except ShardFormatError as e:
+                        result.append(e)
+                    scope.cancel()
+            return result[0]
+
+    result = anyio.run(main)
+    if kept:
+        assert isinstance(result, ShardFormatError) and "no longer on NVMe" in str(result)
+    else:
+        assert result is None
+    assert objects(settings, s3_server) == {}
