@@ -7,6 +7,7 @@ first use, so node agents (which never touch tensors) do not pay for importing t
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from tierpipe import errors
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from tierpipe.trainer.checkpointer import Checkpointer
     from tierpipe.trainer.handle import SaveHandle, SaveStats
 
+try:
+    #: The installed distribution's version (`tierpipe --version` prints it).
+    __version__ = importlib.metadata.version("tierpipe")
+except importlib.metadata.PackageNotFoundError:  # (a source tree on sys.path, not installed)
+    __version__ = "0+unknown"
+
 _LAZY = {
     "Checkpointer": "tierpipe.trainer.checkpointer",
     "SaveHandle": "tierpipe.trainer.handle",
@@ -29,6 +36,7 @@ _LAZY = {
 }
 
 __all__ = (
+    "__version__",
     "Checkpointer",
     "Keep",
     "SaveHandle",

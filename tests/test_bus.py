@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from tests.conftest import make_staged as staged
 from tierpipe.bus.client import Bus, redact_url
-from tierpipe.bus.consumer import ensure_consumer, fetch, missing, pull
+from tierpipe.bus.consumer import FETCH_WAIT_S, ensure_consumer, fetch, missing, pull
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import stream_name
@@ -90,6 +90,29 @@ async def test_ensure_consumer_updates_changed_config(own_server: NatsServer) ->
         await ensure_consumer(bus, J, "verify_n1", ["tp.j1.written.n1.*"])
         info = await bus.js.consumer_info(stream_name(s.stream, J), "verify_n1")
         assert info.config.ack_wait == 12.0 and info.config.max_deliver == 3
+
+
+async def test_an_idle_long_poll_is_no_failure(own_server: NatsServer) -> None:
+    """Fetches from idle consumers return nothing, never an error: nats-py ends some idle pulls
+    with the builtin `TimeoutError` (no message), which the agent logged as 283 `fetch_failed`
+    warnings ("fetch: ") in 30 minutes of a healthy run."""
+    s = load_settings(env={}, nats_url=own_server.url)
+    async with Bus(s) as bus:
+        await bus.ensure_stream(J)
+        subs = []
+        for i in range(8):
+            await ensure_consumer(bus, J, f"idle_{i}", [f"tp.j1.written.idle{i}.*"])
+            subs.append(await pull(bus, J, f"idle_{i}"))
+        got: list[object] = []
+
+        async def poll(sub: object) -> None:
+            for _ in range(4):  # (as the stages poll: the third such poll ended so on main)
+                got.extend(await fetch(sub, batch=16, timeout=FETCH_WAIT_S))  # type: ignore[arg-type]
+
+        async with anyio.create_task_group() as tg:
+            for sub in subs:
+                tg.start_soon(poll, sub)
+        assert got == []
 
 
 async def test_republished_event_is_deduplicated(settings: Settings, job: str) -> None:

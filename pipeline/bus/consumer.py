@@ -110,12 +110,12 @@ async def fetch(
     """Up to `batch` messages from a pull subscription; [] when none arrive in `timeout`."""
     try:
         return await sub.fetch(batch, timeout=timeout)
-    except nats.errors.TimeoutError:
-        return []
+    except (nats.errors.TimeoutError, TimeoutError):  # (nats-py ends some idle pulls with the
+        return []  # builtin one: nothing came, no failure)
     except UNAVAILABLE as e:
-        raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
+        raise BusUnavailableError(f"fetch: {text(e)}") from e
     except nats.errors.Error as e:
-        raise BusUnavailableError(f"fetch: {e or type(e).__name__}") from e
+        raise BusUnavailableError(f"fetch: {text(e)}") from e
 
 
 class StageConsumer:

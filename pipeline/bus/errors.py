@@ -43,4 +43,4 @@ def translate(what: str, *, keep: tuple[type[Exception], ...] = ()) -> Iterator[
             raise BusUnavailableError(f"{what}: JetStream unavailable") from e
         raise BusError(f"{what}: {e.description or e}") from e
     except UNAVAILABLE as e:
-        raise BusUnavailableError(f"{what}: {e or type(e).__name__}") from e
+        raise BusUnavailableError(f"{what}: {str(e) or type(e).__name__}") from e

@@ -123,7 +123,7 @@ async def watch(
     except nats.js.errors.APIError as e:
         raise BusError(f"watch {subject}: {e.description or e}") from e
     except UNAVAILABLE as e:
-        raise BusUnavailableError(f"watch {subject}: {e or type(e).__name__}") from e
+        raise BusUnavailableError(f"watch {subject}: {str(e) or type(e).__name__}") from e
     try:
         yield Watch(sub, subject)
     finally:
@@ -298,7 +298,7 @@ async def collect_raw(
         except nats.js.errors.APIError as e:
             raise BusError(f"replay {subject}: {e.description or e}") from e
         except UNAVAILABLE as e:
-            raise BusUnavailableError(f"replay {subject}: {e or type(e).__name__}") from e
+            raise BusUnavailableError(f"replay {subject}: {str(e) or type(e).__name__}") from e
         expected = info.num_pending or 0
         if len(bodies) >= expected:
             done.set()

