@@ -175,3 +175,73 @@ def test_unstorable_callback_state_stops_the_save(
         trainer(1, cb, Opaque()).fit(Boring(seed=0))
     assert e.value.path == ("callbacks", "Opaque", "where")
     assert "state_dict()" in e.value.reason
+
+
+class Shuffled(Boring):
+    """`Boring` with dropout (draws from torch's RNG every step) and a shuffled
+    `StatefulDataLoader` (its sampler's position and generator are in the checkpoint)."""
+
+    def __init__(self, seed: int, shuffle: bool = True) -> None:
+        super().__init__(seed)
+        self.shuffle = shuffle
+        self.drop = torch.nn.Dropout(0.5)
+        self.firsts: dict[int, float] = {}
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        self.firsts[self.trainer.global_step] = x[0, 0].item()
+        loss = torch.nn.functional.mse_loss(self.layer(self.drop(x)), y)
+        self.losses[self.trainer.global_step] = loss.item()
+        return loss
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        g = torch.Generator().manual_seed(1234)
+        n = 16 * BATCHES_PER_EPOCH
+        data = torch.utils.data.TensorDataset(
+            torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g)
+        )
+        return StatefulDataLoader(data, batch_size=16, shuffle=self.shuffle)
+
+
+@pytest.mark.parametrize(
+    ("stop", "shuffle"), [(6, True), (12, False)], ids=["mid_epoch_shuffled", "epoch_end"]
+)
+def test_a_stateful_loader_with_dropout_resumes_bit_for_bit(
+    settings: Settings, agent: Callable[..., Any], job: str, tmp_path: Path, monkeypatch: Any,
+    stop: int, shuffle: bool,
+) -> None:  # fmt: skip
+    """Stopped at step `stop` (mid-epoch: 6, a shuffled loader; an epoch's end: 12) and resumed
+    by a new Trainer and model: every later batch and loss, the weights and the optimizer equal
+    an uninterrupted run's, bit for bit (each rank's RNG is saved with its checkpoint and put
+    back where the uninterrupted run has it). Not tested: a shuffled loader resumed from an
+    epoch's end, whose next epoch Lightning shuffles otherwise (README)."""
+    monkeypatch.chdir(tmp_path)
+    agent()
+    pl.seed_everything(7)
+    reference = Shuffled(seed=0, shuffle=shuffle)
+    trainer(EPOCHS).fit(reference)
+    ref_weights, ref_opt = weights_and_optimizer(reference)
+
+    pl.seed_everything(7)
+    cb = TierpipeCheckpoint(job, every_n_train_steps=3, settings=settings)
+    first = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, max_steps=stop, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+    )  # fmt: skip
+    first.fit(Shuffled(seed=0, shuffle=shuffle))
+    assert stop in nvme_steps(settings, job)
+
+    pl.seed_everything(99)  # (another seed: the resumed run must not depend on it)
+    cb2 = TierpipeCheckpoint(job, every_n_train_steps=3, settings=settings)
+    second = trainer(EPOCHS, cb2)
+    resumed = Shuffled(seed=1, shuffle=shuffle)
+    second.fit(resumed, ckpt_path=cb2.resume_path(second))
+    assert second.global_step == reference.trainer.global_step
+    assert resumed.firsts == {s: v for s, v in reference.firsts.items() if s >= stop}
+    assert resumed.losses == {s: v for s, v in reference.losses.items() if s >= stop}
+    weights, opt = weights_and_optimizer(resumed)
+    for k, v in ref_weights.items():
+        assert torch.equal(weights[k], v), k
+    assert_same_optimizer(ref_opt, opt)

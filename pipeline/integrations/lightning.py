@@ -29,6 +29,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import torch
 from torch.utils.hooks import RemovableHandle
 
 try:
@@ -161,10 +162,12 @@ class TierpipeCheckpoint(Checkpoint):
     `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies: single
     device, DDP, and `ModelParallelStrategy` (each rank saves its DTensor shards; a resume on
     another world size or mesh reshards them). Not `FSDPStrategy` (FSDP1: ShardedTensor state)
-    nor DeepSpeed (state only in the engine's own files). A resume from an
-    epoch-end save is exact; one from a mid-epoch save is exact only if the dataloaders are
-    stateful (`state_dict()`/`load_state_dict()`): otherwise Lightning warns and the rest of that
-    epoch reads batches from the epoch's start.
+    nor DeepSpeed (state only in the engine's own files). Each rank's torch RNG is saved too and
+    put back where the uninterrupted run has it (at an epoch-end save's restore; else as the
+    next batch starts). A resume from a mid-epoch save is exact if the dataloaders are stateful
+    (`StatefulDataLoader`; otherwise Lightning warns and the rest of that epoch reads batches from
+    the epoch's start); from an epoch-end save, except that Lightning shuffles the next epoch of a
+    shuffled loader in another order (as with its own `.ckpt` files).
 
     Args:
         job: the tierpipe job (`[A-Za-z0-9_-]{1,64}`).
@@ -214,6 +217,7 @@ class TierpipeCheckpoint(Checkpoint):
         self._sharded_load: ShardedLoad | None = None
         self._last_saved: int | None = None
         self._dropped_warned = False
+        self._rng: dict[str, Any] | None = None  # (a resumed step's RNG, until put back)
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -308,7 +312,7 @@ class TierpipeCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_on_train_epoch_end:
-            self._save(trainer)
+            self._save(trainer, epoch_end=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Wait for the saves (up to `finish_timeout_s`), unwrap `CheckpointIO`, close."""
@@ -342,7 +346,7 @@ class TierpipeCheckpoint(Checkpoint):
 
     # --- saving and restoring
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, *, epoch_end: bool = False) -> None:
         step = trainer.global_step
         if (
             getattr(trainer, "fast_dev_run", False)  # (set outside Trainer's annotations)
@@ -353,6 +357,7 @@ class TierpipeCheckpoint(Checkpoint):
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint = self._storable(checkpoint)
+        checkpoint[_RNG_KEY] = {**_rng_state(), "epoch_end": epoch_end}
         try:
             handle = self.checkpointer.save(step, checkpoint, blocking=self.blocking)
         except UnsupportedStateError as e:
@@ -403,8 +408,37 @@ class TierpipeCheckpoint(Checkpoint):
                 f"step {restored.step} of job {self.job!r} is not a Lightning checkpoint "
                 "(saved by TierpipeCheckpoint)"
             )
+        self._rng = state.pop(_RNG_KEY, None)
+        if self._rng is not None and self._rng.pop("epoch_end", False):
+            _put_back(self._rng)  # (the next epoch's loaders draw from it, as they did)
+            self._rng = None
         log.info("lightning_checkpoint_restored", job=self.job, step=restored.step)
         return state
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Put back the RNG of a mid-epoch step resumed from, once the loaders drew from it."""
+        _put_back(self._rng)
+        self._rng = None
+
+
+_RNG_KEY = "tierpipe_rng"  # (a checkpoint's key of its rank's torch RNG: CPU, CUDA if used)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _put_back(state: dict[str, Any] | None) -> None:
+    """Set torch's RNG to `state` (if any)."""
+    if state is not None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _encodable(value: Any) -> bool:
