@@ -1,0 +1,75 @@
+"""mkdocs hooks of the API reference (`hooks:` in mkdocs.yml), so `mkdocs build` alone builds it.
+
+- The import package as griffe sees it. griffe (mkdocstrings' reader) reads source files, not
+  imports, and finds a package by its folder's name: tierpipe's folders are `pipeline/`, `stages/`
+  and `schemas/` (pyproject's `package-dir`), so the reference reads a tree of links named as
+  installed, `build/api-src/tierpipe` (the links `make typecheck` makes for mypy).
+- The CLI page's help text, from the command itself at build time, so it never goes stale.
+- Links out of `docs/` (to `deploy/README.md`, say) work when a page is read in the repository,
+  and nowhere in the built site: there they name the repository's file instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from mkdocs.plugins import event_priority
+
+ROOT = Path(__file__).resolve().parent.parent
+#: What mkdocs.yml's mkdocstrings `paths` names.
+API_SRC = ROOT / "build" / "api-src"
+#: The line of a page that the CLI's help replaces.
+CLI_HELP = "<!-- tierpipe --help -->"
+#: A relative Markdown link: (text, target, #anchor).
+_LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)\s#]+)(#[^)\s]*)?\)")
+
+
+# Before the plugins' own: mkdocstrings keeps only the search paths that exist when it starts.
+@event_priority(100)
+def on_config(config: Any) -> Any:
+    """Link `build/api-src/tierpipe` to the repository's folders, as the package installs them."""
+    pkg = API_SRC / "tierpipe"
+    shutil.rmtree(API_SRC, ignore_errors=True)
+    pkg.mkdir(parents=True)
+    for entry in sorted((ROOT / "pipeline").iterdir()):
+        if entry.suffix == ".py" or (entry / "__init__.py").is_file():
+            (pkg / entry.name).symlink_to(entry)
+    for folder in ("stages", "schemas"):
+        (pkg / folder).symlink_to(ROOT / folder)
+    return config
+
+
+def on_page_markdown(markdown: str, *, page: Any, config: Any, **kwargs: Any) -> str:
+    """Name the repository's file for a link out of `docs/`; put in the CLI's help."""
+    folder = (Path(config["docs_dir"]) / page.file.src_uri).parent
+    markdown = _LINK.sub(lambda m: _outside(m, folder, Path(config["docs_dir"])), markdown)
+    if CLI_HELP not in markdown:
+        return markdown
+    return markdown.replace(CLI_HELP, _cli_help())
+
+
+def _outside(link: re.Match[str], folder: Path, docs: Path) -> str:
+    """A link whose target leaves `docs/`, as the path of that file in the repository."""
+    target = (folder / link[2]).resolve()
+    if target.is_relative_to(docs.resolve()):
+        return link[0]
+    path = target.relative_to(ROOT).as_posix()
+    named = f"`{path}{link[3] or ''}` in the repository"
+    return named if link[1] in (path, f"`{path}`") else f"{link[1]} ({named})"
+
+
+def _cli_help() -> str:
+    """`tierpipe --help`, as the installed command prints it, as a Markdown code block."""
+    # A fixed width, so the text wraps the same on every terminal and in CI.
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", "--help"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    return f"```text\n$ tierpipe --help\n{out.stdout.rstrip()}\n```"
