@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,15 +32,29 @@ _LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)\s#]+)(#[^)\s]*)?\)")
 # Before the plugins' own: mkdocstrings keeps only the search paths that exist when it starts.
 @event_priority(100)
 def on_config(config: Any) -> Any:
-    """Link `build/api-src/tierpipe` to the repository's folders, as the package installs them."""
+    """Link `build/api-src/tierpipe` to the repository's folders, as the package installs them.
+
+    Only what differs changes, each link replaced atomically: two builds at once (`make docs`
+    beside the test) never see the tree half made.
+    """
     pkg = API_SRC / "tierpipe"
-    shutil.rmtree(API_SRC, ignore_errors=True)
-    pkg.mkdir(parents=True)
-    for entry in sorted((ROOT / "pipeline").iterdir()):
-        if entry.suffix == ".py" or (entry / "__init__.py").is_file():
-            (pkg / entry.name).symlink_to(entry)
-    for folder in ("stages", "schemas"):
-        (pkg / folder).symlink_to(ROOT / folder)
+    pkg.mkdir(parents=True, exist_ok=True)
+    wanted = {
+        e.name: e
+        for e in (ROOT / "pipeline").iterdir()
+        if e.suffix == ".py" or (e / "__init__.py").is_file()
+    }
+    wanted |= {folder: ROOT / folder for folder in ("stages", "schemas")}
+    for name in os.listdir(pkg):
+        if name not in wanted and not name.startswith("."):  # (a link being made: ".<name>.<pid>")
+            (pkg / name).unlink(missing_ok=True)
+    for name, target in wanted.items():
+        link = pkg / name
+        if not (link.is_symlink() and Path(os.readlink(link)) == target):
+            tmp = pkg / f".{name}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            os.replace(tmp, link)
     return config
 
 
