@@ -4,7 +4,8 @@
   imports, and finds a package by its folder's name: tierpipe's folders are `pipeline/`, `stages/`
   and `schemas/` (pyproject's `package-dir`), so the reference reads a tree of links named as
   installed, `build/api-src/tierpipe` (the links `make typecheck` makes for mypy).
-- The CLI page's help text, from the command itself at build time, so it never goes stale.
+- The CLI page's help text and the errors page's tree, from the code at build time, so neither
+  goes stale.
 - Links out of `docs/` (to `deploy/README.md`, say) work when a page is read in the repository,
   and nowhere in the built site: there they name the repository's file instead.
 """
@@ -20,11 +21,15 @@ from typing import Any
 
 from mkdocs.plugins import event_priority
 
+from tierpipe.errors import TierpipeError
+
 ROOT = Path(__file__).resolve().parent.parent
 #: What mkdocs.yml's mkdocstrings `paths` names.
 API_SRC = ROOT / "build" / "api-src"
 #: The line of a page that the CLI's help replaces.
 CLI_HELP = "<!-- tierpipe --help -->"
+#: The line of a page that the error classes' tree replaces.
+ERROR_TREE = "<!-- error tree -->"
 #: A relative Markdown link: (text, target, #anchor).
 _LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)\s#]+)(#[^)\s]*)?\)")
 
@@ -62,9 +67,11 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, **kwargs: Any) ->
     """Name the repository's file for a link out of `docs/`; put in the CLI's help."""
     folder = (Path(config["docs_dir"]) / page.file.src_uri).parent
     markdown = _LINK.sub(lambda m: _outside(m, folder, Path(config["docs_dir"])), markdown)
-    if CLI_HELP not in markdown:
-        return markdown
-    return markdown.replace(CLI_HELP, _cli_help())
+    if CLI_HELP in markdown:
+        markdown = markdown.replace(CLI_HELP, _cli_help())
+    if ERROR_TREE in markdown:
+        markdown = markdown.replace(ERROR_TREE, "\n".join(_error_tree(TierpipeError)))
+    return markdown
 
 
 def _outside(link: re.Match[str], folder: Path, docs: Path) -> str:
@@ -75,6 +82,21 @@ def _outside(link: re.Match[str], folder: Path, docs: Path) -> str:
     path = target.relative_to(ROOT).as_posix()
     named = f"`{path}{link[3] or ''}` in the repository"
     return named if link[1] in (path, f"`{path}`") else f"{link[1]} ({named})"
+
+
+def _error_tree(
+    error: type[BaseException], depth: int = 0, parent: type | None = None
+) -> list[str]:
+    """A nested list of `error` and its subclasses, each linked to its entry on the page; a
+    class with two bases is under both, and says so."""
+    others = [b.__name__ for b in error.__bases__ if b is not parent and parent is not None]
+    also = f" (also {', '.join(f'`{b}`' for b in others)})" if others else ""
+    name = error.__name__
+    lines = [f"{'    ' * depth}- [`{name}`](#{error.__module__}.{name}){also}"]
+    for sub in sorted(error.__subclasses__(), key=lambda c: c.__name__):
+        if sub.__module__ == error.__module__:
+            lines += _error_tree(sub, depth + 1, error)
+    return lines
 
 
 def _cli_help() -> str:

@@ -95,6 +95,10 @@ def test_the_docs_build_without_a_warning_and_document_the_public_api(tmp_path: 
     }
     assert not any(missing.values()), missing
 
+    errors = (tmp_path / "api" / "errors" / "index.html").read_text()
+    for name in tierpipe.errors.__all__:  # the tree at the top links every class
+        if isinstance(getattr(tierpipe.errors, name), type):
+            assert f'href="#tierpipe.errors.{name}"' in errors, name
     cli = (tmp_path / "cli" / "index.html").read_text()
     assert "usage: tierpipe" in cli
     architecture = (tmp_path / "architecture" / "index.html").read_text()
