@@ -64,7 +64,8 @@ def on_config(config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, *, page: Any, config: Any, **kwargs: Any) -> str:
-    """Name the repository's file for a link out of `docs/`; put in the CLI's help."""
+    """Name the repository's file for a link out of `docs/`; put in the CLI's help and the
+    error tree where a page asks for them."""
     folder = (Path(config["docs_dir"]) / page.file.src_uri).parent
     markdown = _LINK.sub(lambda m: _outside(m, folder, Path(config["docs_dir"])), markdown)
     if CLI_HELP in markdown:
@@ -101,10 +102,12 @@ def _error_tree(
 
 def _cli_help() -> str:
     """`tierpipe --help`, as the installed command prints it, as a Markdown code block."""
+    # The console script beside this Python (the venv's), whatever builds the command.
+    command = Path(sys.executable).with_name("tierpipe")
     # A fixed width, so the text wraps the same on every terminal and in CI.
     env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", "--help"],
+        [str(command), "--help"],
         capture_output=True, text=True, env=env, timeout=120, check=True,
     )  # fmt: skip
     return f"```text\n$ tierpipe --help\n{out.stdout.rstrip()}\n```"
