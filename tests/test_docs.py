@@ -31,9 +31,13 @@ DOCUMENTED = {
         "tierpipe.Checkpointer.latest_step",
         "tierpipe.Checkpointer.wait_until_finished",
         "tierpipe.Checkpointer.resume_flush",
+        "tierpipe.recovery.agree.Restored",  # (what restore() returns)
+        "tierpipe.recovery.agree.Restored.step",
+        "tierpipe.recovery.agree.Restored.state",
         "tierpipe.SaveHandle",
         "tierpipe.SaveHandle.result",
         "tierpipe.SaveStats",
+        "tierpipe.SaveStats.staged",
         "tierpipe.Keep",
         "tierpipe.Keep.s3_every_s",
         "tierpipe.Settings",

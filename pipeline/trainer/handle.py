@@ -35,9 +35,13 @@ _POLL_S = 1.0
 class SaveStats:
     """Counters of this Checkpointer's saves."""
 
+    #: Saves copied into a staging slot.
     staged: int = 0
+    #: Saves skipped for want of a free slot (`slot_policy = "skip"`).
     skipped: int = 0
+    #: Saves that failed (their handles say why).
     failed: int = 0
+    #: The last staged save's seconds from `save()` to its copy done (a blocking save's stall).
     last_stall_s: float = 0.0
 
 
