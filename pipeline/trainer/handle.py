@@ -61,7 +61,9 @@ class SaveHandle:
         catch_up: Callable[[SaveHandle], None] | None = None,
         skipped: bool = False,
     ) -> None:
+        #: The step this save is of.
         self.step = step
+        #: The save was skipped: no staging slot was free (`slot_policy = "skip"`).
         self.skipped = skipped
         self._catch_up = catch_up
         self._cond = threading.Condition()
@@ -125,6 +127,7 @@ class SaveHandle:
                 self._catch_up(self)  # events missed while disconnected
 
     def done(self) -> bool:
+        """Whether the save is over: verified, failed or skipped."""
         with self._cond:
             return self.skipped or self._error is not None or "verified" in self._events
 
@@ -133,6 +136,11 @@ class SaveHandle:
         return self.wait("verified", timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What made the save fail, once it is over (None: verified or skipped).
+
+        Raises:
+            TimeoutError: the save is not over within `timeout` seconds.
+        """
         try:
             self.result(timeout)
         except TimeoutError:
