@@ -4,8 +4,8 @@
   imports, and finds a package by its folder's name: tierpipe's folders are `pipeline/`, `stages/`
   and `schemas/` (pyproject's `package-dir`), so the reference reads a tree of links named as
   installed, `build/api-src/tierpipe` (the links `make typecheck` makes for mypy).
-- The CLI page's help text and the errors page's tree, from the code at build time, so neither
-  goes stale.
+- The CLI page's help text, the errors page's tree and the settings file, from the repository
+  at build time, so none goes stale.
 - Links out of `docs/` (to `deploy/README.md`, say) work when a page is read in the repository,
   and nowhere in the built site: there they name the repository's file instead.
 """
@@ -30,6 +30,8 @@ API_SRC = ROOT / "build" / "api-src"
 CLI_HELP = "<!-- tierpipe --help -->"
 #: The line of a page that the error classes' tree replaces.
 ERROR_TREE = "<!-- error tree -->"
+#: A line of a page that a repository file replaces, as a code block: (path).
+_INCLUDE = re.compile(r"^<!-- include (\S+) -->$", re.M)
 #: A relative Markdown link: (text, target, #anchor).
 _LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)\s#]+)(#[^)\s]*)?\)")
 
@@ -64,15 +66,21 @@ def on_config(config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, *, page: Any, config: Any, **kwargs: Any) -> str:
-    """Name the repository's file for a link out of `docs/`; put in the CLI's help and the
-    error tree where a page asks for them."""
+    """Name the repository's file for a link out of `docs/`; put in the CLI's help, the error
+    tree and the files a page includes where it asks for them."""
     folder = (Path(config["docs_dir"]) / page.file.src_uri).parent
     markdown = _LINK.sub(lambda m: _outside(m, folder, Path(config["docs_dir"])), markdown)
     if CLI_HELP in markdown:
         markdown = markdown.replace(CLI_HELP, _cli_help())
     if ERROR_TREE in markdown:
         markdown = markdown.replace(ERROR_TREE, "\n".join(_error_tree(TierpipeError)))
-    return markdown
+    return _INCLUDE.sub(_include, markdown)
+
+
+def _include(line: re.Match[str]) -> str:
+    """The repository file a page names, as a code block (its language from its suffix)."""
+    path = ROOT / line[1]
+    return f"```{path.suffix.lstrip('.')}\n{path.read_text().rstrip()}\n```"
 
 
 def _outside(link: re.Match[str], folder: Path, docs: Path) -> str:

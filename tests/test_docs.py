@@ -75,8 +75,8 @@ def anchors(page: Path) -> set[str]:
 
 def test_the_docs_build_without_a_warning_and_document_the_public_api(tmp_path: Path) -> None:
     """`make docs`'s build succeeds in strict mode with no warning at all, and every public
-    name (the trainer API, the error tree, the integrations, the schemas, the CLI) has its
-    entry in the built pages."""
+    name (the trainer API, the error tree, the integrations, the schemas, the settings file,
+    the CLI) has its entry in the built pages."""
     out = make_docs(tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "WARNING" not in out.stderr, out.stderr[-4000:]
@@ -103,6 +103,8 @@ def test_the_docs_build_without_a_warning_and_document_the_public_api(tmp_path: 
     for name in tierpipe.errors.__all__:  # the tree at the top links every class
         if isinstance(getattr(tierpipe.errors, name), type):
             assert f'href="#tierpipe.errors.{name}"' in errors, name
+    settings = (tmp_path / "settings" / "index.html").read_text()
+    assert "nats_url = " in settings  # (deploy/tierpipe.example.toml, included)
     cli = (tmp_path / "cli" / "index.html").read_text()
     assert "usage: tierpipe" in cli
     architecture = (tmp_path / "architecture" / "index.html").read_text()
