@@ -94,19 +94,19 @@ def test_the_docs_build_without_a_warning_and_document_the_public_api(tmp_path: 
         for n in exported(f"pipeline/integrations/{name}.py")
     ]
     missing = {
-        page: sorted(set(names) - anchors(tmp_path / page / "index.html"))
+        page: sorted(set(names) - anchors(tmp_path / f"{page}.html"))
         for page, names in wanted.items()
     }
     assert not any(missing.values()), missing
 
-    errors = (tmp_path / "api" / "errors" / "index.html").read_text()
+    errors = (tmp_path / "api" / "errors.html").read_text()
     for name in tierpipe.errors.__all__:  # the tree at the top links every class
         if isinstance(getattr(tierpipe.errors, name), type):
             assert f'href="#tierpipe.errors.{name}"' in errors, name
-    settings = (tmp_path / "settings" / "index.html").read_text()
+    settings = (tmp_path / "settings.html").read_text()
     assert "nats_url = " in settings  # (deploy/tierpipe.example.toml, included)
-    cli = (tmp_path / "cli" / "index.html").read_text()
+    cli = (tmp_path / "cli.html").read_text()
     assert "usage: tierpipe" in cli
-    architecture = (tmp_path / "architecture" / "index.html").read_text()
-    assert 'href="../tiers/"' in architecture
-    assert 'href="../control-plane/"' in architecture
+    architecture = (tmp_path / "architecture.html").read_text()
+    assert 'href="tiers.html"' in architecture
+    assert 'href="control-plane.html"' in architecture
