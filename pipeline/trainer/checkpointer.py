@@ -66,10 +66,10 @@ class Checkpointer:
         keep: the job's retention policy (complete steps kept on NVMe and in object storage,
             the period rule); rank 0 stores it for the job's coordinator. Default: the node
             agents' settings.
-        local_rank: this rank's place among its node's ranks (`rank - local_rank` on): at
-            restore the node's local rank 0 checks all their copies. Default `$LOCAL_RANK`.
-        local_world_size: its node's rank count; default `$LOCAL_WORLD_SIZE`. Both come from
-            torchrun only where both are set; otherwise the rank is a node of its own (0, 1).
+        local_rank: this rank's place among its node's ranks, which are `rank - local_rank` to
+            `rank - local_rank + local_world_size - 1` (at restore, local rank 0 checks them all).
+        local_world_size: its node's rank count. Default for both: `$LOCAL_RANK` and
+            `$LOCAL_WORLD_SIZE` (torchrun) where both are set, else a node of its own (0, 1).
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
