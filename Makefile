@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
 # Test processes in parallel (pytest-xdist): most tests wait on servers and agent processes.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-soak test-gpu lint typecheck format bench-stall bench-nvme bench-plan clean
+.PHONY: demo test test-soak test-gpu lint typecheck docs format bench-stall bench-nvme bench-plan clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -41,6 +41,11 @@ typecheck: $(STAMP)
 	@ln -s "$$PWD/stages" "$$PWD/schemas" build/typecheck/tierpipe/
 	$(VENV)/bin/mypy -p tierpipe
 	$(VENV)/bin/mypy tests/contract_types.py
+
+# The API reference, generated from the docstrings (mkdocs.yml, docs/), into build/docs; any
+# warning (a broken link, a docstring that does not parse) fails it.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/docs
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -88,12 +88,16 @@ log = structlog.get_logger(__name__)
 class Restored:
     """What `Checkpointer.restore()` returns."""
 
+    #: The step restored.
     step: int
+    #: What was restored: the targets given, filled in place, and the values (and tensors with
+    #: no target) as saved.
     state: Any
     #: Where this rank's shard came from.
     source: Source
     #: The plan's bitmap of the ranks rank 0 sent to object storage (`from_s3` lists them).
     s3_bitmap: bytes
+    #: How long the restore took on this rank, planning and agreement included.
     seconds: float
     #: Plans it took (more than 1: a copy was bad and every rank moved to an older step).
     rounds: int

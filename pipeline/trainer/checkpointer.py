@@ -66,10 +66,10 @@ class Checkpointer:
         keep: the job's retention policy (complete steps kept on NVMe and in object storage,
             the period rule); rank 0 stores it for the job's coordinator. Default: the node
             agents' settings.
-        local_rank, local_world_size: this rank's place among the ranks of its node, which are
-            `rank - local_rank` to `rank - local_rank + local_world_size - 1`: at restore the
-            node's local rank 0 checks the copies of all of them. Default `$LOCAL_RANK` and
-            `$LOCAL_WORLD_SIZE` (torchrun) where both are set, else a node of its own.
+        local_rank: this rank's place among its node's ranks, which are `rank - local_rank` to
+            `rank - local_rank + local_world_size - 1` (at restore, local rank 0 checks them all).
+        local_world_size: its node's rank count. Default for both: `$LOCAL_RANK` and
+            `$LOCAL_WORLD_SIZE` (torchrun) where both are set, else a node of its own (0, 1).
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
@@ -382,6 +382,7 @@ class Checkpointer:
         self._control(FlushControl(action="pause", ts=time.time()), this_node_only)
 
     def resume_flush(self, *, this_node_only: bool = False) -> None:
+        """Let uploads held by `pause_flush()` go again (every node's, or this node's)."""
         self._control(FlushControl(action="resume", ts=time.time()), this_node_only)
 
     def set_flush_rate(self, bytes_per_s: int, *, this_node_only: bool = False) -> None:

@@ -35,9 +35,13 @@ _POLL_S = 1.0
 class SaveStats:
     """Counters of this Checkpointer's saves."""
 
+    #: Saves copied into a staging slot.
     staged: int = 0
+    #: Saves skipped for want of a free slot (`slot_policy = "skip"`).
     skipped: int = 0
+    #: Saves that failed (their handles say why).
     failed: int = 0
+    #: The last staged save's seconds from `save()` to its copy done (a blocking save's stall).
     last_stall_s: float = 0.0
 
 
@@ -57,7 +61,9 @@ class SaveHandle:
         catch_up: Callable[[SaveHandle], None] | None = None,
         skipped: bool = False,
     ) -> None:
+        #: The step this save is of.
         self.step = step
+        #: The save was skipped: no staging slot was free (`slot_policy = "skip"`).
         self.skipped = skipped
         self._catch_up = catch_up
         self._cond = threading.Condition()
@@ -121,6 +127,7 @@ class SaveHandle:
                 self._catch_up(self)  # events missed while disconnected
 
     def done(self) -> bool:
+        """Whether the save is over: verified, failed or skipped."""
         with self._cond:
             return self.skipped or self._error is not None or "verified" in self._events
 
@@ -129,6 +136,11 @@ class SaveHandle:
         return self.wait("verified", timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What made the save fail, once it is over (None: verified or skipped).
+
+        Raises:
+            TimeoutError: the save is not over within `timeout` seconds.
+        """
         try:
             self.result(timeout)
         except TimeoutError:
