@@ -26,6 +26,7 @@ __all__ = (
     "MissingCredentialError",
     "NoCheckpointError",
     "NoSpaceError",
+    "NotFoundError",
     "PeerAuthError",
     "PeerUnavailableError",
     "PermanentError",
@@ -149,6 +150,17 @@ class ShardMissingError(PermanentError):
         self.location = location
         self.reason = reason
         super().__init__(f"{location}: {reason}")
+
+
+class NotFoundError(PermanentError):
+    """What a command names (a job, a step, a node) is nowhere it was looked for: a failure of
+    the command (the `tierpipe` exit status 1), not a usage error."""
+
+    def __init__(self, what: str, name: object, looked: str) -> None:
+        self.what = what
+        self.name = name
+        self.looked = looked
+        super().__init__(f"unknown {what} {name!r}: {looked}")
 
 
 class StagingGoneError(PermanentError):

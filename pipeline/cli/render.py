@@ -1,4 +1,4 @@
-"""What `tierpipe status`, `ls` and `events` print, rendered from a job's state in KV and its
+"""What `tierpipe status` and `ls` print, rendered from a job's state in KV and its
 stream. What `tierpipe plan` prints is the plan's own (`tierpipe.recovery.kvplan.KvPlan`: the
 restore planner's answer, said for operators).
 
@@ -9,14 +9,12 @@ default; per-rank detail is for one step at a time.
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tierpipe.bus.history import Raw
+from tierpipe.bus.consumer import Backlog
 from tierpipe.control.bitmap import has_rank
 from tierpipe.control.risk import Risk, RiskTier, TierLag
 from tierpipe.schemas import StageFailed
@@ -31,12 +29,11 @@ from tierpipe.schemas.jobstate import (
 )
 
 __all__ = (
-    "EVENT_KINDS",
     "JobRow",
     "JobView",
     "RankDetail",
-    "event_json_line",
-    "event_line",
+    "backlog_json",
+    "backlog_table",
     "jobs_table",
     "lag_note",
     "newest_confirmed",
@@ -202,6 +199,8 @@ class JobRow:
     #: How far each tier trails the newest save, and the steps a node's loss would cost now
     #: (None: no state).
     risk: Risk | None = None
+    #: The backlog of each stage consumer on its stream (`tierpipe.bus.consumer.backlogs`).
+    backlog: Sequence[Backlog] = ()
 
     @property
     def lag(self) -> int:
@@ -227,6 +226,7 @@ class JobRow:
                 "ts": f.ts, "stage": f.stage, "node": f.node, "step": f.step, "rank": f.rank,
                 "error": f.error, "message": f.message, "retryable": f.retryable,
             },
+            "backlog": [backlog_json(b) for b in self.backlog],
         }  # fmt: skip
 
 
@@ -266,6 +266,38 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
     return _table(out) if rows else "no jobs"
 
 
+#: Consumers `backlog_table` lists whatever their backlog; past that, those with one only.
+BACKLOG_ROWS = 40
+
+
+def backlog_json(b: Backlog) -> dict[str, object]:
+    """One stage consumer's backlog as a JSON-ready object (in `tierpipe ls --json`)."""
+    stage, _, node = b.durable.partition("_")
+    return {"stage": stage, "node": node, "consumer": b.durable, "pending": b.pending,
+            "ack_pending": b.ack_pending, "redelivered": b.redelivered}  # fmt: skip
+
+
+def backlog_table(rows: Sequence[JobRow]) -> str:
+    """Each stage's backlog per node, what `nats consumer info` shows of its consumer: the
+    events not yet delivered to it (pending), delivered and not yet acknowledged (unacked),
+    and delivered more than once (redelivered). Past `BACKLOG_ROWS` consumers, only those
+    with a backlog ("" when no job has a consumer)."""
+    found = [(r.job, b) for r in rows for b in r.backlog]
+    if not found:
+        return ""
+    busy = [(j, b) for j, b in found if b.pending or b.ack_pending or b.redelivered]
+    shown = found if len(found) <= BACKLOG_ROWS else busy
+    out = [("JOB", "STAGE", "NODE", "PENDING", "UNACKED", "REDELIVERED")]
+    for job, b in shown:
+        stage, _, node = b.durable.partition("_")
+        out.append((job, stage, node, str(b.pending), str(b.ack_pending), str(b.redelivered)))
+    lines = ["backlog of each stage's consumer:", _table(out) if shown else "  none"]
+    if len(shown) < len(found):
+        lines.append(f"({len(found) - len(shown)} more consumers have no backlog: --json lists "
+                     "them all)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _tier_cell(steps: Sequence[int], doubts: Mapping[int, str], lag: TierLag | None) -> str:
     """A tier's newest complete step and how far it trails the newest save: `13 (-46, 47s)`
     (steps, seconds), `-` for none; nothing more when it holds the newest save."""
@@ -281,35 +313,6 @@ def _ago(seconds: float) -> str:
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
     return f"{max(seconds, 0):.0f}s"
-
-
-# --- a job's events (`tierpipe events`)
-
-#: What `tierpipe events --kind` takes.
-EVENT_KINDS = (
-    "staged", "written", "verified", "flushed", "evicted", "failed", "batch", "restore", "plan",
-)  # fmt: skip
-
-
-def event_line(raw: Raw) -> str:
-    """`seq  time  subject  body`, the body as stored (compact JSON)."""
-    when = datetime.datetime.fromtimestamp(raw.time).isoformat(sep=" ", timespec="milliseconds")
-    return f"{raw.seq:>8}  {when}  {raw.subject}  {raw.data.decode(errors='replace')}"
-
-
-def event_json_line(raw: Raw) -> str:
-    """One JSON object: seq, time (ISO, UTC), subject, and the event (or `body` when it is not
-    JSON)."""
-    out: dict[str, object] = {
-        "seq": raw.seq,
-        "time": datetime.datetime.fromtimestamp(raw.time, datetime.UTC).isoformat(),
-        "subject": raw.subject,
-    }
-    try:
-        out["event"] = json.loads(raw.data)
-    except ValueError:
-        out["body"] = raw.data.decode(errors="replace")
-    return json.dumps(out)
 
 
 # --- one step, rank by rank
