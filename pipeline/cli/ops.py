@@ -267,7 +267,8 @@ def gc(settings: Settings, job: str, *, apply: bool, min_age_s: float, as_json: 
     from tierpipe.retention.gc import gc as collect
 
     found = anyio.run(lambda: collect(settings, job, apply=apply, min_age_s=min_age_s))
-    print("\n".join(found.json_lines() if as_json else found.lines()))
+    for line in found.json_lines() if as_json else found.lines():
+        print(line)
     return 0
 
 
@@ -286,7 +287,8 @@ def rm(
             "job", job, "nothing of it anywhere: no stream, no job-state keys, no objects, no "
             "files on this node (`tierpipe ls` lists the jobs)",
         )  # fmt: skip
-    print("\n".join(gone.json_lines() if as_json else gone.lines()))
+    for line in gone.json_lines() if as_json else gone.lines():
+        print(line)
     return 0
 
 

@@ -32,7 +32,6 @@ from tierpipe.control.kvstate import JobStore
 from tierpipe.control.risk import read_risk
 from tierpipe.errors import ConfigError, NoCheckpointError, NotFoundError
 from tierpipe.names import (
-    job_subjects,
     shard_relpath,
     shard_subject,
     state_subjects,
@@ -245,22 +244,21 @@ def events(
 
 
 async def _stream_made(bus: Bus, job: str) -> tuple[str, int]:
-    """Wait until `job` has a stream (`Bus.stream_made`): woken by the first message published
-    on its subjects (which makes it), else looked for again every few seconds (a stream made
-    without a message)."""
-    print(
-        f"waiting for job {job!r} (no stream {stream_name(bus.settings.stream, job)} yet)",
-        file=sys.stderr, flush=True,
-    )  # fmt: skip
+    """Wait until `job` has a stream (`Bus.stream_made`): woken by the server's advisory that
+    it made the stream (a core subscription on the job's own subjects would delay the first
+    publish: the server then waits for a stream to answer), and looked for again every few
+    seconds besides."""
+    name = stream_name(bus.settings.stream, job)
+    print(f"waiting for job {job!r} (no stream {name} yet)", file=sys.stderr, flush=True)
     wake = [anyio.Event()]
 
     async def woken(_: object) -> None:
         wake[0].set()
 
-    sub = await bus.subscribe(job_subjects(job), woken)
+    sub = await bus.subscribe(f"$JS.EVENT.ADVISORY.STREAM.CREATED.{name}", woken)
     try:
         while True:
-            wake[0] = anyio.Event()  # (before looking: a publish meanwhile wakes the wait)
+            wake[0] = anyio.Event()  # (before looking: a stream made meanwhile wakes the wait)
             if (made := await bus.stream_made(job)) is not None:
                 return made
             with anyio.move_on_after(5.0):
