@@ -422,12 +422,15 @@ class DuplicateEventError(PermanentError):
 
 class JobStateMissingError(ConfigError):
     """The job has no state in KV (lost, or never written): what judges what a job keeps is
-    missing, so nothing is removed on its say."""
+    missing, so nothing is removed on its say, and nothing read from it can be shown."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self, job: str, detail: str = "") -> None:
         self.job = job
+        #: What the reader that missed it found instead ("": a remover's message).
+        self.detail = detail
         super().__init__(
-            f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
+            detail
+            or f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
             f"without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
         )
 

@@ -195,7 +195,9 @@ def _copies(job: str, node: str, step: int, rank: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def test_events_are_one_readable_line_each_and_filtered(settings: Settings, job: str) -> None:
+def test_events_are_one_readable_line_each_and_filtered(
+    settings: Settings, job: str, cli: Callable[..., tuple[int, str, str]]
+) -> None:
     """One line per event with its time, kind, step, rank, node, tier, size and duration; a
     node's batch shows as its events, each fact once; `--step`, `--rank`, `--node`, `--kind`
     keep only theirs; `--json` prints each event's body as stored."""
@@ -210,9 +212,9 @@ def test_events_are_one_readable_line_each_and_filtered(settings: Settings, job:
         batch,  # (rank 0's verified again, and rank 1's: only in the batch)
         failed(job, b, 2, "bad digest"),
     )
-    out = run_cli(settings, "events", "--job", job)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    code, out, err = cli("events", "--job", job)
+    assert code == 0, err
+    lines = out.splitlines()
     assert [line.split()[2] for line in lines] == [
         "staged", "written", "verified", "verified", "failed",
     ]  # fmt: skip
@@ -223,17 +225,17 @@ def test_events_are_one_readable_line_each_and_filtered(settings: Settings, job:
     assert "verify IntegrityError: bad digest" in lines[4]
 
     def kinds(*args: str) -> list[tuple[str, str]]:
-        run = run_cli(settings, "events", "--job", job, *args)
-        assert run.returncode == 0, run.stderr
-        return [(x.split()[2], x.split()[6]) for x in run.stdout.splitlines()]
+        code, out, err = cli("events", "--job", job, *args)
+        assert code == 0, err
+        return [(x.split()[2], x.split()[6]) for x in out.splitlines()]
 
     assert kinds("--step", "2") == [("failed", "0")]
     assert kinds("--rank", "1") == [("verified", "1")]
     assert kinds("--node", b) == [("failed", "0")]
     assert kinds("--kind", "verified", "--rank", "0") == [("verified", "0")]
     assert kinds("--kind", "staged", "--kind", "failed") == [("staged", "0"), ("failed", "0")]
-    out = run_cli(settings, "events", "--job", job, "--kind", "written", "--json")
-    (one,) = map(json.loads, out.stdout.splitlines())
+    code, out, _ = cli("events", "--job", job, "--kind", "written", "--json")
+    (one,) = map(json.loads, out.splitlines())
     assert one["subject"] == f"tp.{job}.written.{a}.0" and one["event"]["tensors"] == 3
 
 
@@ -269,8 +271,9 @@ def test_follow_waits_for_a_job_that_has_no_stream_yet(
 def test_ls_shows_each_stage_backlog_per_node(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events
 ) -> None:
-    """A stage's consumer whose stage is not running shows its pending events in `tierpipe
-    ls`; once the stage runs, none."""
+    """A stage's consumer whose stage is not running shows its pending events per node in
+    `tierpipe status` and `tierpipe ls --json` (their sum in `tierpipe ls`); once the stage
+    runs, none."""
     node = settings.node or ""
     _store_state(settings, job, _saves(job, 1, 1))
     durable = consumer_name("nvme-write", node)
@@ -292,9 +295,12 @@ def test_ls_shows_each_stage_backlog_per_node(
 
     assert backlog() == {"stage": "nvme-write", "node": node, "consumer": durable,
                          "pending": 3, "ack_pending": 0, "redelivered": 0}  # fmt: skip
-    text = run_cli(settings, "ls").stdout
+    text = run_cli(settings, "status", "--job", job).stdout
     (row,) = [line.split() for line in text.splitlines() if node in line]
-    assert row == [job, "nvme-write", node, "3", "0", "0"]
+    assert row == ["nvme-write", node, "3", "0", "0"]
+    header, *table = run_cli(settings, "ls").stdout.splitlines()
+    (total,) = [x[header.index("BACKLOG") :].split()[0] for x in table if x.startswith(job)]
+    assert total == "3"
 
     agent("nvme-write").wait_ready()  # (its staging copies are gone: each fails for good)
     events.wait_for(lambda e: isinstance(e, StageFailed) and e.step == 4, kind="failed")

@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a job's kept steps from its state in KV (per rank: --step N)",
         description="One line per step the job keeps: world size, ranks with a good copy on "
         "NVMe and in object storage, and on which tier the step is complete; above them the "
-        "newest complete steps, the retention floors and policy, and the coordinator's lease. "
-        "--step N lists that step's ranks instead (digest, size, NVMe path, object).",
+        "newest complete steps, the retention floors and policy, and the coordinator's lease; "
+        "below them each stage's backlog per node (its consumer's events pending, unacked, "
+        "redelivered). --step N lists that step's ranks instead (digest, size, NVMe path, "
+        "object).",
         json="one JSON object per step (per rank with --step)",
     )
     status.add_argument("--job", required=True)
@@ -285,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
         "complete on NVMe, on peers and in object storage, each with how far it trails the "
         "newest save (steps, seconds), e.g. `13 (-46, 47s)`; the steps at risk if a node were "
         "lost now (the newest saved step less the newest that survives any one node's loss); "
-        "kept steps, fold lag, coordinator, newest failure.",
+        "kept steps, fold lag, backlog (events the job's stages have not been delivered yet, "
+        "on all nodes: `tierpipe status` shows them per node), coordinator, newest failure.",
         json="one JSON object per job, with its stages' backlog per node",
     )
 

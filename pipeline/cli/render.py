@@ -66,6 +66,8 @@ class JobView:
     unconfirmed: Mapping[int, str] = field(default_factory=dict)
     #: What a restore would pick now (`KvPlan.summary`), or "none (why)".
     restore: str = ""
+    #: The backlog of each stage consumer on its stream (`tierpipe.bus.consumer.backlogs`).
+    backlog: Sequence[Backlog] = ()
 
 
 def _count(bits: bytes, world_size: int) -> int:
@@ -99,7 +101,8 @@ def step_json(job: str, step: int, rec: StepRecord | None) -> dict[str, object]:
 
 def step_table(view: JobView, *, now: float | None = None) -> str:
     """The job's header (newest complete steps, floors, policy, coordinator) and one line per
-    step it keeps: world size, ranks on each tier, on which tier the step is complete."""
+    step it keeps: world size, ranks on each tier, on which tier the step is complete; then
+    its stages' backlog per node (`backlog_table`)."""
     rows = [("STEP", "WORLD", "NVME", "S3", "COMPLETE")]
     for step in view.head.steps:
         rec = view.records.get(step)
@@ -109,7 +112,8 @@ def step_table(view: JobView, *, now: float | None = None) -> str:
         w = rec.world_size
         s3 = "removed" if rec.s3_removed else f"{_count(rec.s3, w)}/{w}"
         rows.append((str(step), str(w), f"{_count(rec.nvme, w)}/{w}", s3, _complete(rec)))
-    return "\n".join([*_header(view, time.time() if now is None else now), _table(rows)])
+    header = _header(view, time.time() if now is None else now)
+    return "\n".join([*header, _table(rows), *backlog_table(view.backlog)])
 
 
 def _header(view: JobView, now: float) -> list[str]:
@@ -233,10 +237,11 @@ class JobRow:
 def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
     """A line per job: world size, newest saved step, newest complete step per tier (NVMe,
     peer replicas, object storage) with how far it trails the newest save (steps, seconds),
-    the steps at risk if a node were lost now, kept steps, fold lag, who coordinates it, its
-    newest failure."""
+    the steps at risk if a node were lost now, kept steps, fold lag, the events its stages
+    have not been delivered yet (all nodes: `tierpipe status` shows them per node), who
+    coordinates it, its newest failure."""
     now = time.time() if now is None else now
-    out = [("JOB", "WORLD", "SAVED", "NVME", "PEER", "S3", "AT RISK", "KEPT", "LAG",
+    out = [("JOB", "WORLD", "SAVED", "NVME", "PEER", "S3", "AT RISK", "KEPT", "LAG", "BACKLOG",
             "COORDINATOR", "LAST ERROR")]  # fmt: skip
     for r in rows:
         h, risk = r.head, r.risk
@@ -261,7 +266,8 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
             r.job, str(h.world_size) if h else "-",
             "-" if risk is None or risk.saved is None else str(risk.saved),
             tiers["nvme"], tiers["peer"], tiers["s3"], "-" if risk is None else str(risk.at_risk),
-            str(len(h.steps)) if h else "no state", str(r.lag), coordinator, error,
+            str(len(h.steps)) if h else "no state", str(r.lag),
+            str(sum(b.pending for b in r.backlog)) if r.backlog else "-", coordinator, error,
         ))  # fmt: skip
     return _table(out) if rows else "no jobs"
 
@@ -277,25 +283,24 @@ def backlog_json(b: Backlog) -> dict[str, object]:
             "ack_pending": b.ack_pending, "redelivered": b.redelivered}  # fmt: skip
 
 
-def backlog_table(rows: Sequence[JobRow]) -> str:
-    """Each stage's backlog per node, what `nats consumer info` shows of its consumer: the
+def backlog_table(backlog: Sequence[Backlog]) -> list[str]:
+    """A job's stages' backlog per node, what `nats consumer info` shows of each consumer: the
     events not yet delivered to it (pending), delivered and not yet acknowledged (unacked),
     and delivered more than once (redelivered). Past `BACKLOG_ROWS` consumers, only those
-    with a backlog ("" when no job has a consumer)."""
-    found = [(r.job, b) for r in rows for b in r.backlog]
-    if not found:
-        return ""
-    busy = [(j, b) for j, b in found if b.pending or b.ack_pending or b.redelivered]
-    shown = found if len(found) <= BACKLOG_ROWS else busy
-    out = [("JOB", "STAGE", "NODE", "PENDING", "UNACKED", "REDELIVERED")]
-    for job, b in shown:
+    with a backlog (no lines: the job has no stage consumer)."""
+    if not backlog:
+        return []
+    busy = [b for b in backlog if b.pending or b.ack_pending or b.redelivered]
+    shown = backlog if len(backlog) <= BACKLOG_ROWS else busy
+    out = [("STAGE", "NODE", "PENDING", "UNACKED", "REDELIVERED")]
+    for b in shown:
         stage, _, node = b.durable.partition("_")
-        out.append((job, stage, node, str(b.pending), str(b.ack_pending), str(b.redelivered)))
-    lines = ["backlog of each stage's consumer:", _table(out) if shown else "  none"]
-    if len(shown) < len(found):
-        lines.append(f"({len(found) - len(shown)} more consumers have no backlog: --json lists "
-                     "them all)")  # fmt: skip
-    return "\n".join(lines)
+        out.append((stage, node, str(b.pending), str(b.ack_pending), str(b.redelivered)))
+    lines = ["backlog of each stage per node:", _table(out) if shown else "  none"]
+    if len(shown) < len(backlog):
+        lines.append(f"({len(backlog) - len(shown)} more consumers have no backlog: `tierpipe "
+                     "ls --json` lists them all)")  # fmt: skip
+    return lines
 
 
 def _tier_cell(steps: Sequence[int], doubts: Mapping[int, str], lag: TierLag | None) -> str:

@@ -17,7 +17,6 @@ from tierpipe.cli.events import Filter, Seen, event_json, event_line, shown
 from tierpipe.cli.render import (
     JobRow,
     JobView,
-    backlog_table,
     jobs_table,
     lag_note,
     rank_details,
@@ -140,6 +139,7 @@ async def _read_view(settings: Settings, job: str) -> JobView:
             stream_seq=stream_seq,
             unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
             restore=restore,
+            backlog=await backlogs(bus, job),
         )
 
 
@@ -197,7 +197,7 @@ def ls(settings: Settings, *, as_json: bool) -> int:
         for row in rows:
             print(json.dumps(row.as_json()))
     else:
-        print("\n\n".join(filter(None, [jobs_table(rows), backlog_table(rows)])))
+        print(jobs_table(rows))
     return 0
 
 
