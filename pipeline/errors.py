@@ -26,7 +26,6 @@ __all__ = (
     "MissingCredentialError",
     "NoCheckpointError",
     "NoSpaceError",
-    "NotFoundError",
     "PeerAuthError",
     "PeerUnavailableError",
     "PermanentError",
@@ -150,17 +149,6 @@ class ShardMissingError(PermanentError):
         self.location = location
         self.reason = reason
         super().__init__(f"{location}: {reason}")
-
-
-class NotFoundError(PermanentError):
-    """What a command names (a job, a step, a node) is nowhere it was looked for: a failure of
-    the command (the `tierpipe` exit status 1), not a usage error."""
-
-    def __init__(self, what: str, name: object, looked: str) -> None:
-        self.what = what
-        self.name = name
-        self.looked = looked
-        super().__init__(f"unknown {what} {name!r}: {looked}")
 
 
 class StagingGoneError(PermanentError):
@@ -421,17 +409,15 @@ class DuplicateEventError(PermanentError):
 
 
 class JobStateMissingError(ConfigError):
-    """The job has no state in KV (lost, or never written): what judges what a job keeps is
-    missing, so nothing is removed on its say, and nothing read from it can be shown."""
+    """The job has no state in KV (lost, never written, or a name nothing knows): nothing is
+    removed on its say, and nothing read from it can be shown (`tierpipe` exits 1)."""
 
     def __init__(self, job: str, detail: str = "") -> None:
-        self.job = job
-        #: What the reader that missed it found instead ("": a remover's message).
-        self.detail = detail
+        self.job, self.detail = job, detail  # (detail: what the reader found instead)
         super().__init__(
             detail
-            or f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
-            f"without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
+            or f"job {job!r} has no state in KV (lost, or never written): nothing is "
+            f"removed without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
         )
 
 

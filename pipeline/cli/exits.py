@@ -17,10 +17,11 @@ __all__ = ("EPILOG", "FAILURE", "INTERRUPTED", "OK", "READER_GONE", "USAGE", "ex
 
 #: The command did what was asked.
 OK = 0
-#: It could not: NATS or the object store unreachable, a job, step or node not found, nothing
-#: to do that was asked for, a refusal of what the job's state forbids.
+#: It could not: NATS or the object store unreachable, a job or step not found, nothing to do
+#: that was asked for, a refusal of what the job's state forbids, a damaged checkpoint.
 FAILURE = 1
-#: It was asked wrongly: bad arguments or settings, a bad name (argparse's status too).
+#: It was asked wrongly: bad arguments or settings, a bad or unknown name of a node (argparse's
+#: status too).
 USAGE = 2
 #: Ctrl-C (a `--follow` ended by it is not interrupted: it ends with `OK`).
 INTERRUPTED = 128 + signal.SIGINT
@@ -35,9 +36,9 @@ _STATE_REFUSALS = (AgentLockedError, JobBusyError, JobStateMissingError, StaleSt
 EPILOG = f"""\
 exit status:
   {OK}    ok
-  {FAILURE}    failed: NATS or the object store unreachable, a job, step or node not found,
-       nothing to do that was asked for, refused by the job's state (in use, locked)
-  {USAGE}    usage error: bad arguments, settings or names
+  {FAILURE}    failed: NATS or the object store unreachable, a job or step not found, nothing
+       to do that was asked for, refused by the job's state (in use, locked)
+  {USAGE}    usage error: bad arguments, settings or names (a node nothing knows too)
   {INTERRUPTED}  interrupted (Ctrl-C; `events --follow` ends with 0)
 
 Read commands take --json: one JSON object per line on stdout. Logs go to stderr, never to

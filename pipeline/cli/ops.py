@@ -21,8 +21,8 @@ from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
+    JobStateMissingError,
     NoCheckpointError,
-    NotFoundError,
     TierpipeError,
     leaves,
 )
@@ -95,11 +95,11 @@ def flush(
             await bus.ensure_stream(subject_job(subject), update=False)
             # A typo would be obeyed by nobody, silently: name only a node the streams know.
             if node and not force and not await _node_known(bus, node):
-                raise NotFoundError(
-                    "node", node, f"it has no flush worker ({consumer_name('flush', node)}) and "
-                    f"no events on any job's stream ({settings.stream}_<job>); check the name, "
-                    "or pass --force to send anyway",
-                )  # fmt: skip
+                raise ConfigError(
+                    f"unknown node {node!r}: it has no flush worker "
+                    f"({consumer_name('flush', node)}) and no events on any job's stream "
+                    f"({settings.stream}_<job>); check the name, or pass --force to send anyway"
+                )
             return await bus.publish_raw(subject, msgspec.json.encode(control))
 
     seq = anyio.run(send)
@@ -127,9 +127,9 @@ def budget(
         async with Bus(settings, name="tierpipe-cli") as bus:
             jobs = await JobStore(bus.js, settings).open()
             if await jobs.keep(job) is None and await jobs.head(job) is None:
-                raise NotFoundError(
-                    "job", job, f"no job state in KV bucket {settings.kv_bucket} (a job's "
-                    "trainer registers it when it starts; `tierpipe ls` lists the jobs)",
+                raise JobStateMissingError(
+                    job, f"unknown job {job!r}: no job state in KV bucket {settings.kv_bucket} "
+                    "(a job's trainer registers it when it starts; `tierpipe ls` lists the jobs)",
                 )  # fmt: skip
             budget = await jobs.budget(job)
             if flush is not None or gets is not None:
@@ -198,7 +198,9 @@ def reindex(settings: Settings, job: str, *, verify: bool, s3: bool, as_json: bo
             prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), "<hh>", job) if p)
             where += f", no objects under s3://{settings.s3_bucket}/{prefix}/"
         stream = stream_name(settings.stream, job)
-        raise NotFoundError("job", job, f"no events on stream {stream}, {where}")
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: no events on stream {stream}, {where}"
+        )
     if as_json:
         print(json.dumps({"job": job, "nvme": done.nvme, "s3": done.s3,
                           "skipped": list(done.skipped)}))  # fmt: skip
@@ -278,14 +280,11 @@ def rm(
     from tierpipe.retention.rm import rm as remove
 
     gone = anyio.run(lambda: remove(settings, job, apply=apply, force=force, idle_s=idle_s))
-    if (
-        gone.stream is None
-        and not (gone.kv_keys or gone.objects or gone.nvme[0])
-        and (not gone.staging[0])
-    ):
-        raise NotFoundError(
-            "job", job, "nothing of it anywhere: no stream, no job-state keys, no objects, no "
-            "files on this node (`tierpipe ls` lists the jobs)",
+    anything = gone.kv_keys or gone.objects or gone.nvme[0] or gone.staging[0]
+    if gone.stream is None and not anything:
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: nothing of it anywhere (no stream, no job-state keys, "
+            "no objects, no files on this node; `tierpipe ls` lists the jobs)",
         )  # fmt: skip
     for line in gone.json_lines() if as_json else gone.lines():
         print(line)

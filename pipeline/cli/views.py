@@ -29,7 +29,7 @@ from tierpipe.control.confirm import confirmed_steps
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
 from tierpipe.control.risk import read_risk
-from tierpipe.errors import ConfigError, NoCheckpointError, NotFoundError
+from tierpipe.errors import ConfigError, JobStateMissingError, NoCheckpointError
 from tierpipe.names import (
     shard_relpath,
     shard_subject,
@@ -48,17 +48,17 @@ async def require_job(bus: Bus, store: JobStore, job: str) -> None:
     """Make sure `job` is a job: it has state in KV (its trainer registered it) or a stream.
 
     Raises:
-        NotFoundError: it has neither (a mistyped name, or a job deleted).
+        JobStateMissingError: it has neither (a mistyped name, or a job deleted).
     """
     if await store.keep(job) is not None or await store.head(job) is not None:
         return
     if await bus.stream_made(job) is None:
         s = bus.settings
-        raise NotFoundError(
-            "job", job,
-            f"no state in KV bucket {s.kv_bucket} and no stream {stream_name(s.stream, job)}; "
-            "`tierpipe ls` lists the jobs (if its state and events were lost, "
-            f"`tierpipe reindex --job {job}` rebuilds them from shard files and objects)",
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: no state in KV bucket {s.kv_bucket} and no stream "
+            f"{stream_name(s.stream, job)}; `tierpipe ls` lists the jobs (if its state and "
+            f"events were lost, `tierpipe reindex --job {job}` rebuilds them from shard files "
+            "and objects)",
         )  # fmt: skip
 
 
@@ -91,10 +91,10 @@ def _status_step(
             rec = await store.record(job, step)
             if rec is None:
                 kept = ", ".join(map(str, head.steps)) or "none"
-                raise NotFoundError(
-                    "step", step, f"job {job!r} has no record of it in its job state (the steps "
-                    f"it keeps: {kept})",
-                )  # fmt: skip
+                raise NoCheckpointError(
+                    f"step {step} of job {job!r} has no record in its job state (the steps it "
+                    f"keeps: {kept})"
+                )
             if rank is not None and not 0 <= rank < rec.world_size:
                 raise ConfigError(
                     f"rank {rank} is not a rank of step {step} (world size {rec.world_size})"
@@ -209,7 +209,7 @@ def events(
     `follow` each new one until Ctrl-C; a job with no stream yet is waited for when following.
 
     Raises:
-        NotFoundError: `job` has no stream and no state (not following).
+        JobStateMissingError: `job` has no stream and no state (not following).
     """
     subject = keep.subject(job)
     seen = Seen()
