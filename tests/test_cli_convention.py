@@ -108,6 +108,17 @@ def test_a_usage_error_exits_2(verb: str, capsys: pytest.CaptureFixture[str]) ->
         assert "job name must match" in capsys.readouterr().err
 
 
+def test_config_goes_before_or_after_the_verb(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--config FILE` is read wherever it is given (here a file with a typo: a usage error)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("no_such_setting = 1\n")
+    for args in (["--config", str(bad), "ls"], ["ls", "--config", str(bad)]):
+        assert main(args) == 2
+        assert "unknown field `no_such_setting`" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("verb", READERS)
 def test_every_reader_takes_json(verb: str) -> None:
     """Every verb that is not a service takes `--json`."""

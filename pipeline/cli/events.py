@@ -74,8 +74,9 @@ class Filter:
         return shard_subject(job, kind, self.node or "*", "*" if self.rank is None else self.rank)
 
     def keeps(self, shown: Shown) -> bool:
+        """Whether `shown` matches every field given (an unreadable body: only when none is)."""
         e = shown.event
-        if e is None:  # (unreadable: shown only when nothing is asked of it)
+        if e is None:
             return self == Filter()
         if self.kinds is not None and _kind(e) not in self.kinds:
             return False
