@@ -2,7 +2,7 @@
 (unreachable server, unknown job), 2 a usage error; `--json` on every command that is not a
 service, its stdout one JSON object per line while the command logs (to stderr); `tierpipe
 events` one readable line per event, filtered, and a `--follow` that waits for its job; each
-stage's backlog per node in `tierpipe ls`.
+stage's backlog per node in `tierpipe status` and `tierpipe ls`.
 
 The exit statuses are checked in-process (`main`), over the verbs the parser has: a new verb
 fails here until it is listed in `ARGS` (and so follows the convention)."""
@@ -147,6 +147,18 @@ def test_an_unreachable_server_exits_1(
     assert (code, out) == (1, ""), err
     assert f"tierpipe: error: cannot reach NATS at nats://127.0.0.1:{port}" in err
     assert "Traceback" not in err
+
+
+def test_an_unreachable_object_store_exits_1(
+    settings: Settings, job: str, cli: Callable[..., tuple[int, str, str]]
+) -> None:
+    """The object store not answering is a runtime failure (1) too."""
+    _store_state(settings, job, _saves(job, 1, 1))
+    (port,) = free_ports(1)
+    dead = settings.replace(s3_endpoint=f"http://127.0.0.1:{port}")
+    code, out, err = cli("gc", "--job", job, "--json", settings=dead)
+    assert (code, out) == (1, ""), err
+    assert "tierpipe: error: object store unreachable" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("verb", OF_A_JOB)
