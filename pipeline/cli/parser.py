@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "job state does not back what its head says of it: no record, or no rank digests; "
         "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
         "with --lost-node), folded_seq and stream_seq (the job "
-        "state lags the stream when the first is lower). Exits non-zero when no candidate is "
+        "state lags the stream when the first is lower). Exits 1 when no candidate is "
         "confirmed and restorable.",
         json="one JSON object (see above)",
     )
