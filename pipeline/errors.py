@@ -409,14 +409,15 @@ class DuplicateEventError(PermanentError):
 
 
 class JobStateMissingError(ConfigError):
-    """The job has no state in KV (lost, or never written): what judges what a job keeps is
-    missing, so nothing is removed on its say."""
+    """The job has no state in KV (lost, never written, or a name nothing knows): nothing is
+    removed on its say, and nothing read from it can be shown (`tierpipe` exits 1)."""
 
-    def __init__(self, job: str) -> None:
-        self.job = job
+    def __init__(self, job: str, detail: str = "") -> None:
+        self.job, self.detail = job, detail  # (detail: what the reader found instead)
         super().__init__(
-            f"job {job!r} has no state in KV (lost, or never written): nothing is removed "
-            f"without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
+            detail
+            or f"job {job!r} has no state in KV (lost, or never written): nothing is "
+            f"removed without it; `tierpipe reindex --job {job}` rebuilds it from the shards"
         )
 
 

@@ -248,10 +248,10 @@ def test_budget_sets_what_it_is_given_and_shows_both(settings: Settings, job: st
 def test_budget_refuses_bad_values_and_unknown_jobs(
     settings: Settings, job: str, args: tuple[str, str]
 ) -> None:
-    """A bad value, or a job the KV does not know (a typo would cap nobody), is an error and
-    stores nothing."""
+    """A bad value (a usage error, exit status 2), or a job the KV does not know (a typo would
+    cap nobody: not found, 1), is an error and stores nothing."""
     done = run_cli(settings, "budget", "--job", job, "--flush", "1MiB")
-    assert done.returncode == 2 and "unknown job" in done.stderr
+    assert done.returncode == 1 and "unknown job" in done.stderr
     anyio.run(_budget, settings, job)
     done = run_cli(settings, "budget", "--job", job, *args)
     assert done.returncode == 2 and "tierpipe: error:" in done.stderr

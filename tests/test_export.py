@@ -156,7 +156,7 @@ def test_a_step_exports_to_torch_safetensors_and_dcp_bit_for_bit(
     check(load_safetensors(tmp_path / "merged-from-s3" / "model.safetensors"), want)
 
     out = run_cli(settings, "export", "--job", job, "--step", "9", "--to", "torch", str(tmp_path))
-    assert out.returncode == 2 and "step 9" in out.stderr and "no record" in out.stderr
+    assert out.returncode == 1 and "step 9" in out.stderr and "no record" in out.stderr
 
 
 # --- a sharded step: DTensor local shards, as a 4-rank (2 dp x 2 tp) save writes them
@@ -382,7 +382,7 @@ def test_an_export_that_cannot_be_made_fails_with_a_clear_error(
     assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr
     out = run_cli(settings, "export", "--job", "nosuchjob", "--step", "1", "--to", "torch",
                   str(tmp_path / "y"))  # fmt: skip
-    assert out.returncode == 2 and "unknown job 'nosuchjob'" in out.stderr, out.stderr
+    assert out.returncode == 1 and "unknown job 'nosuchjob'" in out.stderr, out.stderr
 
 
 def test_dtensors_saved_by_two_ranks_export_to_dcp_and_merged_safetensors(

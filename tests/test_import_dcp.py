@@ -133,9 +133,10 @@ class RunsCode:
 def test_what_is_no_safe_dcp_checkpoint_is_refused_and_runs_nothing(
     settings: Settings, job: str, agent: Callable[..., Agent], tmp_path: Path
 ) -> None:
-    """Exit status 2 with the reason, for: no folder, no `.metadata`, a `.metadata` naming a
-    callable, a data file outside the folder, a truncated data file, a value that unpickles
-    by running code; the job gets no step and no crafted code ran."""
+    """An error with the reason, for: no folder, no `.metadata` (usage errors, exit status 2), a
+    `.metadata` naming a callable, a data file outside the folder, a truncated data file, a
+    value that unpickles by running code (a bad checkpoint, 1); the job gets no step and no
+    crafted code ran."""
     import torch.distributed.checkpoint as dcp
 
     agent().wait_ready()
@@ -143,7 +144,8 @@ def test_what_is_no_safe_dcp_checkpoint_is_refused_and_runs_nothing(
 
     def refused(folder: Path, why: str) -> None:
         out = run_cli(settings, "import", "--from", "dcp", str(folder), "--job", job)
-        assert out.returncode == 2, out.stdout + out.stderr
+        usage = why.startswith(("no such", "not a DCP"))
+        assert out.returncode == (2 if usage else 1), out.stdout + out.stderr
         assert why in out.stderr, out.stderr
         assert not marker.exists()
 
@@ -177,7 +179,7 @@ def test_what_is_no_safe_dcp_checkpoint_is_refused_and_runs_nothing(
     dcp.save({"w": torch.ones(3), "x": RunsCode(marker)}, checkpoint_id=str(code), no_dist=True)
     refused(code, "its data does not load")
     out = run_cli(settings, "status", "--job", job)
-    assert out.returncode == 2, out.stdout  # (no step, no job state)
+    assert out.returncode == 1, out.stdout  # (no step, no job state: not found)
 
 
 def _save(folder: str) -> None:

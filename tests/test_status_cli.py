@@ -141,10 +141,11 @@ def test_plan_refuses_alive(settings: Settings, big_job: str) -> None:
 
 
 def test_status_of_a_job_without_state_suggests_reindex(settings: Settings, job: str) -> None:
-    """A job with no state in KV is an error naming the job and `tierpipe reindex`."""
+    """A job with no state in KV (and no stream) is not found (exit status 1), and the error
+    names the job and `tierpipe reindex`."""
     for command in ("status", "plan"):
         out = run_cli(settings, command, "--job", job)
-        assert out.returncode == 2, out.stdout
+        assert out.returncode == 1, out.stdout
         assert repr(job) in out.stderr and f"tierpipe reindex --job {job}" in out.stderr
 
 

@@ -1,18 +1,19 @@
 """`tierpipe`'s entry point (`main`): the command line parsed, the settings loaded, each verb
 handed to its view (`tierpipe.cli.views`) or operation (`tierpipe.cli.ops`), and an error
-printed as one line."""
+printed as one line on stderr, the exit status its class's (`tierpipe.cli.exits`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
 from tierpipe.cli import ops, views
+from tierpipe.cli.events import Filter
+from tierpipe.cli.exits import INTERRUPTED, READER_GONE, USAGE, exit_code
 from tierpipe.cli.parser import build_parser, parse_rate, parse_since
-from tierpipe.errors import ConfigError, TierpipeError
+from tierpipe.errors import ConfigError, TierpipeError, leaves
 from tierpipe.log import configure_logging
 from tierpipe.names import validate_token
 from tierpipe.settings import load_settings
@@ -22,7 +23,13 @@ __all__ = ("main",)
 
 def main(argv: list[str] | None = None) -> int:
     """Run `tierpipe` with `argv` (default: the process's arguments); the exit status."""
-    args = build_parser().parse_args(argv)
+    # Before anything can log (reading the settings): logs go to stderr, stdout is the
+    # command's own (a `--json` reader parses every line of it).
+    configure_logging()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # (argparse's usage error, or --help)
+        return e.code if isinstance(e.code, int) else USAGE
     try:
         code = _run(args)
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
@@ -30,10 +37,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             raise  # a socket's error, not a closed stdout
         return _reader_gone()
-    except TierpipeError as e:
-        print(f"tierpipe: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except (TierpipeError, OSError) as e:
+        return _failed(e)
+    except BaseExceptionGroup as group:  # (a task group's: one error of ours is that error)
+        errors = leaves(group)
+        if len(errors) == 1 and isinstance(errors[0], TierpipeError | OSError):
+            return _failed(errors[0])
+        raise
     return code
+
+
+def _failed(error: Exception) -> int:
+    print(f"tierpipe: error: {error}", file=sys.stderr)
+    return exit_code(error)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -50,8 +68,9 @@ def _run(args: argparse.Namespace) -> int:
             return views.status(settings, job, step=args.step, rank=args.rank, as_json=args.json)
         case "flush":
             return ops.flush(
-                settings, args.action, args.rate, args.node, force=args.force, job=args.job
-            )
+                settings, args.action, args.rate, args.node, force=args.force, job=args.job,
+                as_json=args.json,
+            )  # fmt: skip
         case "plan":
             if args.alive is not None:
                 raise ConfigError(
@@ -69,7 +88,9 @@ def _run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         case "reindex":
             job = validate_token("job", args.job)
-            return ops.reindex(settings, job, verify=not args.no_verify, s3=not args.no_s3)
+            return ops.reindex(
+                settings, job, verify=not args.no_verify, s3=not args.no_s3, as_json=args.json
+            )
         case "budget":
             if args.restore_gets is not None and args.restore_gets < 0:
                 raise ConfigError("--restore-gets must be >= 0")
@@ -81,10 +102,13 @@ def _run(args: argparse.Namespace) -> int:
         case "events":
             job = validate_token("job", args.job)
             since = parse_since(args.since) if args.since is not None else None
-            return views.events(
-                settings, job, kind=args.kind, since=since, follow=args.follow,
-                as_json=args.json,
+            keep = Filter(
+                kinds=frozenset(args.kind) if args.kind else None, step=args.step,
+                rank=args.rank, node=validate_token("node", args.node) if args.node else None,
             )  # fmt: skip
+            return views.events(
+                settings, job, keep, since=since, follow=args.follow, as_json=args.json
+            )
         case "ls":
             return views.ls(settings, as_json=args.json)
         case "gc":
@@ -101,14 +125,14 @@ def _run(args: argparse.Namespace) -> int:
         case "prefetch":
             job = validate_token("job", args.job)
             node = validate_token("node", args.node) if args.node else None
-            return ops.prefetch(settings, job, node=node, step=args.step)
+            return ops.prefetch(settings, job, node=node, step=args.step, as_json=args.json)
         case "export":
             job = validate_token("job", args.job)
             if args.merged and args.to == "dcp":
                 raise ConfigError("--merged is for torch and safetensors (dcp is always merged)")
             return ops.export(
                 settings, job, args.step, args.to, Path(args.dir), merged=args.merged,
-                max_file_bytes=parse_rate(args.max_file_size),
+                max_file_bytes=parse_rate(args.max_file_size), as_json=args.json,
             )  # fmt: skip
         case "import":
             job = validate_token("job", args.job)
@@ -116,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--step must be >= 0 (got {args.step})")
             return ops.import_dcp(
                 settings, Path(args.dir), job, step=args.step, world_size=args.world,
-                timeout_s=args.timeout_s,
+                timeout_s=args.timeout_s, as_json=args.json,
             )  # fmt: skip
         case "up":
             return ops.up(
@@ -140,4 +164,4 @@ def _reader_gone() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return 128 + signal.SIGPIPE
+    return READER_GONE

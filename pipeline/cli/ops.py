@@ -14,12 +14,14 @@ import msgspec
 
 from tierpipe.bus.client import Bus
 from tierpipe.cli.parser import parse_rate
+from tierpipe.cli.views import require_job
 from tierpipe.control.confirm import confirmed_list
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import (
     BusUnavailableError,
     ConfigError,
+    JobStateMissingError,
     NoCheckpointError,
     TierpipeError,
     leaves,
@@ -73,13 +75,16 @@ def flush(
     *,
     force: bool = False,
     job: str | None = None,
+    as_json: bool = False,
 ) -> int:
     if (action == "rate") != (rate is not None):
         raise ConfigError("`flush rate` takes a rate (e.g. 50MiB); pause/resume take none")
     if job is not None:
         if action != "rate" or node:
             raise ConfigError("--job sets a job's rate only (not with pause/resume or --node)")
-        return budget(settings, validate_token("job", job), flush=parse_rate(rate or "0"))
+        return budget(
+            settings, validate_token("job", job), flush=parse_rate(rate or "0"), as_json=as_json
+        )
     control = FlushControl(
         action=action, rate_bytes_per_s=parse_rate(rate) if rate else 0, ts=time.time()
     )
@@ -98,7 +103,11 @@ def flush(
             return await bus.publish_raw(subject, msgspec.json.encode(control))
 
     seq = anyio.run(send)
-    print(f"{action} sent on {subject} (stream seq {seq})")
+    if as_json:
+        print(json.dumps({"action": action, "rate_bytes_per_s": control.rate_bytes_per_s,
+                          "subject": subject, "seq": seq}))  # fmt: skip
+    else:
+        print(f"{action} sent on {subject} (stream seq {seq})")
     return 0
 
 
@@ -118,10 +127,10 @@ def budget(
         async with Bus(settings, name="tierpipe-cli") as bus:
             jobs = await JobStore(bus.js, settings).open()
             if await jobs.keep(job) is None and await jobs.head(job) is None:
-                raise ConfigError(
-                    f"unknown job {job!r}: no job state in KV bucket {settings.kv_bucket} "
-                    "(a job's trainer registers it when it starts)"
-                )
+                raise JobStateMissingError(
+                    job, f"unknown job {job!r}: no job state in KV bucket {settings.kv_bucket} "
+                    "(a job's trainer registers it when it starts; `tierpipe ls` lists the jobs)",
+                )  # fmt: skip
             budget = await jobs.budget(job)
             if flush is not None or gets is not None:
                 budget = Budget(
@@ -165,6 +174,11 @@ async def _node_known(bus: Bus, node: str) -> bool:
         raise BusUnavailableError(f"looking up node {node!r}: {e}") from e
 
 
+async def _require_job(settings: Settings, job: str) -> None:
+    async with Bus(settings, name="tierpipe-cli") as bus:
+        await require_job(bus, await JobStore.opened(bus), job)
+
+
 async def _job_has_events(settings: Settings, job: str) -> bool:
     async with Bus(settings, name="tierpipe-cli") as bus:
         try:
@@ -173,7 +187,7 @@ async def _job_has_events(settings: Settings, job: str) -> bool:
             raise BusUnavailableError(f"looking up job {job!r}: {e}") from e
 
 
-def reindex(settings: Settings, job: str, *, verify: bool, s3: bool) -> int:
+def reindex(settings: Settings, job: str, *, verify: bool, s3: bool, as_json: bool = False) -> int:
     from tierpipe.recovery.reindex import reindex as republish
 
     with bar(f"reindexing {job}") as shown:
@@ -184,7 +198,13 @@ def reindex(settings: Settings, job: str, *, verify: bool, s3: bool) -> int:
             prefix = "/".join(p for p in (settings.s3_prefix.strip("/"), "<hh>", job) if p)
             where += f", no objects under s3://{settings.s3_bucket}/{prefix}/"
         stream = stream_name(settings.stream, job)
-        raise ConfigError(f"unknown job {job!r}: no events on stream {stream}, {where}")
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: no events on stream {stream}, {where}"
+        )
+    if as_json:
+        print(json.dumps({"job": job, "nvme": done.nvme, "s3": done.s3,
+                          "skipped": list(done.skipped)}))  # fmt: skip
+        return 0
     print(f"republished {done.nvme} NVMe shards and {done.s3} objects of {job}")
     for line in done.skipped:
         print(f"  skipped {line}")
@@ -193,7 +213,7 @@ def reindex(settings: Settings, job: str, *, verify: bool, s3: bool) -> int:
 
 def export(
     settings: Settings, job: str, step: int | None, fmt: str, out: Path, *, merged: bool = False,
-    max_file_bytes: int = 5 * 10**9,
+    max_file_bytes: int = 5 * 10**9, as_json: bool = False,
 ) -> int:  # fmt: skip
     from tierpipe.recovery.export import Exported, export_step
 
@@ -205,6 +225,7 @@ def export(
     async def run() -> tuple[int, Exported]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore.opened(bus)
+            await require_job(bus, store, job)
             chosen = step
             if chosen is None:
                 head, _ = await folded_head(bus, store, job)
@@ -212,14 +233,15 @@ def export(
                 if not complete:
                     raise NoCheckpointError(f"job {job!r} has no complete step to export")
                 chosen = complete[-1]
-            elif await store.head(job) is None and await store.keep(job) is None:
-                raise ConfigError(f"unknown job {job!r}: no job state in KV bucket "
-                                  f"{settings.kv_bucket}")  # fmt: skip
             done = await export_step(settings, store, job, chosen, fmt, out, merged=merged,
                                      max_file_bytes=max_file_bytes)  # fmt: skip
             return chosen, done
 
     chosen, done = anyio.run(run)
+    if as_json:
+        print(json.dumps({"job": job, "step": chosen, "format": fmt, "merged": merged,
+                          "world_size": done.world_size, "dir": str(out)}))  # fmt: skip
+        return 0
     how = f"{fmt} (merged)" if merged else fmt
     print(f"exported step {chosen} of {job} ({done.world_size} ranks) as {how} into {out}")
     return 0
@@ -227,11 +249,16 @@ def export(
 
 def import_dcp(
     settings: Settings, folder: Path, job: str, *, step: int | None, world_size: int,
-    timeout_s: float,
+    timeout_s: float, as_json: bool = False,
 ) -> int:  # fmt: skip
     from tierpipe.interop.importer import import_dcp as bring_in
 
     done = bring_in(settings, folder, job, step=step, world_size=world_size, timeout_s=timeout_s)
+    if as_json:
+        print(json.dumps({"job": done.job, "step": done.step, "world_size": done.world_size,
+                          "tensors": done.tensors, "nbytes": done.nbytes,
+                          "seconds": done.seconds, "dir": str(folder)}))  # fmt: skip
+        return 0
     print(f"imported {folder} as step {done.step} of {done.job} ({done.world_size} ranks, "
           f"{done.tensors} tensors, {done.nbytes} bytes), verified on NVMe in "
           f"{done.seconds:.1f} s; the agent flushes it to object storage")  # fmt: skip
@@ -242,7 +269,8 @@ def gc(settings: Settings, job: str, *, apply: bool, min_age_s: float, as_json: 
     from tierpipe.retention.gc import gc as collect
 
     found = anyio.run(lambda: collect(settings, job, apply=apply, min_age_s=min_age_s))
-    print("\n".join(found.json_lines() if as_json else found.lines()))
+    for line in found.json_lines() if as_json else found.lines():
+        print(line)
     return 0
 
 
@@ -252,15 +280,29 @@ def rm(
     from tierpipe.retention.rm import rm as remove
 
     gone = anyio.run(lambda: remove(settings, job, apply=apply, force=force, idle_s=idle_s))
-    print("\n".join(gone.json_lines() if as_json else gone.lines()))
+    anything = gone.kv_keys or gone.objects or gone.nvme[0] or gone.staging[0]
+    if gone.stream is None and not anything:
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: nothing of it anywhere (no stream, no job-state keys, "
+            "no objects, no files on this node; `tierpipe ls` lists the jobs)",
+        )  # fmt: skip
+    for line in gone.json_lines() if as_json else gone.lines():
+        print(line)
     return 0
 
 
-def prefetch(settings: Settings, job: str, *, node: str | None, step: int | None) -> int:
+def prefetch(
+    settings: Settings, job: str, *, node: str | None, step: int | None, as_json: bool = False
+) -> int:
     from tierpipe.recovery.prefetch import prefetch as fetch
 
+    anyio.run(_require_job, settings, job)
     with bar(f"prefetching {job}") as shown:
         done = anyio.run(lambda: fetch(settings, job, of_node=node, step=step, progress=shown))
+    if as_json:
+        print(json.dumps({"job": job, "step": done.step, "fetched": list(done.fetched),
+                          "present": list(done.present)}))  # fmt: skip
+        return 0
     print(f"step {done.step} of {job}: fetched ranks {done.fetched or 'none'} onto this "
           f"node's NVMe ({len(done.present)} already there)")  # fmt: skip
     return 0

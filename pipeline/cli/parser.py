@@ -9,25 +9,58 @@ import time
 from datetime import UTC, datetime
 from typing import get_args
 
-from tierpipe.cli.render import EVENT_KINDS
+from tierpipe.cli.events import EVENT_KINDS
+from tierpipe.cli.exits import EPILOG
 from tierpipe.errors import ConfigError
 from tierpipe.schemas import FlushAction
 
-__all__ = ("DESCRIPTION", "build_parser", "parse_rate", "parse_since")
+__all__ = ("DESCRIPTION", "SERVICES", "build_parser", "parse_rate", "parse_since")
 
 #: What `tierpipe --help` says the command is.
 DESCRIPTION = "The `tierpipe` command: run node-agent stages, inspect a job, run the demo."
 
+#: The verbs that run until stopped (an agent, servers, the demo) and print no facts to read
+#: back: every other verb takes `--json`.
+SERVICES = ("worker", "up", "demo")
+
+
+class _Verbs:
+    """The shared layer of every verb: `--config` after the verb as before it, and `--json`
+    (one JSON object per line on stdout) on each verb that is not a service."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        self._common = argparse.ArgumentParser(add_help=False)
+        # SUPPRESS: a verb's own default would overwrite a --config given before the verb.
+        self._common.add_argument(
+            "--config", default=argparse.SUPPRESS,
+            help="settings TOML file (default $TIERPIPE_CONFIG)",
+        )  # fmt: skip
+
+    def add(
+        self, name: str, *, json: str = "one JSON object", help: str, description: str = ""
+    ) -> argparse.ArgumentParser:
+        """The verb `name`; `json`: what its `--json` prints."""
+        verb = self._sub.add_parser(
+            name, parents=[self._common], help=help, description=description or None
+        )
+        if name not in SERVICES:
+            verb.add_argument("--json", action="store_true", help=json)
+        return verb
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Every verb of `tierpipe` with its options."""
-    parser = argparse.ArgumentParser(prog="tierpipe", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="tierpipe", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     parser.add_argument("--config", help="settings TOML file (default $TIERPIPE_CONFIG)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = _Verbs(parser)
 
     from tierpipe.stages import AGENT_STAGES
 
-    worker = sub.add_parser("worker", help="run node-agent stages until SIGTERM/SIGINT")
+    worker = sub.add("worker", help="run node-agent stages until SIGTERM/SIGINT")
     worker.add_argument(
         "stages",
         nargs="+",
@@ -35,22 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="stages to run in this process ('all': every stage of this node)",
     )
 
-    status = sub.add_parser(
+    status = sub.add(
         "status",
         help="a job's kept steps from its state in KV (per rank: --step N)",
         description="One line per step the job keeps: world size, ranks with a good copy on "
         "NVMe and in object storage, and on which tier the step is complete; above them the "
-        "newest complete steps, the retention floors and policy, and the coordinator's lease. "
-        "--step N lists that step's ranks instead (digest, size, NVMe path, object).",
+        "newest complete steps, the retention floors and policy, and the coordinator's lease; "
+        "below them each stage's backlog per node (its consumer's events pending, unacked, "
+        "redelivered). --step N lists that step's ranks instead (digest, size, NVMe path, "
+        "object).",
+        json="one JSON object per step (per rank with --step)",
     )
     status.add_argument("--job", required=True)
     status.add_argument("--step", type=int, help="per-rank detail of this step")
     status.add_argument("--rank", type=int, help="with --step: only this rank")
-    status.add_argument(
-        "--json", action="store_true", help="one JSON object per step (per rank with --step)"
-    )
 
-    plan = sub.add_parser(
+    plan = sub.add(
         "plan",
         help="which step a restore would pick now, from the job state in KV",
         description="The newest candidate step a restart considers on which every rank has a "
@@ -63,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "job state does not back what its head says of it: no record, or no rank digests; "
         "never planned), assumes (nvme_kept, nvme_lost or nodes_lost), lost_nodes (those given "
         "with --lost-node), folded_seq and stream_seq (the job "
-        "state lags the stream when the first is lower). Exits non-zero when no candidate is "
+        "state lags the stream when the first is lower). Exits 1 when no candidate is "
         "confirmed and restorable.",
+        json="one JSON object (see above)",
     )
     plan.add_argument("--job", required=True)
     plan.add_argument("--step", type=int, help="plan this step rather than the newest")
@@ -84,9 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Gone: the job state does not record which node holds a rank's NVMe copy.
     plan.add_argument("--alive", help=argparse.SUPPRESS)
-    plan.add_argument("--json", action="store_true", help="one JSON object (see above)")
 
-    reindex = sub.add_parser(
+    reindex = sub.add(
         "reindex", help="rebuild a job's events from this node's shard files and the objects"
     )
     reindex.add_argument("--job", required=True)
@@ -97,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reindex.add_argument("--no-s3", action="store_true", help="this node's NVMe only")
 
-    flush = sub.add_parser("flush", help="change the upload rate to object storage at run time")
+    flush = sub.add("flush", help="change the upload rate to object storage at run time")
     flush.add_argument("action", choices=get_args(FlushAction))
     flush.add_argument(
         "rate",
@@ -117,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="send to --node even if it has no flush worker and no events yet",
     )
 
-    budget = sub.add_parser(
+    budget = sub.add(
         "budget",
         help="show or set a job's object-storage budgets (for the whole job: its coordinator "
         "divides them among the job's active nodes)",
@@ -131,27 +164,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="concurrent object GETs of the whole job during a restore (0: no job-wide cap)",
     )
-    budget.add_argument("--json", action="store_true", help="one JSON object")
 
-    events = sub.add_parser(
+    events = sub.add(
         "events",
-        help="a job's events as its stream stores them (subject, sequence, time, body)",
+        help="a job's events, one line each: time, kind, step, rank, node, tier, size, duration",
         description="What `nats stream view` / `nats sub` would show of one job, without the "
-        "NATS CLI: every stored event (or one kind, or those of the last --since), oldest "
-        "first; --follow then prints each new one until Ctrl-C.",
+        "NATS CLI, one line per event (a node's batch is shown as the events it carries, each "
+        "fact once): stream sequence, time (UTC), kind, step, rank, node, tier, size, duration "
+        "and what else the event says; oldest first, only those the filters keep. --follow "
+        "then prints each new one until Ctrl-C, and waits for a job whose stream does not "
+        "exist yet (a follow started before the trainer).",
+        json="one JSON object per event: seq, time, subject, event (its body as stored)",
     )
     events.add_argument("--job", required=True)
-    events.add_argument("--kind", choices=EVENT_KINDS, help="only this kind")
+    events.add_argument(
+        "--kind", action="append", choices=EVENT_KINDS, help="only this kind (repeatable)"
+    )
+    events.add_argument("--step", type=int, help="only events of this step")
+    events.add_argument("--rank", type=int, help="only events of this rank")
+    events.add_argument("--node", help="only events of this node")
     events.add_argument(
         "--since", help="only those stored in the last 90s, 15m, 2h, 1d, ... or since an ISO "
         "8601 time (2026-12-01T03:00:00Z)",
     )  # fmt: skip
-    events.add_argument("--follow", "-f", action="store_true", help="then print new ones")
     events.add_argument(
-        "--json", action="store_true", help="one JSON object a line: seq, time, subject, event"
-    )
+        "--follow", "-f", action="store_true",
+        help="then print new ones (waits for a job that has no stream yet)",
+    )  # fmt: skip
 
-    export = sub.add_parser(
+    export = sub.add(
         "export",
         help="write a step of a job in a format other tools load (torch, safetensors, dcp)",
         description="Reads every rank's shard of the step, one rank at a time (this node's "
@@ -163,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model.safetensors.index.json when larger); else one file per rank: rank-R-of-W.pt "
         "(torch.load(..., weights_only=True)) or rank-R-of-W.safetensors (tensors by dotted "
         "key path, other values in its metadata).",
+        json="one JSON object: job, step, format, world_size, dir",
     )
     export.add_argument("--job", required=True)
     export.add_argument("--step", type=int, help="default: the newest complete step")
@@ -177,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     export.add_argument("dir", help="where to write (made if missing)")
 
-    imports = sub.add_parser(
+    imports = sub.add(
         "import",
         help="start a job from an existing torch.distributed.checkpoint (DCP) checkpoint",
         description="Reads the DCP checkpoint in DIR whole (its .metadata through an "
@@ -188,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         "already has that step or a newer one. --world N saves the full state as each of N "
         "ranks (a job restoring plain state on N ranks); a DTensor job restores the default "
         "world-1 step into any mesh.",
+        json="one JSON object: job, step, world_size, tensors, nbytes, seconds",
     )
     imports.add_argument("--from", dest="source", required=True, choices=("dcp",))
     imports.add_argument("dir", help="the DCP checkpoint's folder (with its .metadata)")
@@ -199,19 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the step to be verified on NVMe (600)",
     )  # fmt: skip
 
-    prefetch = sub.add_parser(
+    prefetch = sub.add(
         "prefetch",
         help="pull a node's shards of the newest step in object storage onto this node's NVMe",
         description="For a standby node: fetches the ranks of --node (default: this node) of "
         "the newest step complete in object storage (or --step), checks every digest, writes "
         "them to this node's NVMe and reports them written and verified here, so a restore on "
         "this node reads NVMe instead of object storage.",
+        json="one JSON object: job, step, fetched and present ranks",
     )
     prefetch.add_argument("--job", required=True)
     prefetch.add_argument("--node", help="whose ranks (default: this node's)")
     prefetch.add_argument("--step", type=int, help="default: the newest complete in object storage")
 
-    gc = sub.add_parser(
+    gc = sub.add(
         "gc",
         help="list (--apply: remove) a job's objects and this node's files no kept step owns",
         description="Judges the job's objects (shards, COMMITs) and this node's NVMe files by "
@@ -219,12 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
         "floors, or with no record) are listed with why; --apply removes them. Never a step the "
         "floors keep, a step newer than any the job state knows, or anything younger than "
         "--min-age-s. Refuses a job with no state in KV (`tierpipe reindex` rebuilds it).",
+        json="one JSON object per object or file",
     )
     gc.add_argument("--job", required=True)
     gc.add_argument("--apply", action="store_true", help="remove them (default: a dry run)")
     gc.add_argument("--min-age-s", type=float, default=600.0, help="leave younger ones (600)")
-    gc.add_argument("--json", action="store_true", help="one JSON object per object or file")
-    rm = sub.add_parser(
+    rm = sub.add(
         "rm",
         help="delete a job: stream, job-state keys, objects, this node's files (dry run first)",
         description="Counts what of the job would go; --apply deletes it. Refuses a job in use "
@@ -235,20 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--apply", action="store_true", help="delete it (default: a dry run)")
     rm.add_argument("--force", action="store_true", help="delete it even while in use")
     rm.add_argument("--idle-s", type=float, default=600.0, help="in use if an event is younger")
-    rm.add_argument("--json", action="store_true", help="one JSON object")
 
-    ls = sub.add_parser(
+    sub.add(
         "ls",
         help="every job: newest step per tier and its lag, steps at risk, coordinator, last error",
         description="A line per job: its world size; the newest saved step; the newest step "
         "complete on NVMe, on peers and in object storage, each with how far it trails the "
         "newest save (steps, seconds), e.g. `13 (-46, 47s)`; the steps at risk if a node were "
         "lost now (the newest saved step less the newest that survives any one node's loss); "
-        "kept steps, fold lag, coordinator, newest failure.",
+        "kept steps, fold lag, backlog (events the job's stages have not been delivered yet, "
+        "on all nodes: `tierpipe status` shows them per node), coordinator, newest failure.",
+        json="one JSON object per job, with its stages' backlog per node",
     )
-    ls.add_argument("--json", action="store_true", help="one JSON object per job")
 
-    up = sub.add_parser(
+    up = sub.add(
         "up",
         help="run this machine's NATS, S3 store and node agent under one supervisor",
         description="Starts an embedded nats-server and S3 store (SeaweedFS) on loopback and "
@@ -267,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "remove copies that were never flushed)",
     )  # fmt: skip
 
-    demo = sub.add_parser(
+    demo = sub.add(
         "demo", help="the whole story on this machine: train, lose a node, resume (about 1 min)"
     )
     demo.add_argument("--ranks", type=int, default=2, help="ranks, spread over two nodes (2)")

@@ -1,4 +1,4 @@
-"""What `tierpipe status`, `ls` and `events` print, rendered from a job's state in KV and its
+"""What `tierpipe status` and `ls` print, rendered from a job's state in KV and its
 stream. What `tierpipe plan` prints is the plan's own (`tierpipe.recovery.kvplan.KvPlan`: the
 restore planner's answer, said for operators).
 
@@ -9,14 +9,12 @@ default; per-rank detail is for one step at a time.
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tierpipe.bus.history import Raw
+from tierpipe.bus.consumer import Backlog
 from tierpipe.control.bitmap import has_rank
 from tierpipe.control.risk import Risk, RiskTier, TierLag
 from tierpipe.schemas import StageFailed
@@ -31,12 +29,11 @@ from tierpipe.schemas.jobstate import (
 )
 
 __all__ = (
-    "EVENT_KINDS",
     "JobRow",
     "JobView",
     "RankDetail",
-    "event_json_line",
-    "event_line",
+    "backlog_json",
+    "backlog_table",
     "jobs_table",
     "lag_note",
     "newest_confirmed",
@@ -69,6 +66,8 @@ class JobView:
     unconfirmed: Mapping[int, str] = field(default_factory=dict)
     #: What a restore would pick now (`KvPlan.summary`), or "none (why)".
     restore: str = ""
+    #: The backlog of each stage consumer on its stream (`tierpipe.bus.consumer.backlogs`).
+    backlog: Sequence[Backlog] = ()
 
 
 def _count(bits: bytes, world_size: int) -> int:
@@ -102,7 +101,8 @@ def step_json(job: str, step: int, rec: StepRecord | None) -> dict[str, object]:
 
 def step_table(view: JobView, *, now: float | None = None) -> str:
     """The job's header (newest complete steps, floors, policy, coordinator) and one line per
-    step it keeps: world size, ranks on each tier, on which tier the step is complete."""
+    step it keeps: world size, ranks on each tier, on which tier the step is complete; then
+    its stages' backlog per node (`backlog_table`)."""
     rows = [("STEP", "WORLD", "NVME", "S3", "COMPLETE")]
     for step in view.head.steps:
         rec = view.records.get(step)
@@ -112,7 +112,8 @@ def step_table(view: JobView, *, now: float | None = None) -> str:
         w = rec.world_size
         s3 = "removed" if rec.s3_removed else f"{_count(rec.s3, w)}/{w}"
         rows.append((str(step), str(w), f"{_count(rec.nvme, w)}/{w}", s3, _complete(rec)))
-    return "\n".join([*_header(view, time.time() if now is None else now), _table(rows)])
+    header = _header(view, time.time() if now is None else now)
+    return "\n".join([*header, _table(rows), *backlog_table(view.backlog)])
 
 
 def _header(view: JobView, now: float) -> list[str]:
@@ -202,6 +203,8 @@ class JobRow:
     #: How far each tier trails the newest save, and the steps a node's loss would cost now
     #: (None: no state).
     risk: Risk | None = None
+    #: The backlog of each stage consumer on its stream (`tierpipe.bus.consumer.backlogs`).
+    backlog: Sequence[Backlog] = ()
 
     @property
     def lag(self) -> int:
@@ -227,16 +230,18 @@ class JobRow:
                 "ts": f.ts, "stage": f.stage, "node": f.node, "step": f.step, "rank": f.rank,
                 "error": f.error, "message": f.message, "retryable": f.retryable,
             },
+            "backlog": [backlog_json(b) for b in self.backlog],
         }  # fmt: skip
 
 
 def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
     """A line per job: world size, newest saved step, newest complete step per tier (NVMe,
     peer replicas, object storage) with how far it trails the newest save (steps, seconds),
-    the steps at risk if a node were lost now, kept steps, fold lag, who coordinates it, its
-    newest failure."""
+    the steps at risk if a node were lost now, kept steps, fold lag, the events its stages
+    have not been delivered yet (all nodes: `tierpipe status` shows them per node), who
+    coordinates it, its newest failure."""
     now = time.time() if now is None else now
-    out = [("JOB", "WORLD", "SAVED", "NVME", "PEER", "S3", "AT RISK", "KEPT", "LAG",
+    out = [("JOB", "WORLD", "SAVED", "NVME", "PEER", "S3", "AT RISK", "KEPT", "LAG", "BACKLOG",
             "COORDINATOR", "LAST ERROR")]  # fmt: skip
     for r in rows:
         h, risk = r.head, r.risk
@@ -261,9 +266,41 @@ def jobs_table(rows: Sequence[JobRow], *, now: float | None = None) -> str:
             r.job, str(h.world_size) if h else "-",
             "-" if risk is None or risk.saved is None else str(risk.saved),
             tiers["nvme"], tiers["peer"], tiers["s3"], "-" if risk is None else str(risk.at_risk),
-            str(len(h.steps)) if h else "no state", str(r.lag), coordinator, error,
+            str(len(h.steps)) if h else "no state", str(r.lag),
+            str(sum(b.pending for b in r.backlog)) if r.backlog else "-", coordinator, error,
         ))  # fmt: skip
     return _table(out) if rows else "no jobs"
+
+
+#: Consumers `backlog_table` lists whatever their backlog; past that, those with one only.
+BACKLOG_ROWS = 40
+
+
+def backlog_json(b: Backlog) -> dict[str, object]:
+    """One stage consumer's backlog as a JSON-ready object (in `tierpipe ls --json`)."""
+    stage, _, node = b.durable.partition("_")
+    return {"stage": stage, "node": node, "consumer": b.durable, "pending": b.pending,
+            "ack_pending": b.ack_pending, "redelivered": b.redelivered}  # fmt: skip
+
+
+def backlog_table(backlog: Sequence[Backlog]) -> list[str]:
+    """A job's stages' backlog per node, what `nats consumer info` shows of each consumer: the
+    events not yet delivered to it (pending), delivered and not yet acknowledged (unacked),
+    and delivered more than once (redelivered). Past `BACKLOG_ROWS` consumers, only those
+    with a backlog (no lines: the job has no stage consumer)."""
+    if not backlog:
+        return []
+    busy = [b for b in backlog if b.pending or b.ack_pending or b.redelivered]
+    shown = backlog if len(backlog) <= BACKLOG_ROWS else busy
+    out = [("STAGE", "NODE", "PENDING", "UNACKED", "REDELIVERED")]
+    for b in shown:
+        stage, _, node = b.durable.partition("_")
+        out.append((stage, node, str(b.pending), str(b.ack_pending), str(b.redelivered)))
+    lines = ["backlog of each stage per node:", _table(out) if shown else "  none"]
+    if len(shown) < len(backlog):
+        lines.append(f"({len(backlog) - len(shown)} more consumers have no backlog: `tierpipe "
+                     "ls --json` lists them all)")  # fmt: skip
+    return lines
 
 
 def _tier_cell(steps: Sequence[int], doubts: Mapping[int, str], lag: TierLag | None) -> str:
@@ -281,35 +318,6 @@ def _ago(seconds: float) -> str:
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
     return f"{max(seconds, 0):.0f}s"
-
-
-# --- a job's events (`tierpipe events`)
-
-#: What `tierpipe events --kind` takes.
-EVENT_KINDS = (
-    "staged", "written", "verified", "flushed", "evicted", "failed", "batch", "restore", "plan",
-)  # fmt: skip
-
-
-def event_line(raw: Raw) -> str:
-    """`seq  time  subject  body`, the body as stored (compact JSON)."""
-    when = datetime.datetime.fromtimestamp(raw.time).isoformat(sep=" ", timespec="milliseconds")
-    return f"{raw.seq:>8}  {when}  {raw.subject}  {raw.data.decode(errors='replace')}"
-
-
-def event_json_line(raw: Raw) -> str:
-    """One JSON object: seq, time (ISO, UTC), subject, and the event (or `body` when it is not
-    JSON)."""
-    out: dict[str, object] = {
-        "seq": raw.seq,
-        "time": datetime.datetime.fromtimestamp(raw.time, datetime.UTC).isoformat(),
-        "subject": raw.subject,
-    }
-    try:
-        out["event"] = json.loads(raw.data)
-    except ValueError:
-        out["body"] = raw.data.decode(errors="replace")
-    return json.dumps(out)
 
 
 # --- one step, rank by rank

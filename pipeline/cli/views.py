@@ -1,19 +1,22 @@
 """The read-only views of `tierpipe`: `status`, `plan`, `ls` and `events`, read through the bus
-and the job store (`tierpipe.cli.render` prints them)."""
+and the job store (`tierpipe.cli.render` and `tierpipe.cli.events` render them), and the check
+every command that reads a job makes first (`require_job`)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import anyio
 
 from tierpipe.bus.client import Bus
+from tierpipe.bus.consumer import backlogs
+from tierpipe.bus.history import Raw
+from tierpipe.cli.events import Filter, Seen, event_json, event_line, shown
 from tierpipe.cli.render import (
     JobRow,
     JobView,
-    event_json_line,
-    event_line,
     jobs_table,
     lag_note,
     rank_details,
@@ -26,11 +29,8 @@ from tierpipe.control.confirm import confirmed_steps
 from tierpipe.control.folded import folded_head
 from tierpipe.control.kvstate import JobStore
 from tierpipe.control.risk import read_risk
-from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.errors import ConfigError, JobStateMissingError, NoCheckpointError
 from tierpipe.names import (
-    batch_subject,
-    job_subjects,
-    plan_subject,
     shard_relpath,
     shard_subject,
     state_subjects,
@@ -41,7 +41,25 @@ from tierpipe.schemas import StageFailed
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, JobHead, RankDigests, StepRecord
 from tierpipe.settings import Settings
 
-__all__ = ("events", "ls", "plan", "status")
+__all__ = ("events", "ls", "plan", "require_job", "status")
+
+
+async def require_job(bus: Bus, store: JobStore, job: str) -> None:
+    """Make sure `job` is a job: it has state in KV (its trainer registered it) or a stream.
+
+    Raises:
+        JobStateMissingError: it has neither (a mistyped name, or a job deleted).
+    """
+    if await store.keep(job) is not None or await store.head(job) is not None:
+        return
+    if await bus.stream_made(job) is None:
+        s = bus.settings
+        raise JobStateMissingError(
+            job, f"unknown job {job!r}: no state in KV bucket {s.kv_bucket} and no stream "
+            f"{stream_name(s.stream, job)}; `tierpipe ls` lists the jobs (if its state and "
+            f"events were lost, `tierpipe reindex --job {job}` rebuilds them from shard files "
+            "and objects)",
+        )  # fmt: skip
 
 
 def status(
@@ -68,11 +86,12 @@ def _status_step(
     async def read() -> tuple[StepRecord, dict[int, RankDigests]]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore.opened(bus)
+            await require_job(bus, store, job)
             head, _ = await folded_head(bus, store, job)
             rec = await store.record(job, step)
             if rec is None:
                 kept = ", ".join(map(str, head.steps)) or "none"
-                raise ConfigError(
+                raise NoCheckpointError(
                     f"step {step} of job {job!r} has no record in its job state (the steps it "
                     f"keeps: {kept})"
                 )
@@ -103,6 +122,7 @@ async def _read_view(settings: Settings, job: str) -> JobView:
     """The job's state in KV, once folded up to its newest event (see `folded_head`)."""
     async with Bus(settings, name="tierpipe-cli") as bus:
         store = await JobStore.opened(bus)
+        await require_job(bus, store, job)
         head, stream_seq = await folded_head(bus, store, job)
         records = await store.records(job, sorted({*head.steps, *head.candidates()}))
         try:  # what a restart would restore: the planner `tierpipe plan` and a restart use
@@ -119,6 +139,7 @@ async def _read_view(settings: Settings, job: str) -> JobView:
             stream_seq=stream_seq,
             unconfirmed=(await confirmed_steps(store, job, head)).unconfirmed,
             restore=restore,
+            backlog=await backlogs(bus, job),
         )
 
 
@@ -134,6 +155,7 @@ def plan(
     async def read() -> tuple[JobHead, int, KvPlan]:
         async with Bus(settings, name="tierpipe-cli") as bus:
             store = await JobStore.opened(bus)
+            await require_job(bus, store, job)
             return await plan_now(
                 bus, store, job, step=step, nvme_lost=nvme_lost, lost_nodes=lost_nodes
             )
@@ -165,6 +187,7 @@ def ls(settings: Settings, *, as_json: bool) -> int:
                     JobRow(
                         job, head, newest, await store.lease(job),
                         failed if isinstance(failed, StageFailed) else None, doubts, risk,
+                        await backlogs(bus, job),
                     )
                 )  # fmt: skip
             return rows
@@ -179,37 +202,66 @@ def ls(settings: Settings, *, as_json: bool) -> int:
 
 
 def events(
-    settings: Settings, job: str, *, kind: str | None, since: float | None, follow: bool,
+    settings: Settings, job: str, keep: Filter, *, since: float | None, follow: bool,
     as_json: bool,
 ) -> int:  # fmt: skip
-    if kind is None:
-        subject = job_subjects(job)
-    elif kind == "plan":
-        subject = plan_subject(job)
-    elif kind == "batch":
-        subject = batch_subject(job, "*", "*")
-    else:
-        subject = shard_subject(job, kind, "*", "*")
-    show = event_json_line if as_json else event_line
+    """Print `job`'s stored events that `keep` keeps (one line each, or JSON), then with
+    `follow` each new one until Ctrl-C; a job with no stream yet is waited for when following.
+
+    Raises:
+        JobStateMissingError: `job` has no stream and no state (not following).
+    """
+    subject = keep.subject(job)
+    seen = Seen()
+    render = event_json if as_json else event_line
+
+    def show(raw: Raw) -> None:
+        for one in shown(raw, batches=keep.kinds is not None and "batch" in keep.kinds):
+            if keep.keeps(one) and (one.event is None or seen.first(one.event)):
+                print(render(one), flush=follow)
 
     async def main() -> None:
         async with Bus(settings, name="tierpipe-cli") as bus:
             made = await bus.stream_made(job)
+            if made is None and not follow:
+                await require_job(bus, await JobStore.opened(bus), job)
+                return  # (a job whose stream went: no events)
             if made is None:
-                raise ConfigError(
-                    f"job {job!r} has no stream ({stream_name(settings.stream, job)}): check "
-                    "the name (`tierpipe ls` lists the jobs)"
-                )
+                made = await _stream_made(bus, job)
             found = await bus.stored(subject, since=since)
             for raw in found:
-                print(show(raw), flush=follow)
+                show(raw)
             if follow:
                 async with bus.tail(subject, after=found[-1].seq if found else made[1]) as new:
                     while True:
-                        print(show(await new.receive()), flush=True)
+                        show(await new.receive())
 
     try:
         anyio.run(main)
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+async def _stream_made(bus: Bus, job: str) -> tuple[str, int]:
+    """Wait until `job` has a stream (`Bus.stream_made`): woken by the server's advisory that
+    it made the stream (a core subscription on the job's own subjects would delay the first
+    publish: the server then waits for a stream to answer), and looked for again every few
+    seconds besides."""
+    name = stream_name(bus.settings.stream, job)
+    print(f"waiting for job {job!r} (no stream {name} yet)", file=sys.stderr, flush=True)
+    wake = [anyio.Event()]
+
+    async def woken(_: object) -> None:
+        wake[0].set()
+
+    sub = await bus.subscribe(f"$JS.EVENT.ADVISORY.STREAM.CREATED.{name}", woken)
+    try:
+        while True:
+            wake[0] = anyio.Event()  # (before looking: a stream made meanwhile wakes the wait)
+            if (made := await bus.stream_made(job)) is not None:
+                return made
+            with anyio.move_on_after(5.0):
+                await wake[0].wait()
+    finally:
+        await sub.unsubscribe()

@@ -9,7 +9,7 @@ import time
 
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import ConfigError
+from tierpipe.errors import JobStateMissingError
 from tierpipe.names import state_subjects, stream_name
 from tierpipe.schemas.jobstate import JobHead
 
@@ -24,7 +24,7 @@ async def folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int
     says it lags).
 
     Raises:
-        ConfigError: the job has no state in KV (a mistyped name, or a lost state).
+        JobStateMissingError: the job has no state in KV (a mistyped name, or a lost state).
     """
     settings = bus.settings
     stream_seq = max([await bus.newest_seq(subject) for subject in state_subjects(job)])
@@ -54,9 +54,10 @@ async def folded_head(bus: Bus, store: JobStore, job: str) -> tuple[JobHead, int
             if stream_seq
             else f"and no events on stream {stream} (check the name)"
         )
-        raise ConfigError(
+        raise JobStateMissingError(
+            job,
             f"job {job!r} has no state in KV bucket {settings.kv_bucket} {events}; if its state "
             f"was lost, `tierpipe reindex --job {job}` republishes its events from shard files "
-            "and objects"
+            "and objects",
         )
     return head, stream_seq
