@@ -59,3 +59,11 @@ def test_importing_the_trainer_api_prints_nothing() -> None:
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert (out.stdout, out.stderr) == ("", "")
+
+
+def test_the_cli_prints_the_installed_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", "--version"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (out.returncode, out.stdout.strip()) == (0, f"tierpipe {tierpipe.__version__}")

@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 from typing import get_args
 
+import tierpipe
 from tierpipe.cli.events import EVENT_KINDS
 from tierpipe.cli.exits import EPILOG
 from tierpipe.errors import ConfigError
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--config", help="settings TOML file (default $TIERPIPE_CONFIG)")
+    parser.add_argument(
+        "--version", action="version", version=f"tierpipe {tierpipe.__version__}",
+        help="print the installed version and exit",
+    )  # fmt: skip
     sub = _Verbs(parser)
 
     from tierpipe.stages import AGENT_STAGES
