@@ -22,6 +22,7 @@ from tierpipe.schemas import ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets, local_target, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
 from tierpipe.storage.shard import Head, sharded_layouts
+from tierpipe.storage.sharding import stored_elsewhere
 from tierpipe.tree import is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
@@ -53,6 +54,8 @@ class Match:
     """
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
+        if (elsewhere := stored_elsewhere(header)) is not None:
+            raise elsewhere  # (a replica another rank wrote: the resharding path reads it)
         targets, self.loaders = flatten_targets(into) if into is not None else ({}, [])
         layouts = sharded_layouts(header)
         self.targets: list[torch.Tensor | None] = []
