@@ -29,7 +29,7 @@ import anyio
 import structlog
 import torch
 
-from tierpipe.errors import LayoutMismatchError, ShardFormatError
+from tierpipe.errors import LayoutMismatchError, ShardFormatError, leaves
 from tierpipe.reshard.layout import (
     Box,
     Piece,
@@ -189,9 +189,12 @@ async def assemble(
 
             await read_parts(tiers, await origin(s), need, take, tally)
 
-    async with anyio.create_task_group() as tg:
-        for s in sources:
-            tg.start_soon(one, s)
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in sources:
+                tg.start_soon(one, s)
+    except BaseExceptionGroup as group:  # (a source's failure, as the caller catches it)
+        raise leaves(group)[0] from group
     for i, e in enumerate(header.tensors):
         if plan.tensors[i] is None:  # (an empty blob: nothing was read)
             plan.tensors[i] = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
