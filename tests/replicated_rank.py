@@ -32,7 +32,8 @@ REPLICATED = ("ddp",)
 def global_state(step: int) -> dict[str, dict[str, Any]]:
     gen = torch.Generator().manual_seed(23)
     return {
-        "model": {"norm": torch.randn(300, generator=gen) + step, "w": torch.randn(6, 5) + step},
+        "model": {"norm": torch.randn(300, generator=gen) + step,
+                  "w": torch.randn(6, 5, generator=gen) + step},
         "ddp": {"emb": torch.randn(200, 4, generator=gen) + step, "n": torch.arange(5) + step,
                 "lr": 0.1 * step},
     }  # fmt: skip

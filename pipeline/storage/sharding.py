@@ -8,6 +8,14 @@ against it. `replica_writer` names the one rank that stores a replicated shard's
 lowest global rank holding that box), from the layout alone, so every rank and every later
 reader agree on it without talking; `declare_replicated` makes the plain tensors under a save's
 declared keys such replicas (over a 1-D mesh of the world). Pure arithmetic: no torch.
+
+Stored once per job, how a replica survives a node loss: the writer's shard file holds its bytes,
+and that file goes through the peer tier (a partner node's NVMe) and object storage like every
+shard; a step is complete only when every rank's shard is, so a step whose writer's shard was
+lost on every tier is never chosen (the restore takes an older one). The trade-off: NVMe holds a
+replicated value once per job, not once per node, so a holder on another node reads it on restore
+from the writer node's peer endpoint, a partner's replica or object storage (the resharding path,
+`tierpipe.reshard`: ranged reads, every block checked).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class Checkpointer:
             job's `("model", "optim")`): their tensors are stored once per job, by rank 0 (the
             others store the entries without bytes, and restore them from rank 0's shard via
             the resharding path). A value declared so that differs between ranks restores as
-            rank 0's. How it survives a node loss: see `tierpipe.reshard.restore`.
+            rank 0's. How it survives a node loss: see `tierpipe.storage.sharding`.
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
