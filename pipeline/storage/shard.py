@@ -264,6 +264,9 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         if problem:
             raise ShardFormatError(path, f"mesh {i}: {problem}")
     sharded_blobs, elsewhere = set(), set()
+    # Each layout's writer, once per (mesh, global shape, placements): a mesh's ranks can
+    # number thousands, too many to hash per tensor.
+    writers: dict[tuple[int, tuple[int, ...], tuple[str, ...]], int | None] = {}
     for s in header.sharded:
         if not 0 <= s.tensor < len(header.tensors):
             raise ShardFormatError(path, f"sharded entry names missing tensor {s.tensor}")
@@ -273,7 +276,7 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         sharded_blobs.add(t.blob)
         if not 0 <= s.mesh < len(header.meshes):
             raise ShardFormatError(path, f"sharded tensor {t.path!r} names missing mesh {s.mesh}")
-        _check_sharded(s, header.meshes[s.mesh], t, path)
+        _check_sharded(s, header.meshes[s.mesh], t, path, writers)
         if not stores_bytes(s, header.meshes[s.mesh]):
             elsewhere.add(s.tensor)
             if header.blobs[t.blob].nbytes:
@@ -318,14 +321,30 @@ def _mesh_problem(m: MeshEntry) -> str:
     return ""
 
 
-def _check_sharded(s: ShardedEntry, m: MeshEntry, t: TensorEntry, path: str) -> None:
+def _check_sharded(
+    s: ShardedEntry,
+    m: MeshEntry,
+    t: TensorEntry,
+    path: str,
+    writers: dict[tuple[int, tuple[int, ...], tuple[str, ...]], int | None],
+) -> None:
     """A sharded entry's layout is consistent: its shard is the box its placements give this
     rank's coordinate of its (checked) mesh, inside the global shape; its writer is the one
     the layout gives (or -1: an older file), so a holder cannot claim to store a replica's
-    bytes that its writer stores, nor name another writer."""
+    bytes that its writer stores, nor name another writer (`writers`: the layouts' writers
+    worked out so far)."""
     problem = _layout_problem(
         t.shape, s.global_shape, s.offsets, m.shape, m.coordinate, s.placements
-    ) or _writer_problem(s, m)
+    )
+    if not problem and s.writer != -1:
+        key = (s.mesh, s.global_shape, s.placements)
+        if key not in writers:
+            writers[key] = replica_writer(
+                s.global_shape, m.shape, m.ranks, m.coordinate, s.placements
+            )
+        writer = writers[key]
+        if s.writer != (m.ranks[position(m.coordinate, m.shape)] if writer is None else writer):
+            problem = f"names rank {s.writer} as its writer, the layout gives rank {writer}"
     if problem:
         raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
 
@@ -357,31 +376,6 @@ def _layout_problem(
     if box != (offsets, shape):
         return f"placements {placements} do not give the shard at {offsets}"
     return ""
-
-
-def _writer_problem(s: ShardedEntry, m: MeshEntry) -> str:
-    """What is wrong with a (valid) sharded layout's writer ("" if nothing)."""
-    if s.writer == -1:
-        return ""
-    own = m.ranks[position(m.coordinate, m.shape)]
-    try:
-        writer = _writer(s.global_shape, m.shape, m.ranks, m.coordinate, s.placements)
-    except ValueError as e:
-        return str(e)
-    if s.writer != (own if writer is None else writer):
-        return f"names rank {s.writer} as its writer, the layout gives rank {writer}"
-    return ""
-
-
-@functools.lru_cache(maxsize=1024)
-def _writer(
-    global_shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    ranks: tuple[int, ...],
-    coordinate: tuple[int, ...],
-    placements: tuple[str, ...],
-) -> int | None:
-    return replica_writer(global_shape, mesh_shape, ranks, coordinate, placements)
 
 
 def _check_tensor(
