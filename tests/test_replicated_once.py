@@ -19,7 +19,7 @@ import torch
 from tests.conftest import Agent, Events
 from tierpipe.errors import LayoutMismatchError, ShardFormatError, ShardMissingError
 from tierpipe.names import shard_relpath
-from tierpipe.recovery.load import Expected
+from tierpipe.recovery.load import Expected, load_into
 from tierpipe.reshard.assemble import assemble
 from tierpipe.reshard.layout import box_of, coordinate_of
 from tierpipe.reshard.reads import Origin, Tiers
@@ -181,6 +181,21 @@ def test_the_shard_format_checks_the_writer() -> None:
         parse_head(sealed(zero, holds), "forged")
     old = msgspec.msgpack.encode([0, (4,), (0,), 0, ("R",)])
     assert msgspec.msgpack.decode(old, type=ShardedEntry).writer == -1
+
+
+def test_a_plain_read_of_a_non_writer_never_invents_its_bytes(tmp_path: Path) -> None:
+    """Read whole (`load_into`, as an export does), rank 1's shard gives a replica it holds no
+    bytes of as a meta tensor (shape and dtype, no data), its own values as they are; into a
+    target the in-place restore refuses it, naming the way that works."""
+    path = tmp_path / "r1"
+    path.write_bytes(sealed(planned(1)))
+    state = load_into(str(path)).state
+    w = state["model"]["w"]
+    assert w.is_meta and w.shape == (1000,) and w.dtype == torch.float32
+    assert state["optim"]["lr"] == 0.5 and not state["r"].is_meta
+    with pytest.raises(LayoutMismatchError, match=r"model/w: .*replicated="):
+        load_into(str(path), {"model": {"w": torch.zeros(1000)}})
+    assert torch.equal(load_into(str(tmp_path / "r1"), {"r": torch.zeros(1)}).state["r"], DDP["r"])
 
 
 def write(path: Path, image: bytes, rank: int, world: int = 2) -> Origin:

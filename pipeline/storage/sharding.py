@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Container
 
 from tierpipe.errors import LayoutMismatchError
 from tierpipe.schemas import MeshEntry, ShardedEntry, ShardHeader
@@ -179,14 +180,18 @@ def stores_bytes(s: ShardedEntry, m: MeshEntry) -> bool:
     return s.writer < 0 or s.writer == m.ranks[position(m.coordinate, m.shape)]
 
 
-def stored_elsewhere(header: ShardHeader) -> LayoutMismatchError | None:
-    """The first tensor of `header` whose bytes this shard does not hold (a replica its writer,
-    another rank, stores), as the error the in-place restore raises; None where it holds all.
-    Such a shard is restored through the resharding path (`tierpipe.reshard.restore`), which
-    reads the writer's bytes."""
+def stored_elsewhere(
+    header: ShardHeader, wanted: Container[tuple[str | int, ...]] | None = None
+) -> LayoutMismatchError | None:
+    """The first tensor of `header` (whose key path is in `wanted`, if given) whose bytes this
+    shard does not hold (a replica its writer, another rank, stores), as the error the in-place
+    restore raises; None where it holds all. Such a shard is restored through the resharding
+    path (`tierpipe.reshard.restore`), which reads the writer's bytes."""
     for s in header.sharded:
         if not stores_bytes(s, header.meshes[s.mesh]):
             e = header.tensors[s.tensor]
+            if wanted is not None and e.path not in wanted:
+                continue
             return LayoutMismatchError(
                 f"{'/'.join(map(str, e.path)) or '<root>'}: rank {header.rank}'s shard holds no "
                 f"bytes of it (a replicated value, stored once by rank {s.writer}): restore it "
