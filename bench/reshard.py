@@ -10,9 +10,13 @@ all`), rank processes on this machine (`python -m bench.reshard --rank`, gloo).
 
 1. DDP: 4 ranks each save a replicated model (`DDP_MIB` MiB, identical on every rank,
    plain tensors as `DistributedDataParallel.state_dict()` gives them) as a job of its own,
-   flushed to object storage. `ddp_object_bytes_over_one_replica` = the bytes of that step's
-   objects over one replica's tensor bytes (4.0 means every rank stored its own copy);
-   `ddp_nvme_bytes_per_node` and `ddp_object_bytes_per_job` are the raw figures.
+   flushed to object storage, twice: declared replicated (`Checkpointer(replicated=("model",))`:
+   rank 0 alone stores its bytes) and, as before that existed, not declared (every rank its own
+   copy: `DDP_EACH_JOB`). `ddp_object_bytes_over_one_replica` = the bytes of the declared step's
+   objects over one replica's tensor bytes (4.0 would mean every rank stored its own copy);
+   `ddp_nvme_bytes_per_node` and `ddp_object_bytes_per_job` are the raw figures, the `ddp_each_`
+   ones the undeclared job's. Every rank then restores the declared model into zeroed tensors
+   (rank 0's bytes, from this node's NVMe) and checks it bitwise (untimed).
 2. World 4 (a 2x2 mesh): untimed warm-up save, then `reps` saves, each timed against a memcpy
    (`copy_` into preallocated tensors) of the same local shards taken just before it; every save
    waits (untimed) for its staging slot to be released before the next. Uploads are paused
@@ -47,7 +51,7 @@ from bench.common import REPO, GiB, MiB, log, median, scratch_dir, shuffled
 
 __all__ = ["run"]
 
-JOB, DDP_JOB, NODE = "bench", "bench-ddp", "bench-node"
+JOB, DDP_JOB, DDP_EACH_JOB, NODE = "bench", "bench-ddp", "bench-ddp-each", "bench-node"
 BUCKET = "tierpipe-bench"
 PAIRS, COLS = 4, 4096
 #: The DDP job's replica (one model), full and `--quick`.
@@ -158,15 +162,19 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     mesh = init_device_mesh("cpu", tuple(cfg["mesh"]), mesh_dim_names=("dp", "tp"))
     settings = load_settings(path=None, env=cfg["env"])
 
-    def checkpointer(job: str) -> Any:
+    def checkpointer(job: str, replicated: tuple[str, ...] = ()) -> Any:
         return Checkpointer(job, rank=rank, world_size=world, node=NODE, settings=settings,
-                            local_rank=rank, local_world_size=world)  # fmt: skip
+                            local_rank=rank, local_world_size=world,
+                            replicated=replicated)  # fmt: skip
 
     if cfg["save"]:
         state = _state(cfg["size_gib"], mesh, zeros=False)
-        progress("  DDP save")
-        with checkpointer(DDP_JOB) as ckpt:
-            _save_ddp(cfg, ckpt, rank)
+        progress("  DDP saves (declared replicated, then every rank its own)")
+        with checkpointer(DDP_JOB, ("model",)) as ckpt:
+            _save_ddp(cfg, ckpt, rank, DDP_JOB)
+            _restore_ddp(cfg, ckpt)
+        with checkpointer(DDP_EACH_JOB) as ckpt:
+            _save_ddp(cfg, ckpt, rank, DDP_EACH_JOB)
         progress("  DDP objects flushed; sharded saves")
         with checkpointer(JOB) as ckpt:
             _save_sharded(cfg, ckpt, state, rank)
@@ -252,24 +260,41 @@ def _save_dcp(cfg: dict[str, Any], state: dict[str, Any], rank: int) -> None:
     dist.barrier()
 
 
-def _save_ddp(cfg: dict[str, Any], ckpt: Any, rank: int) -> None:
+def _ddp_model(mib: float) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)  # (every rank the same replica)
-    n = int(cfg["ddp_mib"] * MiB) // 4 // 8
-    model = {f"layer{i}.weight": torch.randn(n, generator=gen) for i in range(8)}
+    n = int(mib * MiB) // 4 // 8
+    return {f"layer{i}.weight": torch.randn(n, generator=gen) for i in range(8)}
+
+
+def _save_ddp(cfg: dict[str, Any], ckpt: Any, rank: int, job: str) -> None:
+    import torch.distributed as dist
+
+    model = _ddp_model(cfg["ddp_mib"])
     ckpt.save(1, {"model": model, "step": 1}).wait("verified", timeout=RANK_TIMEOUT_S)
     if rank == 0:  # (every rank's object in the bucket before the restores are timed)
         world = int(os.environ["WORLD_SIZE"])
         deadline = time.monotonic() + RANK_TIMEOUT_S
-        while (found := _objects(cfg["env"], DDP_JOB))[0] < world:
+        while (found := _objects(cfg["env"], job))[0] < world:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{found[0]} of {world} DDP shards in object storage")
             time.sleep(0.2)
         replica = sum(t.nbytes for t in model.values())
-        _say(event="ddp_saved", replica_bytes=replica, object_bytes=found[1])
+        _say(event="ddp_saved", job=job, replica_bytes=replica, object_bytes=found[1])
     dist.barrier()
+
+
+def _restore_ddp(cfg: dict[str, Any], ckpt: Any) -> None:
+    """The declared model restored into zeroed tensors on every rank (the others' from rank
+    0's bytes), checked bitwise."""
+    import torch
+
+    expected = _ddp_model(cfg["ddp_mib"])
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    ckpt.restore({"model": target})
+    if bad := [k for k, v in expected.items() if not torch.equal(target[k], v)]:
+        raise AssertionError(f"DDP model restored with other bytes: {bad}")
 
 
 def _objects(env: dict[str, str], job: str) -> tuple[int, int]:
@@ -390,7 +415,8 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
         }  # fmt: skip
         with Deployment("reshard", env=s3_env) as dep:
             assert dep.staging_root is not None
-            (dep.staging_root / DDP_JOB).mkdir()
+            for ddp_job in (DDP_JOB, DDP_EACH_JOB):
+                (dep.staging_root / ddp_job).mkdir()
             cfg = {"size_gib": size_gib, "reps": reps, "ddp_mib": ddp_mib,
                    "dcp": str(work / "dcp"), "env": dep.settings.as_env(),
                    "t0": time.time() - (time.perf_counter() - T0)}  # fmt: skip
@@ -400,11 +426,16 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
                     ":") + " restores")  # fmt: skip
                 lines += _launch({**cfg, "save": world == 4}, world, mesh)
                 dep.check_agent()
-            nvme = sum(f.stat().st_size for f in (dep.nvme_root / DDP_JOB).rglob("*.shard"))
+            nvme = {
+                j: sum(f.stat().st_size for f in (dep.nvme_root / j).rglob("*.shard"))
+                for j in (DDP_JOB, DDP_EACH_JOB)
+            }
     return _summary(lines, nbytes=nbytes, reps=reps, nvme=nvme)
 
 
-def _summary(lines: list[dict[str, Any]], *, nbytes: int, reps: int, nvme: int) -> dict[str, Any]:
+def _summary(
+    lines: list[dict[str, Any]], *, nbytes: int, reps: int, nvme: dict[str, int]
+) -> dict[str, Any]:
     for line in lines:
         if line["event"] == "unavailable":
             log(f"  not measured: {line['candidate']}: {line['error']}")
@@ -425,8 +456,9 @@ def _summary(lines: list[dict[str, Any]], *, nbytes: int, reps: int, nvme: int) 
         return None if t is None or d is None else t / d
 
     worlds = [ratio(w) for w in (2, 8)]
-    ddp = next(x for x in lines if x["event"] == "ddp_saved")
-    replica, objects = ddp["replica_bytes"], ddp["object_bytes"]
+    ddp = {x["job"]: x for x in lines if x["event"] == "ddp_saved"}
+    replica, objects = ddp[DDP_JOB]["replica_bytes"], ddp[DDP_JOB]["object_bytes"]
+    each = ddp[DDP_EACH_JOB]["object_bytes"]
     result: dict[str, Any] = {
         "size_gib": nbytes / GiB,
         "reps": reps,
@@ -437,8 +469,11 @@ def _summary(lines: list[dict[str, Any]], *, nbytes: int, reps: int, nvme: int) 
         "memcpy_s": memcpy,
         "dcp_save_s": next(x["seconds"] for x in lines if x["event"] == "dcp_saved"),
         "ddp_replica_bytes": replica,
-        "ddp_nvme_bytes_per_node": nvme,
+        "ddp_nvme_bytes_per_node": nvme[DDP_JOB],
         "ddp_object_bytes_per_job": objects,
+        "ddp_each_nvme_bytes_per_node": nvme[DDP_EACH_JOB],
+        "ddp_each_object_bytes_per_job": each,
+        "ddp_each_object_bytes_over_one_replica": each / replica,
         "reshard_vs_dcp": None if None in worlds else max(worlds),  # type: ignore[type-var]
         "same_mesh_vs_dcp": ratio(4),
         "sharded_stall_vs_memcpy": stall / memcpy,

@@ -8,8 +8,13 @@ which are stored as their state dict. The structure and plain values go into the
 storage share one blob and come back sharing it (tied weights stay tied); any other tensor is
 stored compact and comes back contiguous. A DTensor is stored as its local shard, in a blob of its
 own with a digest per 1 MiB block (a resharded restore reads parts of it), and its global layout
-(`ShardHeader.sharded`, its mesh listed once in `ShardHeader.meshes`). No pickle: a shard holds
-data only.
+(`ShardHeader.sharded`, its mesh listed once in `ShardHeader.meshes`). A replicated value is
+stored once per job: of the ranks whose local shards are the same box, only the writer (the
+lowest rank, `ShardedEntry.writer`) stores its bytes; the others store the entry with an empty
+blob, and restore it from the writer's shard (`tierpipe.reshard`). Tensors under the top-level
+keys a save declares `replicated` (a DDP job's model: the same on every rank) are such values: a
+DTensor replicated over a 1-D mesh of the whole world, written by rank 0. No pickle: a shard
+holds data only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from tierpipe.storage.shard import (
     encode_head,
     sharded_layouts,
 )
+from tierpipe.storage.sharding import declare_replicated, stored_elsewhere, stores_bytes
 from tierpipe.tree import (
     KeyPath,
     decode_tree,
@@ -165,25 +171,35 @@ class StatePlan:
 
 
 def plan_state(
-    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int = 0
-) -> StatePlan:
-    """Flatten `state` and lay it out as a shard image.
+    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int = 0,
+    replicated: frozenset[str] = frozenset(),
+) -> StatePlan:  # fmt: skip
+    """Flatten `state` and lay it out as a shard image. `replicated`: the top-level keys of
+    `state` whose tensors are the same on every rank (see the module docstring).
 
     Raises:
         UnsupportedStateError: a value cannot be stored without pickle (names its key path).
     """
     with gc_paused():
         return _plan_state(
-            state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch
-        )
+            state, job=job, step=step, rank=rank, world_size=world_size, node=node, epoch=epoch,
+            replicated=replicated,
+        )  # fmt: skip
 
 
 def _plan_state(
-    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int
-) -> StatePlan:
+    state: Any, *, job: str, step: int, rank: int, world_size: int, node: str, epoch: int,
+    replicated: frozenset[str],
+) -> StatePlan:  # fmt: skip
     tree_bytes, tensors, paths, sharded, meshes = encode_tree(state)
-    # A local shard gets a blob of its own, so its block digests describe exactly its bytes.
+    if replicated:
+        shapes = [tuple(t.shape) for t in tensors]
+        sharded, meshes = declare_replicated(replicated, shapes, paths, sharded, meshes,
+                                             rank=rank, world=world_size)  # fmt: skip
+    # A local shard gets a blob of its own, so its block digests describe exactly its bytes;
+    # a replica another rank writes gets an empty one.
     own = {s.tensor for s in sharded}
+    elsewhere = {s.tensor for s in sharded if not stores_bytes(s, meshes[s.mesh])}
 
     groups: dict[object, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -199,7 +215,7 @@ def _plan_state(
         blob = len(blobs)
         if len(members) == 1:
             t = tensors[members[0]]
-            nbytes = t.numel() * t.element_size()
+            nbytes = 0 if members[0] in elsewhere else t.numel() * t.element_size()
             entries[members[0]] = TensorEntry(
                 paths[members[0]],
                 dtype_name(t.dtype),
@@ -390,8 +406,11 @@ def _layout_text(layout: Layout, shape: tuple[int, ...]) -> str:
 
 def layout_mismatch(header: ShardHeader, into: Any) -> LayoutMismatchError | None:
     """The first saved tensor of `header` that cannot go into its target in `into` in place
-    (`local_target`), where it or its target is sharded; None where every one can (the
-    in-place restore then loads the shard, else it has to be resharded)."""
+    (`local_target`), where it or its target is sharded, or whose bytes this shard does not
+    hold (`stored_elsewhere`); None where every one can (the in-place restore then loads the
+    shard, else it has to be resharded)."""
+    if (elsewhere := stored_elsewhere(header)) is not None:
+        return elsewhere
     targets, _ = flatten_targets(into) if into is not None else ({}, [])
     layouts = sharded_layouts(header)
     for index, e in enumerate(header.tensors):

@@ -5,8 +5,9 @@ scalars as they are; containers and references as arrays tagged by their first i
 list, `t` tuple, `T` tensor and `N` numpy array by index, `I` big int, `S` numpy scalar, `Z`
 `torch.Size`, `y` dtype, `v` device). Tensors are collected, in order, with their key paths; the
 shard stores their bytes as blobs. A DTensor is stored as its local shard (a `T` reference like any
-tensor) with its global layout beside it (`describe_dtensor`: a `ShardedEntry`, and its mesh a
-`MeshEntry` listed once however many DTensors lie on it). `decode_tree`
+tensor) with its global layout beside it (`describe_dtensor`: a `ShardedEntry`, with the rank
+that writes its bytes for all the ranks holding the same box, and its mesh a `MeshEntry` listed
+once however many DTensors lie on it). `decode_tree`
 reads a tree back from a file, so it checks every tag's items to be what `encode_tree` writes. No
 pickle: a tree holds data only.
 """
@@ -25,7 +26,7 @@ import torch
 from tierpipe.errors import ShardFormatError, UnsupportedStateError
 from tierpipe.schemas import MeshEntry, ShardedEntry
 from tierpipe.storage.shard import DTYPE_SIZES
-from tierpipe.storage.sharding import local_box
+from tierpipe.storage.sharding import local_box, position, replica_writer
 
 __all__ = (
     "KeyPath",
@@ -358,6 +359,11 @@ def _layout(
             f"shard (shape {tuple(shape)} at {layout.offsets}) is not one box of the global "
             "tensor"
         )  # fmt: skip
+    writer = replica_writer(
+        layout.global_shape, entry.shape, entry.ranks, entry.coordinate, layout.placements
+    )
+    own = entry.ranks[position(entry.coordinate, entry.shape)]
+    layout = msgspec.structs.replace(layout, writer=own if writer is None else writer)
     return layout, entry, tuple(map(int, shape))
 
 

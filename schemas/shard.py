@@ -100,6 +100,12 @@ class ShardedEntry(msgspec.Struct, frozen=True, array_like=True):
     #: Index of the device mesh in `ShardHeader.meshes`.
     mesh: int
     placements: tuple[str, ...]
+    #: The global rank whose shard file holds this local shard's bytes for every rank holding
+    #: the same box (a replica: ranks that differ only on `R` mesh dims): the lowest of them
+    #: (`tierpipe.storage.sharding.replica_writer`, a pure function of the layout). A holder
+    #: that is not the writer stores its entry with an empty blob and no bytes. This rank's own
+    #: for an empty shard; -1 in older files: every holder stored its own bytes.
+    writer: int = -1
 
 
 class ShardHeader(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,12 +6,15 @@ targets; a blob whose tensors all go into targets only passes through (the NVMe 
 in a reused arena, which `Assembly.pin` page-locks for asynchronous copies to a GPU) and is
 copied into them in place; any other blob's memory becomes the returned tensors without a copy.
 A DTensor target of the saved layout receives its shard into its local tensor; one of another
-layout is a `LayoutMismatchError` (a resharded restore's business, not this one's).
+layout is a `LayoutMismatchError` (a resharded restore's business, not this one's), and so is a
+target of a replica this shard holds no bytes of (its writer's); without a target, such a
+replica comes back as a meta tensor (shape and dtype, no data: never other bytes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -22,6 +25,7 @@ from tierpipe.schemas import ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets, local_target, rebuild_state
 from tierpipe.storage.pinned import page_lock, page_unlock
 from tierpipe.storage.shard import Head, sharded_layouts
+from tierpipe.storage.sharding import stored_elsewhere
 from tierpipe.tree import is_dtensor
 
 __all__: tuple[str, ...] = ()  # private to tierpipe.recovery: `load` is the entry
@@ -37,8 +41,8 @@ def _alone(data: memoryview, e: TensorEntry) -> torch.Tensor:
     """The tensor alone in blob `data`: it fills the blob exactly, contiguous (the header was
     checked so: `tierpipe.storage.shard`), so it is the blob's bytes seen in its dtype and shape."""
     dtype = getattr(torch, e.dtype)
-    if not len(data):
-        return torch.empty(e.shape, dtype=dtype)
+    if not len(data):  # (elements but no bytes: a replica its writer stored; no value here)
+        return torch.empty(e.shape, dtype=dtype, device="meta" if math.prod(e.shape) else None)
     t = torch.frombuffer(data, dtype=dtype)
     return t if len(e.shape) == 1 else t.view(e.shape)
 
@@ -54,6 +58,8 @@ class Match:
 
     def __init__(self, header: ShardHeader, into: Any) -> None:
         targets, self.loaders = flatten_targets(into) if into is not None else ({}, [])
+        if (elsewhere := stored_elsewhere(header, targets)) is not None:
+            raise elsewhere  # (a replica another rank wrote, into a target: reshard it)
         layouts = sharded_layouts(header)
         self.targets: list[torch.Tensor | None] = []
         #: What the state returned holds for a tensor with a target: the target itself (for a

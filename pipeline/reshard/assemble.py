@@ -12,7 +12,9 @@ state loaded, unless every entry of a module's state went into its own tensors i
 
 A saved DTensor without a target comes back as the value rank's local shard (a plain tensor):
 there is no new layout to reshard it into (an optimizer's state must exist, e.g. after one
-step, to be resharded into).
+step, to be resharded into). A replica is read from its writer's shard only (the lowest rank
+holding its box: `ShardedEntry.writer`), the one that stored its bytes; so is the value rank's
+own local shard where that rank stored none.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import anyio
 import structlog
 import torch
 
-from tierpipe.errors import LayoutMismatchError, ShardFormatError
+from tierpipe.errors import LayoutMismatchError, ShardFormatError, leaves
 from tierpipe.reshard.layout import (
     Box,
     Piece,
@@ -44,7 +46,7 @@ from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets
 from tierpipe.storage.shard import Head, sharded_layouts
-from tierpipe.storage.sharding import local_box
+from tierpipe.storage.sharding import local_box, stores_bytes
 from tierpipe.tree import decode_tree
 
 __all__ = (
@@ -187,9 +189,12 @@ async def assemble(
 
             await read_parts(tiers, await origin(s), need, take, tally)
 
-    async with anyio.create_task_group() as tg:
-        for s in sources:
-            tg.start_soon(one, s)
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in sources:
+                tg.start_soon(one, s)
+    except BaseExceptionGroup as group:  # (a source's failure, as the caller catches it)
+        raise leaves(group)[0] from group
     for i, e in enumerate(header.tensors):
         if plan.tensors[i] is None:  # (an empty blob: nothing was read)
             plan.tensors[i] = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
@@ -223,6 +228,9 @@ def _plan(
         plan.members.setdefault(e.blob, []).append(i)
         target = targets.get(e.path)
         se, mesh = sharded.get(i, (None, None))
+        if target is None and se is not None and mesh and not stores_bytes(se, mesh):
+            _replica(plan, i, e, se, mesh, old_world)
+            continue
         if target is None or (se is None and not isinstance(target, DTensor)):
             if se is not None:
                 log.warning("reshard_without_target", path=list(e.path),
@@ -240,10 +248,25 @@ def _plan(
             else [(plan.value, full_box(e.shape))]
         )  # fmt: skip
         box, local = _target_box(target)
-        pieces = overlaps(box, holders, pick=pick) if local.numel() else []
+        # (a replica's bytes are in its writer's shard alone: the lowest of its holders)
+        once = min if se is not None and se.writer >= 0 else pick
+        pieces = overlaps(box, holders, pick=once) if local.numel() else []
         plan.fills.append(_Fill(e.path, target, local, pieces, tuple(global_shape), e.dtype))
         plan.filled[i] = target
         plan.tensors[i] = target
+
+
+def _replica(
+    plan: _Plan, i: int, e: TensorEntry, se: ShardedEntry, mesh: MeshEntry, old_world: int
+) -> None:
+    """A replica the value rank's shard holds no bytes of, without a target: its local shard
+    (a new tensor, as a stored one would come back), read from the writer's shard."""
+    local = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+    box = box_of(se.global_shape, mesh.shape, mesh.coordinate, se.placements)
+    holders = _saved_boxes(se, mesh, e, old_world, _name(e.path))
+    pieces = overlaps(box, holders, pick=min) if local.numel() else []
+    plan.fills.append(_Fill(e.path, local, local, pieces, tuple(se.global_shape), e.dtype))
+    plan.filled[i] = plan.tensors[i] = local
 
 
 def _saved_boxes(

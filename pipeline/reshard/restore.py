@@ -74,13 +74,16 @@ async def restore_or_reshard(
     *,
     step: int | None,
     value_rank: ValueRank,
+    replicated: frozenset[str] = frozenset(),
 ) -> Restored:
     """`Checkpointer.restore`'s choice: `resharder()`'s run where `into` holds a DTensor (or
-    `value_rank` is given) and the step was saved by another world size or a DTensor target's
-    layout is not the saved one (`Resharder.needed`), or the normal `restore()` raised that;
-    else `restore()`'s (which, without DTensors and `value_rank`, raises WorldSizeMismatchError
-    as before: a plain state saved by other ranks is refused unless the caller names a rule)."""
-    if value_rank is None and not holds_dtensor(into):
+    `value_rank` is given, or the job declares `replicated` keys) and the step was saved by
+    another world size, a DTensor target's layout is not the saved one, or this rank's shard
+    holds no bytes of a replica its writer stored (`Resharder.needed`), or the normal
+    `restore()` raised that; else `restore()`'s (which, without DTensors and `value_rank`,
+    raises WorldSizeMismatchError as before: a plain state saved by other ranks is refused
+    unless the caller names a rule; and LayoutMismatchError for a replica stored elsewhere)."""
+    if value_rank is None and not replicated and not holds_dtensor(into):
         return await restore()
     reshard = resharder()
     try:
@@ -141,8 +144,9 @@ class Resharder:
     async def needed(self, into: Any, step: int | None) -> bool:
         """Whether the step to restore (the newest complete one, or `step`) needs resharding
         into `into`: saved by another world size, or a DTensor target whose layout (global
-        shape, mesh, placements, coordinate) is not the one this rank saved (this rank's head
-        read; any rank's answer counts for all). False where nothing can be chosen (the normal
+        shape, mesh, placements, coordinate) is not the one this rank saved, or a replica this
+        rank's shard holds no bytes of (this rank's head read; any rank's answer counts for
+        all). False where nothing can be chosen (the normal
         restore says why)."""
         choice = await self._share(await self._choose(step, {}) if self._leads() else None)
         differs = ""

@@ -33,7 +33,7 @@ from tierpipe.schemas import (
     ShardHeader,
     TensorEntry,
 )
-from tierpipe.storage.sharding import local_box
+from tierpipe.storage.sharding import local_box, position, replica_writer, stores_bytes
 
 __all__ = (
     "DTYPE_SIZES",
@@ -259,13 +259,14 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
             raise ShardFormatError(path, f"blob {i} is misplaced or malformed")
         end = b.offset + b.nbytes
     users = Counter(t.blob for t in header.tensors)
-    for t in header.tensors:
-        _check_tensor(t, header.blobs, users[t.blob] > 1, path)
     for i, m in enumerate(header.meshes):
         problem = _mesh_problem(m)
         if problem:
             raise ShardFormatError(path, f"mesh {i}: {problem}")
-    sharded_blobs = set()
+    sharded_blobs, elsewhere = set(), set()
+    # Each layout's writer, once per (mesh, global shape, placements): a mesh's ranks can
+    # number thousands, too many to hash per tensor.
+    writers: dict[tuple[int, tuple[int, ...], tuple[str, ...]], int | None] = {}
     for s in header.sharded:
         if not 0 <= s.tensor < len(header.tensors):
             raise ShardFormatError(path, f"sharded entry names missing tensor {s.tensor}")
@@ -275,7 +276,15 @@ def _check_layout(header: ShardHeader, path: str, data_offset: int, nbytes: int)
         sharded_blobs.add(t.blob)
         if not 0 <= s.mesh < len(header.meshes):
             raise ShardFormatError(path, f"sharded tensor {t.path!r} names missing mesh {s.mesh}")
-        _check_sharded(s, header.meshes[s.mesh], t, path)
+        _check_sharded(s, header.meshes[s.mesh], t, path, writers)
+        if not stores_bytes(s, header.meshes[s.mesh]):
+            elsewhere.add(s.tensor)
+            if header.blobs[t.blob].nbytes:
+                raise ShardFormatError(
+                    path, f"sharded tensor {t.path!r} holds bytes rank {s.writer} writes"
+                )
+    for i, t in enumerate(header.tensors):
+        _check_tensor(t, header.blobs, users[t.blob] > 1, path, stored=i not in elsewhere)
     for i, b in enumerate(header.blobs):
         want = blocks_nbytes(b.nbytes) if i in sharded_blobs else 0
         if len(b.blocks) != want:
@@ -312,12 +321,30 @@ def _mesh_problem(m: MeshEntry) -> str:
     return ""
 
 
-def _check_sharded(s: ShardedEntry, m: MeshEntry, t: TensorEntry, path: str) -> None:
+def _check_sharded(
+    s: ShardedEntry,
+    m: MeshEntry,
+    t: TensorEntry,
+    path: str,
+    writers: dict[tuple[int, tuple[int, ...], tuple[str, ...]], int | None],
+) -> None:
     """A sharded entry's layout is consistent: its shard is the box its placements give this
-    rank's coordinate of its (checked) mesh, inside the global shape."""
+    rank's coordinate of its (checked) mesh, inside the global shape; its writer is the one
+    the layout gives (or -1: an older file), so a holder cannot claim to store a replica's
+    bytes that its writer stores, nor name another writer (`writers`: the layouts' writers
+    worked out so far)."""
     problem = _layout_problem(
         t.shape, s.global_shape, s.offsets, m.shape, m.coordinate, s.placements
     )
+    if not problem and s.writer != -1:
+        key = (s.mesh, s.global_shape, s.placements)
+        if key not in writers:
+            writers[key] = replica_writer(
+                s.global_shape, m.shape, m.ranks, m.coordinate, s.placements
+            )
+        writer = writers[key]
+        if s.writer != (m.ranks[position(m.coordinate, m.shape)] if writer is None else writer):
+            problem = f"names rank {s.writer} as its writer, the layout gives rank {writer}"
     if problem:
         raise ShardFormatError(path, f"sharded tensor {t.path!r}: {problem}")
 
@@ -351,7 +378,9 @@ def _layout_problem(
     return ""
 
 
-def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str) -> None:
+def _check_tensor(
+    t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, path: str, *, stored: bool = True
+) -> None:
     size = DTYPE_SIZES.get(t.dtype)
     if size is None:
         raise ShardFormatError(path, f"tensor {t.path!r} has unknown dtype {t.dtype!r}")
@@ -366,7 +395,7 @@ def _check_tensor(t: TensorEntry, blobs: tuple[BlobEntry, ...], shared: bool, pa
     if nominal * size > _INT64_MAX:
         raise ShardFormatError(path, f"tensor {t.path!r} is too large for int64 sizes")
     blob_nbytes = blobs[t.blob].nbytes
-    numel = math.prod(t.shape)
+    numel = math.prod(t.shape) if stored else 0  # (a replica another rank writes: no bytes)
     if not shared:
         if t.offset or t.stride != _contiguous_strides(t.shape) or numel * size != blob_nbytes:
             raise ShardFormatError(

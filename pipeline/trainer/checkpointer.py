@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from functools import partial
 from typing import Any
 
@@ -70,6 +71,9 @@ class Checkpointer:
             `rank - local_rank + local_world_size - 1` (at restore, local rank 0 checks them all).
         local_world_size: its node's rank count. Default for both: `$LOCAL_RANK` and
             `$LOCAL_WORLD_SIZE` (torchrun) where both are set, else a node of its own (0, 1).
+        replicated: top-level keys of the state equal on every rank (DDP's `("model", "optim")`):
+            their tensors are stored once per job, by rank 0, and restored from its shard; a
+            value declared so that differs restores as rank 0's (`tierpipe.storage.sharding`).
 
     Every Checkpointer starts a new epoch (a timeline). After `restore()` of step r, or once an
     `overwrite` save of step s happened, this rank's saves of later steps (after r; from s on)
@@ -101,6 +105,7 @@ class Checkpointer:
         keep: Keep | None = None,
         local_rank: int | None = None,
         local_world_size: int | None = None,
+        replicated: Collection[str] = (),
     ) -> None:
         self.settings = settings or load_settings()
         configure_logging(
@@ -117,7 +122,7 @@ class Checkpointer:
         )
         #: This process's timeline (see the class docstring).
         self.epoch = time.time_ns()
-        self._overwrite = overwrite
+        self._overwrite, self._replicated = overwrite, frozenset(replicated)
         self._keep = keep
         self._closed = False
         self._saves = Saves(job=self.job, rank=self.rank, epoch=self.epoch, newest=self._newest)
@@ -161,7 +166,7 @@ class Checkpointer:
             self._saver = Saver(
                 self.settings, self._bus, self._saves, self._outbox, job=self.job,
                 rank=self.rank, world_size=self.world_size, node=self.node, epoch=self.epoch,
-                overwrite=self._overwrite,
+                overwrite=self._overwrite, replicated=self._replicated,
             )  # fmt: skip
         return self._saver
 
@@ -332,20 +337,14 @@ class Checkpointer:
         resharder = partial(Resharder, bus, self.settings, store, self.job, self.rank,
                             self.world_size, self.node, collective)  # fmt: skip
         run = partial(restore_or_reshard, partial(restorer.run, step=step), resharder, into,
-                      step=step, value_rank=value_rank)  # fmt: skip
+                      step=step, value_rank=value_rank, replicated=self._replicated)  # fmt: skip
         restored = self._bus.run(run, timeout=2 * self.settings.restore_timeout_s + 60)
         # Saves from here on branch the job's history at the restored step: this rank's older
         # epochs' saves of later steps are superseded (a normal restart has none that count).
         self._local().restored(restored.step)
-        log.info(
-            "checkpoint_restored",
-            job=self.job,
-            rank=self.rank,
-            step=restored.step,
-            tier=restored.source.tier,
-            seconds=round(restored.seconds, 3),
-            rounds=restored.rounds,
-        )
+        log.info("checkpoint_restored", job=self.job, rank=self.rank, step=restored.step,
+                 tier=restored.source.tier, seconds=round(restored.seconds, 3),
+                 rounds=restored.rounds)  # fmt: skip
         return restored
 
     def _loader(self) -> Loader:

@@ -47,6 +47,7 @@ class Saver:
         portal: the bus client; `saves`: the handles; `outbox`: where `staged` events go.
         job, rank, world_size, node, epoch: whose saves.
         overwrite: saves may go back in the job's history (`Checkpointer(overwrite=True)`).
+        replicated: the state's top-level keys the same on every rank (stored once per job).
     """
 
     def __init__(
@@ -62,12 +63,13 @@ class Saver:
         node: str,
         epoch: int,
         overwrite: bool,
+        replicated: frozenset[str] = frozenset(),
     ) -> None:
         self.settings, self._portal, self._saves, self._outbox = settings, portal, saves, outbox
         self.job, self.rank, self.world_size, self.node, self.epoch = (
             job, rank, world_size, node, epoch,
         )  # fmt: skip
-        self._overwrite = overwrite
+        self._overwrite, self._replicated = overwrite, replicated
         self.pool = SlotPool(settings.staging_root, job, rank, settings.staging_slots)
         self.snapshot = Snapshot(self.pool, node=node)
         #: The newest step this rank saved in this job before this process (None: none).
@@ -93,8 +95,9 @@ class Saver:
 
     def reserve(self, state: Any) -> None:
         plan = plan_state(
-            state, job=self.job, step=0, rank=self.rank, world_size=self.world_size, node=self.node
-        )
+            state, job=self.job, step=0, rank=self.rank, world_size=self.world_size,
+            node=self.node, replicated=self._replicated,
+        )  # fmt: skip
         self.snapshot.reserve(plan)
 
     def save(self, step: int, state: Any, *, blocking: bool) -> SaveHandle:
@@ -117,6 +120,7 @@ class Saver:
             world_size=self.world_size,
             node=self.node,
             epoch=self.epoch,
+            replicated=self._replicated,
         )
         slot = self._acquire(step)
         if slot is None:
