@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -222,11 +223,17 @@ async def _span(
         span = Span(span.blob, 0, -(-blob.nbytes // BLOCK_BYTES))
     start, stop = span.byte_range(blob.nbytes)
     at = head.data_offset + blob.offset + start
+    t0 = time.perf_counter()
     buf = await reader.fit(max(align_up(stop - start), ALIGN))
+    t1 = time.perf_counter()
     await ranged.read(at, buf, stop - start)
+    t2 = time.perf_counter()
     tally.add(copy.tier, stop - start)
     with translated(copy.location), memoryview(buf) as view, view[: stop - start] as data:
         await anyio.to_thread.run_sync(_check_then_take, head, span, data, copy, take)
+    log.debug("reshard_span_read", rank=head.header.rank, blob=span.blob, tier=copy.tier,
+              nbytes=stop - start, wait_s=round(t1 - t0, 4), read_s=round(t2 - t1, 4),
+              check_take_s=round(time.perf_counter() - t2, 4))  # fmt: skip
 
 
 def _check_then_take(head: Head, span: Span, data: memoryview, copy: SourceRef, take: Take) -> None:
