@@ -29,6 +29,7 @@ from tierpipe.names import shard_relpath
 from tierpipe.peer.server import PeerServer
 from tierpipe.recovery.load import Expected
 from tierpipe.reshard.assemble import assemble, value_rank_of
+from tierpipe.reshard.buffers import Budget, ReadBuffer
 from tierpipe.reshard.layout import (
     Box,
     Span,
@@ -42,6 +43,7 @@ from tierpipe.reshard.layout import (
 )
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
 from tierpipe.schemas import (
+    ALIGN,
     BLOCK_BYTES,
     BlobEntry,
     MeshEntry,
@@ -616,3 +618,87 @@ def test_value_rank_takes_another_ranks_plain_state_into_a_smaller_world(
         restored = c.restore(target, value_rank=1)
     assert (restored.step, restored.state["r"], restored.source.tier) == (1, 1, "nvme")
     assert torch.equal(target["w"], saved[1]["w"]) and restored.agreement == "nats"
+
+
+# --- reads at once: the spans of a copy, the saved ranks, the buffers they share
+
+
+@pytest.mark.anyio
+async def test_spans_read_at_once_are_each_taken_once_checked_a_bad_one_from_the_next_copy(
+    tmp_path: Path,
+) -> None:
+    """Three readers of a copy at once: a span reaches `take` whole and checked or not at all.
+    A flipped byte in block 4 of the first copy never reaches the target: that span (and
+    those not yet taken) come from the second copy; none is taken twice, and the blocks no
+    span asks for stay untouched."""
+    g = torch.randn(2048, 1024)  # 8 MiB: 8 blocks saved whole by one rank
+    (o,) = saved_world(tmp_path, g, (1,), ("R",), job="j").values()
+    path = o.copies[0].location
+    shutil.copy(path, tmp_path / "copy.shard")
+    good = msgspec.structs.replace(o.copies[0], location=str(tmp_path / "copy.shard"))
+    flip(path, block_offset(path, 0, 4))
+    want = g.view(-1).view(torch.uint8)
+    into = torch.zeros_like(want)
+    taken: list[Span] = []
+
+    def take(head: Any, span: Span, data: memoryview) -> None:
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+        assert torch.equal(raw, want[span.first * MB : span.stop * MB])  # (checked bytes only)
+        into[span.first * MB : span.stop * MB] = raw
+        taken.append(span)
+
+    spans = [Span(0, k, k + 1) for k in (0, 2, 4, 6)]
+    tally = Tally()
+    async with Tiers(Settings(node="n"), None, node="n") as tiers:
+        await read_parts(
+            tiers, Origin(o.expected, o.nbytes, [*o.copies, good]), lambda h: spans, take,
+            tally, depth=3,
+        )  # fmt: skip
+    assert sorted(taken, key=lambda s: s.first) == spans
+    for k in range(8):
+        block = into[k * MB : (k + 1) * MB]
+        assert torch.equal(block, want[k * MB : (k + 1) * MB] if k % 2 == 0 else 0 * block), k
+    assert len(tally.failed) == 1 and "block 4" in str(tally.failed[0][2])
+
+
+@pytest.mark.anyio
+async def test_a_saved_rank_without_a_good_copy_fails_assemble_with_its_own_error(
+    tmp_path: Path,
+) -> None:
+    """The saved ranks are read at once (the value rank's own parts too): one whose only copy
+    is gone makes `assemble` raise ShardMissingError naming it, not a group of errors."""
+    g = torch.randn(9, 7)
+    origins = saved_world(tmp_path, g, (2, 2), ("S0", "S1"), job="j")
+    os.remove(origins[2].copies[0].location)
+
+    async def origin(r: int) -> Origin:
+        return origins[r]
+
+    target = {"w": torch.zeros(9, 7), "r": torch.zeros(1, dtype=torch.int64)}
+    async with Tiers(Settings(node="n"), None, node="n") as tiers:
+        with pytest.raises(ShardMissingError, match="rank 2 of step 3"):
+            await assemble(tiers, origin, target, rank=1, old_world=4)
+
+
+@pytest.mark.anyio
+async def test_a_read_budget_lets_a_lone_holder_through_and_makes_others_wait() -> None:
+    """Buffers reused while large enough; past the budget a taker waits until bytes are given
+    back, but one holding nothing gets a buffer of any size."""
+    budget = Budget(4 * ALIGN)
+    big = ReadBuffer(budget)
+    buf = await big.fit(8 * ALIGN)  # (alone: more than the budget)
+    assert await big.fit(2 * ALIGN) is buf and budget.held == 8 * ALIGN
+    small = ReadBuffer(budget)
+    got = []
+
+    async def wait_for_room() -> None:
+        got.append(await small.fit(ALIGN))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for_room)
+        await anyio.sleep(0.05)
+        assert not got
+        big.close()
+    assert len(got) == 1 and budget.held == ALIGN
+    small.close()
+    assert budget.held == 0

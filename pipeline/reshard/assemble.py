@@ -6,9 +6,11 @@ it lists whose target is a DTensor (or a plain tensor of the saved global shape)
 the saved shards that overlap the target's local shard (`layout.overlaps`; the boxes of every
 saved shard follow from one `ShardedEntry`: global shape, mesh, placements); every other tensor
 and plain value comes from the value rank's shard. Then every saved rank that holds a needed
-part is read (`reads.read_parts`: whole blocks, each checked) and the parts are copied into the
-targets' local tensors in place. Objects with `load_state_dict()` among the targets get their
-state loaded, unless every entry of a module's state went into its own tensors in place.
+part is read (`reads.read_parts`: whole blocks, each checked), the others at once as soon as
+the value rank's header gave the plan (while its own parts are still read), and the parts are
+copied into the targets' local tensors in place. Objects with `load_state_dict()` among the
+targets get their state loaded, unless every entry of a module's state went into its own
+tensors in place.
 
 A saved DTensor without a target comes back as the value rank's local shard (a plain tensor):
 there is no new layout to reshard it into (an optimizer's state must exist, e.g. after one
@@ -29,7 +31,8 @@ import anyio
 import structlog
 import torch
 
-from tierpipe.errors import LayoutMismatchError, ShardFormatError, leaves
+from tierpipe.errors import LayoutMismatchError, ShardFormatError
+from tierpipe.reshard.buffers import Budget, first_error
 from tierpipe.reshard.layout import (
     Box,
     Piece,
@@ -173,9 +176,20 @@ async def assemble(
             _take_whole(head.header, plan, span.blob, data, targets)
         _take_pieces(plan, v, span, data)
 
-    head = await read_parts(tiers, await origin(v), need_value, take_value, tally)
-    header = head.header
-    sources = sorted({p.source for f in plan.fills for p in f.pieces} - {v})
+    # The value rank's reads go on while the other saved ranks are read: they start once its
+    # header gave the plan (all share one budget of read buffers).
+    planned, budget = anyio.Event(), Budget()
+    heads: list[Head] = []
+
+    def need_then_go(head: Head) -> list[Span]:
+        spans = need_value(head)
+        planned.set()
+        return spans
+
+    async def value() -> None:
+        heads.append(await read_parts(tiers, await origin(v), need_then_go, take_value, tally,
+                                      budget=budget))  # fmt: skip
+
     lanes = anyio.Semaphore(_LANES)
 
     async def one(s: int) -> None:
@@ -187,14 +201,21 @@ async def assemble(
             def take(h: Head, span: Span, data: memoryview) -> None:
                 _take_pieces(plan, s, span, data)
 
-            await read_parts(tiers, await origin(s), need, take, tally)
+            await read_parts(tiers, await origin(s), need, take, tally, budget=budget)
+
+    async def others() -> None:
+        await planned.wait()
+        async with anyio.create_task_group() as tg:
+            for s in sorted({p.source for f in plan.fills for p in f.pieces} - {v}):
+                tg.start_soon(one, s)
 
     try:
         async with anyio.create_task_group() as tg:
-            for s in sources:
-                tg.start_soon(one, s)
-    except BaseExceptionGroup as group:  # (a source's failure, as the caller catches it)
-        raise leaves(group)[0] from group
+            tg.start_soon(value)
+            tg.start_soon(others)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from group
+    header = heads[0].header
     for i, e in enumerate(header.tensors):
         if plan.tensors[i] is None:  # (an empty blob: nothing was read)
             plan.tensors[i] = torch.empty(e.shape, dtype=getattr(torch, e.dtype))

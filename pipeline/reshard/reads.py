@@ -5,7 +5,10 @@ head (prefix and header: its identity and header digest checked against the job 
 record, `check_head`), then the whole blocks the caller asks for (`layout.Span`s, which it
 works out from that header), each block's xxh3-64 compared with the header's
 `BlobEntry.blocks` before the bytes reach the caller (`take`). A blob without block digests (a
-plain tensor read as the whole of a DTensor) is read whole and checked by its xxh3-128.
+plain tensor read as the whole of a DTensor) is read whole and checked by its xxh3-128. A
+copy's spans are read `DEPTH` at once, each into a reused buffer (`tierpipe.reshard.buffers`),
+and checked and taken in worker threads, so the reads go on while a span is checked and copied;
+a span reaches `take` whole and checked, or not at all.
 
 Copies are tried best first: this node's NVMe file (pread, O_DIRECT where the filesystem has
 it), then a peer's endpoint (ranged GETs: the node that saved the shard serves its own copy,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -41,6 +45,7 @@ from tierpipe.errors import (
 )
 from tierpipe.peer.client import PeerClient, shard_url
 from tierpipe.recovery.load import Expected, check_head
+from tierpipe.reshard.buffers import Budget, ReadBuffer, first_error
 from tierpipe.reshard.layout import Span
 from tierpipe.schemas import ALIGN, BLOCK_BYTES, BLOCK_DIGEST_BYTES, BlobEntry, SourceRef
 from tierpipe.settings import Settings
@@ -53,7 +58,7 @@ from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 if TYPE_CHECKING:
     from tierpipe.storage.s3.store import S3Store
 
-__all__ = ("Origin", "Ranged", "Tiers", "read_parts", "verify_span")
+__all__ = ("DEPTH", "Origin", "Ranged", "Tiers", "read_parts", "verify_span")
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +97,9 @@ class Ranged(Protocol):
         """
 
 
+#: Spans of one copy read at once (while one is checked and taken, the next are read).
+DEPTH = 2
+
 #: What a reader hands on: a span once its blocks were checked, and its bytes.
 Take = Callable[[Head, Span, memoryview], None]
 
@@ -102,9 +110,16 @@ async def read_parts(
     need: Callable[[Head], Sequence[Span]],
     take: Take,
     tally: Tally,
+    *,
+    budget: Budget | None = None,
+    depth: int = DEPTH,
 ) -> Head:
     """Read the spans `need` names (from the header) of `origin`'s shard from its first good
     copies, each span handed to `take` once its blocks were checked (in a worker thread).
+
+    Up to `depth` spans of a copy are read at once, each reader's buffer reused for its next
+    span (`budget`: shared by the readers of one restore, see `tierpipe.reshard.buffers`):
+    while a span is checked and taken, the next ones are read.
 
     Returns:
         The header (of the last copy read).
@@ -115,6 +130,7 @@ async def read_parts(
     left: list[Span] | None = None
     problems: list[str] = []
     head: Head | None = None
+    budget = Budget() if budget is None else budget
     for copy in origin.copies:
         try:
             async with tiers.open(copy, origin) as ranged:
@@ -122,10 +138,7 @@ async def read_parts(
                 tally.add(copy.tier, head.data_offset)
                 if left is None:
                     left = list(need(head))
-                while left:
-                    span = left[0]
-                    await _span(ranged, head, span, copy, take, tally)
-                    left.pop(0)
+                await _spans(ranged, head, left, copy, take, tally, budget, depth)
             return head
         except ConfigError:  # (the plan does not fit the shard: no other copy would)
             raise
@@ -138,6 +151,38 @@ async def read_parts(
             problems.append(f"{copy.tier}: {type(e).__name__}")
     where = f"rank {origin.expected.rank} of step {origin.expected.step}"
     raise ShardMissingError(where, "no good copy left (" + (", ".join(problems) or "none") + ")")
+
+
+async def _spans(
+    ranged: Ranged,
+    head: Head,
+    left: list[Span],
+    copy: SourceRef,
+    take: Take,
+    tally: Tally,
+    budget: Budget,
+    depth: int,
+) -> None:
+    """Read the spans in `left` from one copy, `depth` readers at once, each span dropped
+    from `left` once taken (what is left when this raises, the next copy reads)."""
+    todo = list(left)
+
+    async def reader() -> None:
+        buf = ReadBuffer(budget)
+        try:
+            while todo:
+                span = todo.pop(0)
+                await _span(ranged, head, span, copy, take, tally, buf)
+                left.remove(span)  # (taken: no other copy reads it again)
+        finally:
+            buf.close()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(max(1, depth), len(todo))):
+                tg.start_soon(reader)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from group
 
 
 async def _head(ranged: Ranged, location: str, origin: Origin) -> Head:
@@ -163,21 +208,32 @@ async def _bytes(ranged: Ranged, start: int, nbytes: int) -> bytes:
 
 
 async def _span(
-    ranged: Ranged, head: Head, span: Span, copy: SourceRef, take: Take, tally: Tally
+    ranged: Ranged,
+    head: Head,
+    span: Span,
+    copy: SourceRef,
+    take: Take,
+    tally: Tally,
+    reader: ReadBuffer,
 ) -> None:
+    """Read `span` into the reader's buffer, check its blocks and hand it to `take` (both in
+    a worker thread)."""
     blob = _blob(head, span.blob, copy.location)
     if not blob.blocks:  # (no block digests: the blob is read whole, checked whole)
         span = Span(span.blob, 0, -(-blob.nbytes // BLOCK_BYTES))
     start, stop = span.byte_range(blob.nbytes)
     at = head.data_offset + blob.offset + start
-    buf = aligned_buffer(max(align_up(stop - start), ALIGN))
-    try:
-        await ranged.read(at, buf, stop - start)
-        tally.add(copy.tier, stop - start)
-        with translated(copy.location), memoryview(buf) as view, view[: stop - start] as data:
-            await anyio.to_thread.run_sync(_check_then_take, head, span, data, copy, take)
-    finally:
-        close_quietly(buf)
+    t0 = time.perf_counter()
+    buf = await reader.fit(max(align_up(stop - start), ALIGN))
+    t1 = time.perf_counter()
+    await ranged.read(at, buf, stop - start)
+    t2 = time.perf_counter()
+    tally.add(copy.tier, stop - start)
+    with translated(copy.location), memoryview(buf) as view, view[: stop - start] as data:
+        await anyio.to_thread.run_sync(_check_then_take, head, span, data, copy, take)
+    log.debug("reshard_span_read", rank=head.header.rank, blob=span.blob, tier=copy.tier,
+              nbytes=stop - start, wait_s=round(t1 - t0, 4), read_s=round(t2 - t1, 4),
+              check_take_s=round(time.perf_counter() - t2, 4))  # fmt: skip
 
 
 def _check_then_take(head: Head, span: Span, data: memoryview, copy: SourceRef, take: Take) -> None:
