@@ -12,6 +12,8 @@ import time
 import anyio
 import msgspec
 import pytest
+import structlog
+import structlog.testing
 
 from tests.test_coordinator import publish, saved
 from tierpipe.bus.client import Bus
@@ -173,33 +175,46 @@ async def _never(job: str, step: int, world_size: int) -> None:
     raise AssertionError("no removal")
 
 
-def test_a_restart_whose_fold_loses_the_lease_waits_and_folds_again(
+def test_a_restart_whose_fold_loses_the_lease_waits_for_the_other_coordinator(
     settings: Settings, job: str
 ) -> None:
     """A rank folding the job state itself (no coordinator held the lease) that finds a key
     changed under it (another coordinator began meanwhile: an agent restarted) does not fail
-    the restart with `LeaseLostError`: it goes on waiting for the state, and bids again."""
+    the restart with `LeaseLostError` (CI: `Checkpointer.all_steps` raised it), nor bid again
+    and again (CI: its bids every 0.5 s kept the agent's coordinator from leading): it waits for
+    the state the other coordinator folds."""
     publish(settings, saved(job, 1, 0, "node-b") + saved(job, 1, 1, "node-b"))
 
     async def main() -> None:
         async with Bus(settings) as bus, Bus(settings) as other_bus:
             store = await JobStore(bus.js, settings).open()
             other = await JobStore(other_bus.js, settings).open()
-            revision, raced = store.kv.revision, []
+            revision, raced = store.kv.revision, anyio.Event()
 
             async def revision_then_another_writes(key: str) -> int:
                 rev = await revision(key)
-                if not raced:  # (once: the other coordinator's write lands under this one)
-                    raced.append(key)
+                if not raced.is_set():  # (once: the other coordinator's write lands under it)
+                    raced.set()
                     await other.kv.put(key, b"{}")
                 return rev
 
+            async def the_other_coordinator_folds() -> None:
+                await raced.wait()
+                await anyio.sleep(1.0)  # (after the rank's lease is handed back)
+                agent = Coordinator(settings, other_bus, other, "node-a", _never)
+                assert await agent.catch_up(job, 1)  # (it folds what the stream holds)
+
             store.kv.revision = revision_then_another_writes  # type: ignore[method-assign]
-            head = await current_head(
-                bus, store, settings, job=job, holder="node-c-rank-0",
-                deadline=time.monotonic() + 30,
-            )  # fmt: skip
-            assert raced, "the fold never wrote a key"
+            with structlog.testing.capture_logs() as logs:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(the_other_coordinator_folds)
+                    head = await current_head(
+                        bus, store, settings, job=job, holder="node-c-rank-0",
+                        deadline=time.monotonic() + 30,
+                    )  # fmt: skip
+            assert raced.is_set(), "the fold never wrote a key"
             assert head is not None and head.s3_steps == [1], head
+            bids = [e for e in logs if e["event"] == "lease_acquired" and e["holder"] != "node-a"]
+            assert len(bids) == 1, bids
 
     anyio.run(main)

@@ -197,17 +197,17 @@ class Coordinator:
         no live coordinator (no agent runs evict, or the holder died: its lease expired, or its
         node's record shows it gone, `tierpipe.control.holder`): take the lease, fold, store,
         and hand the lease back. No retention work meanwhile (the floors hold). False if
-        another holds the lease (it folds them itself), or took it while this one folded."""
+        another holds the lease (it folds them itself).
+
+        Raises:
+            LeaseLostError: a key changed under this fold (a coordinator began meanwhile).
+        """
         lease = await self.store.acquire(
             job, self.node, self.settings.lease_ttl_s
         ) or await take_over(self.bus, self.settings, self.store, job, self.node, agent=False)
         if lease is None:
             return False
-        try:
-            await self._lead(job, lease, until=seq)
-        except LeaseLostError as e:  # (a coordinator began meanwhile: an agent started)
-            log.info("catch_up_lease_lost", job=job, holder=self.node, error=str(e))
-            return False
+        await self._lead(job, lease, until=seq)
         return True
 
     async def _lead(self, job: str, lease: Lease, *, until: int | None = None) -> None:

@@ -14,6 +14,7 @@ removed it since), its replica on a peer if the record counts one (`Survey.peer`
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
@@ -27,7 +28,7 @@ import structlog
 from tierpipe.bus.client import Bus
 from tierpipe.control.coordinator import Coordinator
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import TierpipeError, WorldSizeMismatchError
+from tierpipe.errors import LeaseLostError, TierpipeError, WorldSizeMismatchError
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source, counts, unusable
@@ -175,8 +176,12 @@ async def current_head(
         if not folded and time.monotonic() >= bid_at:  # (free, expired, or its holder gone)
             bid_at = time.monotonic() + _BID_S
             coordinator = Coordinator(settings, bus, store, holder, _no_removal)
-            if folded := await coordinator.catch_up(job, seq):
-                continue
+            try:
+                if folded := await coordinator.catch_up(job, seq):
+                    continue
+            except LeaseLostError as e:  # (another coordinator folds: wait for it, bid no more)
+                log.info("catch_up_lease_lost", job=job, holder=holder, error=str(e))
+                bid_at = math.inf
         if time.monotonic() > deadline:
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
