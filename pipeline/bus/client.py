@@ -30,7 +30,7 @@ from nats.js import api
 
 from tierpipe.bus import history, stream
 from tierpipe.bus.connection import Connection
-from tierpipe.bus.errors import UNAVAILABLE, translate
+from tierpipe.bus.errors import UNAVAILABLE, text, translate
 from tierpipe.bus.history import Follow, Raw, Watch
 from tierpipe.errors import BusAuthError, BusError, BusUnavailableError, InvalidNameError
 from tierpipe.log import scrub
@@ -172,7 +172,7 @@ class Bus(Connection):
             try:
                 page = await self.js.streams_info(offset=offset)
             except UNAVAILABLE as e:
-                raise BusUnavailableError(f"list streams: {str(e) or type(e).__name__}") from e
+                raise BusUnavailableError(f"list streams: {text(e)}") from e
             if not page:
                 return sorted(found)
             offset += len(page)
@@ -271,8 +271,7 @@ class Bus(Connection):
             except nats.js.errors.APIError as e:
                 raise BusError(f"publish to {subject} refused: {e.description or e}") from e
             except UNAVAILABLE as e:
-                why = str(e) or type(e).__name__
-                raise BusUnavailableError(f"publish to {subject}: {why}") from e
+                raise BusUnavailableError(f"publish to {subject}: {text(e)}") from e
             else:
                 if tried and ack.duplicate:  # our own earlier try landed after all
                     ack.duplicate = False
@@ -299,11 +298,11 @@ class Bus(Connection):
             return None
         except nats.errors.NoRespondersError as e:
             if not self._ensure_on_miss:
-                raise BusUnavailableError(f"get {subject}: {str(e) or type(e).__name__}") from e
+                raise BusUnavailableError(f"get {subject}: {text(e)}") from e
             await self.ensure_stream(subject_job(subject), update=False)  # (clears the flag)
             return await self.last_raw(subject)
         except UNAVAILABLE as e:
-            raise BusUnavailableError(f"get {subject}: {str(e) or type(e).__name__}") from e
+            raise BusUnavailableError(f"get {subject}: {text(e)}") from e
         return raw.seq or 0, raw.data or b""
 
     async def newest_seq(self, subject: str) -> int:

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg  # the bus's message type (re-exported: `Msg`)
 from nats.js import JetStreamContext, api
 
 from tierpipe.bus.client import Bus
-from tierpipe.bus.errors import UNAVAILABLE, translate
+from tierpipe.bus.errors import UNAVAILABLE, text, translate
 from tierpipe.bus.history import STREAM_NOT_FOUND
 from tierpipe.errors import BusUnavailableError
 from tierpipe.names import stream_name
@@ -282,8 +282,3 @@ async def quietly(op: Awaitable[object]) -> None:
         await op
     except Exception as e:
         log.warning("ack_failed", error=text(e))
-
-
-def text(e: BaseException) -> str:
-    """An error's message, or its class name when it has none."""
-    return str(e) or type(e).__name__

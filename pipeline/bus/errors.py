@@ -12,7 +12,7 @@ import nats.js.errors
 
 from tierpipe.errors import BusError, BusUnavailableError
 
-__all__ = ("UNAVAILABLE", "translate")
+__all__ = ("UNAVAILABLE", "text", "translate")
 
 UNAVAILABLE = (
     nats.errors.TimeoutError,
@@ -43,4 +43,9 @@ def translate(what: str, *, keep: tuple[type[Exception], ...] = ()) -> Iterator[
             raise BusUnavailableError(f"{what}: JetStream unavailable") from e
         raise BusError(f"{what}: {e.description or e}") from e
     except UNAVAILABLE as e:
-        raise BusUnavailableError(f"{what}: {str(e) or type(e).__name__}") from e
+        raise BusUnavailableError(f"{what}: {text(e)}") from e
+
+
+def text(e: BaseException) -> str:
+    """An error's message, or its class name when it has none."""
+    return str(e) or type(e).__name__

@@ -19,7 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
-from tierpipe.bus.errors import UNAVAILABLE, translate
+from tierpipe.bus.errors import UNAVAILABLE, text, translate
 from tierpipe.errors import BusError, BusUnavailableError
 from tierpipe.schemas import Event, decode_event
 from tierpipe.schemas.facts import Fact
@@ -123,7 +123,7 @@ async def watch(
     except nats.js.errors.APIError as e:
         raise BusError(f"watch {subject}: {e.description or e}") from e
     except UNAVAILABLE as e:
-        raise BusUnavailableError(f"watch {subject}: {str(e) or type(e).__name__}") from e
+        raise BusUnavailableError(f"watch {subject}: {text(e)}") from e
     try:
         yield Watch(sub, subject)
     finally:
@@ -298,7 +298,7 @@ async def collect_raw(
         except nats.js.errors.APIError as e:
             raise BusError(f"replay {subject}: {e.description or e}") from e
         except UNAVAILABLE as e:
-            raise BusUnavailableError(f"replay {subject}: {str(e) or type(e).__name__}") from e
+            raise BusUnavailableError(f"replay {subject}: {text(e)}") from e
         expected = info.num_pending or 0
         if len(bodies) >= expected:
             done.set()
