@@ -81,6 +81,9 @@ class JobState:
         #: step -> the stream sequence of the first of its events this fold saw.
         self._first_seq: dict[int, int] = {}
         self._resume = (head.resume_seq, head.window) if head else (0, 0)
+        #: The stream sequence the stored head had folded, and the steps it listed: an event up
+        #: to it of a step not listed was folded, and its step removed since (`_gone`).
+        self._listed = (head.seq, frozenset(head.steps)) if head else (0, frozenset[int]())
         self._world_size = head.world_size if head else 0
         #: When the stream `seq` counts in was made (`on_stream`).
         self.stream = head.stream if head else ""
@@ -121,7 +124,7 @@ class JobState:
                 self._move_floors()
             if step in self._record_only:
                 self._apply_to_record(step, rank, fact)
-            elif step in self._steps or not self._gone(step):
+            elif step in self._steps or not self._gone(step, seq):
                 shard = self._ledger.apply(fact)
                 if step in self._steps:
                     self._refresh(step, rank, None, shard)
@@ -132,7 +135,7 @@ class JobState:
             self._apply_to_record(step, rank, f)
             if rewind is not None:
                 self._ledger.rewind(rank, f.epoch, rewind)
-        elif step in self._steps or not self._gone(step):  # (a late event of a dropped step)
+        elif step in self._steps or not self._gone(step, seq):  # (a late event of a dropped step)
             shard = self._ledger.apply(f)
             self._first_seq.setdefault(step, seq)
             self._refresh(step, rank, f.world_size, shard)
@@ -164,6 +167,7 @@ class JobState:
         self._record_only = set(self._steps)
         self._first_seq.clear()
         self._resume = (0, max(self._steps, default=-1) + 1)
+        self._listed = (0, frozenset())
         self._changes.head = True
 
     def passed(self, seq: int) -> None:
@@ -316,10 +320,16 @@ class JobState:
             self._drop(step)
         self._recount(move=False)  # (what the removals changed; the floors stay)
 
-    def _gone(self, step: int) -> bool:
+    def _gone(self, step: int, seq: int = 0) -> bool:
         """Below both floors and kept by no rule, and no NVMe copy left that was never in
         object storage (those stay, unless the job keeps none): nothing of the step is kept
-        any more, and a node that still holds a copy of it may remove it."""
+        any more, and a node that still holds a copy of it may remove it. Or (an event at
+        stream sequence `seq`) the stored state this fold began from had folded the event and
+        removed the step since: a fold taking over does not make it again (its keys are
+        deleted, and a write may not bring them back), even where a rewind lowered the
+        floors under it afterwards."""
+        if seq and seq <= self._listed[0] and step not in self._listed[1]:
+            return True
         if step in self._kept() or self._period_kept(step):
             return False
         if not (step < self._floors.nvme and step < self._floors.s3):
