@@ -18,7 +18,7 @@ from tierpipe.bus.client import Bus
 from tierpipe.bus.kv import bind_bucket
 from tierpipe.control.bitmap import ranks_of
 from tierpipe.control.jobstate import JobState
-from tierpipe.control.kvstate import JobStore, shares_key
+from tierpipe.control.kvstate import JobStore, digests_key, shares_key, step_key
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BucketMissingError, BusUnavailableError, LeaseLostError
 from tierpipe.names import stream_name
@@ -170,14 +170,14 @@ async def test_one_writer_at_a_time_fenced_by_the_lease(nats_server: NatsServer,
 async def test_a_writer_does_not_bring_back_a_removed_key(
     nats_server: NatsServer, uid: str
 ) -> None:
-    """A writer's compare-and-set of a key whose newest write is a delete (what `tierpipe rm`
+    """A writer's compare-and-set of a key whose newest write is a purge (what `tierpipe rm`
     leaves) is refused as a lost lease: a coordinator that still runs does not write back the
     state of a job an operator removed."""
     s = kv_settings(nats_server, f"kv-{uid}")
     async with Bus(s) as bus:
         first = await JobStore(bus.js, s).open()
         await first.write_shares("j", Shares(nodes=1))
-        await first.kv.delete(shares_key("j"))
+        await first.purge([shares_key("j")])
         store = await JobStore(bus.js, s).open()
         with pytest.raises(LeaseLostError):
             await store.write_shares("j", Shares(nodes=2))
@@ -185,9 +185,38 @@ async def test_a_writer_does_not_bring_back_a_removed_key(
 
 
 @pytest.mark.anyio
+async def test_a_step_retention_deleted_is_stored_again_when_the_fold_makes_it_again(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """Retention deletes a step's keys (a delete, not rm's purge). A fold that makes the step
+    again (a rewind lowered the floors under it, and a late event of it came) stores it: the
+    write is no lost lease. A coordinator taking over, or a restart's catch-up fold, was
+    refused so for good in CI and left the job state behind."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        first = await JobStore(bus.js, s).open()
+        state = JobState("j", KEEP)
+        events = [e for r in range(WORLD) for e in lifecycle(1, r)]
+        for seq, event in enumerate(events, 1):
+            state.apply(seq, event)
+        await first.write(state, state.take_changes())
+        gone = [step_key("j", 1), digests_key("j", 1, 0)]
+        for key in gone:
+            await first.kv.delete(key)
+        store = await JobStore(bus.js, s).open()
+        again = JobState("j", KEEP)
+        for seq, event in enumerate(events, len(events) + 1):
+            again.apply(seq, event)
+        await store.write(again, again.take_changes())
+        assert await store.record("j", 1) == again.record(1)
+        assert await store.digests("j", 1, 0) == again.rank_digests(1, 0)
+
+
+@pytest.mark.anyio
 async def test_the_bucket_answers_in_its_own_terms(nats_server: NatsServer, uid: str) -> None:
-    """A key never written or deleted reads as None, a compare-and-set that lost returns None,
-    and a read of a bucket that does not exist raises `BucketMissingError` naming it."""
+    """A key never written, deleted or purged reads as None, a compare-and-set that lost
+    returns None, and a read of a bucket that does not exist raises `BucketMissingError`
+    naming it."""
     s = kv_settings(nats_server, f"kv-{uid}")
     async with Bus(s) as bus:
         kv = (await JobStore(bus.js, s).open()).kv
@@ -196,8 +225,12 @@ async def test_the_bucket_answers_in_its_own_terms(nats_server: NatsServer, uid:
         assert rev is not None and await kv.create("j.x", b"2") is None
         assert await kv.update("j.x", b"3", last=rev - 1) is None
         assert await kv.update("j.x", b"3", last=rev) == await kv.revision("j.x")
-        await kv.delete("j.x")
-        assert await kv.get("j.x") is None and await kv.revision("j.x") == 0
+        await kv.delete("j.x")  # (a delete's revision: a writer may store the key again)
+        deleted = await kv.revision("j.x")
+        assert await kv.get("j.x") is None and deleted > rev
+        assert await kv.update("j.x", b"4", last=deleted) is not None
+        await kv.purge("j.x")  # (a purge's is 0, which no update matches: removed for good)
+        assert await kv.revision("j.x") == 0 and await kv.update("j.x", b"5", last=0) is None
         with pytest.raises(BucketMissingError) as e:
             await bind_bucket(bus.js, f"none-{uid}").get("k")
         assert e.value.bucket == f"none-{uid}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import nats.errors
 import pytest
 import structlog
 import torch
@@ -21,6 +22,7 @@ import torch
 from tests.conftest import Agent, Events, make_staged
 from tests.test_deploy import per_role_block
 from tierpipe.bus.client import Bus
+from tierpipe.bus.connection import Connection, refusal
 from tierpipe.dev import NatsServer
 from tierpipe.errors import BusAuthError
 from tierpipe.log import configure_logging
@@ -290,6 +292,19 @@ async def test_refused_credentials_or_tls_fail_fast_and_clearly(
     assert says in str(err.value) and tls_server.url in str(err.value)
     for secret in (TLS_USER_PASSWORD, "not-the-password-3e1"):
         assert secret not in str(err.value)
+
+
+@pytest.mark.anyio
+async def test_a_refusal_is_what_the_connect_reports_whatever_error_follows(
+    settings: Settings,
+) -> None:
+    """Over TLS, nats-py reports the server's "Authorization Violation" and then, as the server
+    closes, a broken pipe, which the connect raises. The refusal is what counts: under a CPU
+    hog the test above saw the broken pipe alone and retried for connect_wait_s."""
+    conn = Connection(settings)
+    await conn._on_error(nats.errors.Error("nats: 'Authorization Violation'"))
+    await conn._on_error(BrokenPipeError(32, "Broken pipe"))
+    assert conn._last_error is not None and refusal(conn._last_error) is not None
 
 
 @pytest.mark.slow

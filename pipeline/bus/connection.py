@@ -177,7 +177,8 @@ class Connection:
                 self._denied[denied[2]] = f"not permitted to {denied[1].lower()} to {denied[2]}"
             if self._connected:  # failed first attempts are reported by connect() itself
                 log.warning("bus_error", error=str(e) or type(e).__name__)
-            else:
+            elif self._last_error is None or refusal(self._last_error) is None:
+                # (a refusal stays: the broken pipe of the server closing follows it over TLS)
                 self._last_error = e
                 if refusal(e) is not None and self._refused is not None:
                     self._refused.set()

@@ -169,14 +169,17 @@ class Bucket:
                 return None
 
     async def revision(self, key: str) -> int:
-        """The revision of `key`'s value (0: it holds none: never written, deleted or purged).
-        A compare-and-set (`update`) with `last=0` of a key whose newest write is a delete or
-        purge is refused: a writer does not bring back a key someone removed (`tierpipe rm`)."""
+        """The revision of `key`'s newest write for a compare-and-set (`update`) to follow: its
+        value's, or its delete's (a writer removed it, and may write it again); 0 if never
+        written or purged. The update with `last=0` of a purged key is refused: a writer does
+        not bring back a key removed with its history (`tierpipe rm` purges)."""
         with self._translated(key):
             try:
                 return (await self._kv.get(key)).revision or 0
-            except _ABSENT:
-                return 0
+            except _ABSENT as e:  # (nats-py: the marker that removed it, if any, as `entry`)
+                entry = getattr(e, "entry", None)
+                deleted = getattr(e, "op", None) == "DEL" and entry is not None
+                return (entry.revision or 0) if deleted else 0
 
     async def put(self, key: str, value: bytes) -> int:
         """Store `value` under `key` whatever it holds; the write's revision."""
