@@ -176,12 +176,22 @@ class Agent:
         return self.log_path.read_text(errors="replace")
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """Each phase's report on its test (`item.rep_call`): fixtures see whether it failed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def agent(settings: Settings, tmp_path: Path, job: str) -> Iterator[Callable[..., Agent]]:
+def agent(
+    settings: Settings, tmp_path: Path, job: str, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Agent]]:
     """Start node-agent processes: `agent("nvme-write", "verify")`, default all stages. The
     test's job has its staging folder on the agent's node, as its trainers there make it (an
     agent serves the jobs it finds on its node): tests that publish its events themselves
-    stand in for those trainers."""
+    stand in for those trainers. A test that failed shows each agent's log tail (stderr)."""
     started: list[Agent] = []
 
     def start(*stages: str, settings: Settings = settings) -> Agent:
@@ -195,6 +205,11 @@ def agent(settings: Settings, tmp_path: Path, job: str) -> Iterator[Callable[...
         if a.proc is not None and a.proc.poll() is None:
             a.proc.kill()
             a.proc.wait()
+    call = getattr(request.node, "rep_call", None)
+    if call is not None and call.failed:
+        for a in started:
+            print(f"--- {a.log_path.name} ({a.stages}), its tail:\n{a.log()[-6000:]}",
+                  file=sys.stderr)  # fmt: skip
 
 
 class Events:
