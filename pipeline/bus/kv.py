@@ -178,8 +178,9 @@ class Bucket:
                 return (await self._kv.get(key)).revision or 0
             except _ABSENT as e:  # (nats-py: the marker that removed it, if any, as `entry`)
                 entry = getattr(e, "entry", None)
-                deleted = getattr(e, "op", None) == "DEL" and entry is not None
-                return (entry.revision or 0) if deleted else 0
+                if entry is None or getattr(e, "op", None) != "DEL":
+                    return 0
+                return int(entry.revision or 0)
 
     async def put(self, key: str, value: bytes) -> int:
         """Store `value` under `key` whatever it holds; the write's revision."""
