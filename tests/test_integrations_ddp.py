@@ -156,10 +156,16 @@ def test_lightning_ddp_stores_the_model_once_and_resumes_every_rank(
 
 def test_lightning_replicated_override_is_checked(settings: Settings, job: str) -> None:
     """`replicated` takes key names: a bare string is refused at once; the default rule
-    declares DDP's keys only under DDP of more than one rank."""
+    declares DDP's keys only under DDP of more than one rank (not on a single device, nor
+    under ModelParallelStrategy, whose DTensors describe their layout); an explicit choice
+    wins."""
     from types import SimpleNamespace
 
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
 
     from tierpipe.integrations.lightning import TierpipeCheckpoint
 
@@ -171,6 +177,8 @@ def test_lightning_replicated_override_is_checked(settings: Settings, job: str) 
     assert cb._declared(SimpleNamespace(strategy=DDPStrategy(), world_size=1)) == set()  # type: ignore[arg-type]
     single: Any = SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=1)
     assert cb._declared(single) == set()
+    sharded: Any = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2)
+    assert cb._declared(sharded) == set()
     assert TierpipeCheckpoint(job, settings=settings, replicated=())._declared(ddp) == set()
     mine = TierpipeCheckpoint(job, settings=settings, replicated=["state_dict"])
     assert mine._declared(single) == {"state_dict"}
