@@ -174,7 +174,8 @@ def test_lightning_replicated_override_is_checked(settings: Settings, job: str) 
     cb = TierpipeCheckpoint(job, settings=settings)
     ddp: Any = SimpleNamespace(strategy=DDPStrategy(), world_size=2)
     assert cb._declared(ddp) == {"state_dict", "optimizer_states"}
-    assert cb._declared(SimpleNamespace(strategy=DDPStrategy(), world_size=1)) == set()  # type: ignore[arg-type]
+    one: Any = SimpleNamespace(strategy=DDPStrategy(), world_size=1)
+    assert cb._declared(one) == set()
     single: Any = SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=1)
     assert cb._declared(single) == set()
     sharded: Any = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2)
