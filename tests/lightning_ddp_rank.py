@@ -28,9 +28,9 @@ from tierpipe.integrations.lightning import TierpipeCheckpoint
 class Net(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.w1 = torch.nn.Linear(8, 32)
+        self.w1 = torch.nn.Linear(8, 1024)
         self.drop = torch.nn.Dropout(0.3)
-        self.w2 = torch.nn.Linear(32, 2)
+        self.w2 = torch.nn.Linear(1024, 2)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         x, y = batch

@@ -121,12 +121,13 @@ def test_lightning_ddp_stores_the_model_once_and_resumes_every_rank(
     assert saved[0]["tensors"] == saved[1]["tensors"]  # (DDP: the same on every rank)
     assert saved[0]["rng"] != saved[1]["rng"]  # (each rank's dropout draws its own)
 
-    shards = held(settings, job, 8)
+    # (the newest step: the flush stage may skip an older one a newer one supersedes)
+    shards = held(settings, job, 12)
     replica = shards[0]["state_dict"] + shards[0]["optimizer_states"]
     assert shards[0]["state_dict"] > 0 and shards[0]["optimizer_states"] > 0
     assert shards[1]["state_dict"] == shards[1]["optimizer_states"] == 0
     assert shards[0]["tierpipe_rng"] == shards[1]["tierpipe_rng"] > 0
-    once = flushed(events, 8)
+    once = flushed(events, 12)
     assert once[0] - once[1] >= replica
 
     # The same run with the override: every rank stores its own copy.
