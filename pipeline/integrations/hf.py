@@ -14,6 +14,11 @@ resume_from_checkpoint=...)` reads, in formats it loads without executing code:
 `rng_state_<rank>.pth`) (plain data that `torch.load(weights_only=True)` takes), and
 `trainer_state.json`.
 
+Under DDP (a distributed Trainer of more than one process, no `parallelism_config`) the model
+and the optimizer state are the same on every rank: they are declared `replicated`, stored once
+per job (by rank 0) and restored on every rank from its shard (`tierpipe.integrations.ddp`);
+the RNG states, which differ, stay each rank's own.
+
 Needs `pip install 'tierpipe[hf]'`; `import tierpipe` never imports transformers.
 """
 
@@ -41,6 +46,12 @@ except ImportError as e:  # pragma: no cover (the extra is installed where this 
     ) from e
 
 from tierpipe.errors import ConfigError, NoCheckpointError
+from tierpipe.integrations.ddp import (
+    Replicated,
+    check_declared,
+    declared_keys,
+    validate_replicated,
+)
 from tierpipe.settings import Settings
 from tierpipe.trainer.checkpointer import Checkpointer
 
@@ -53,6 +64,9 @@ _MODEL = "model.safetensors"
 _OPTIMIZER = "optimizer.pt"
 _SCHEDULER = "scheduler.pt"
 _TRAINER_STATE = "trainer_state.json"
+#: The keys of a save (`TierpipeCallback._save`); the first two are the same on every DDP rank.
+_KEYS = ("model", "optimizer", "lr_scheduler", "trainer_state", "rng")
+_DDP_KEYS = _KEYS[:2]
 
 
 class TierpipeCallback(TrainerCallback):
@@ -69,17 +83,30 @@ class TierpipeCallback(TrainerCallback):
         every_steps: save every this many optimizer steps; default the Trainer's `save_steps`
             (`args.save_steps`, also when `save_strategy="no"`). The last step is saved too.
         settings: tierpipe settings; default `load_settings()`.
+        replicated: keys of the save that are the same on every rank, their tensors stored once
+            per job (by rank 0) and restored by every rank from its shard. None: `("model",
+            "optimizer")` under DDP (`args.parallel_mode` distributed, `args.world_size` > 1, no
+            `parallelism_config`), none otherwise; `()`: every rank stores its own. Other keys:
+            "lr_scheduler", "trainer_state", "rng". Resume with the same choice.
 
     Raises:
-        ConfigError: (at `Trainer(...)`) DeepSpeed or FSDP is enabled (the message says why;
-            see the README's integrations section).
+        ConfigError: `every_steps` is below 1, `replicated` is not keys of the save, or (at
+            `Trainer(...)`) DeepSpeed or FSDP is enabled (the message says why; see the
+            README's integrations section).
     """
 
     def __init__(
-        self, job: str, *, every_steps: int | None = None, settings: Settings | None = None
+        self,
+        job: str,
+        *,
+        every_steps: int | None = None,
+        settings: Settings | None = None,
+        replicated: Replicated = None,
     ) -> None:
         if every_steps is not None and every_steps < 1:
             raise ConfigError(f"every_steps must be at least 1 (got {every_steps!r})")
+        self._replicated = validate_replicated(replicated)
+        check_declared(self._replicated or (), _KEYS)
         self.job = job
         self.every_steps = every_steps
         self.settings = settings
@@ -108,6 +135,7 @@ class TierpipeCallback(TrainerCallback):
                 rank=args.process_index,
                 world_size=args.world_size,
                 settings=self.settings,
+                replicated=declared_keys(self._replicated, _DDP_KEYS, data_parallel=_ddp(args)),
             )
         return self._checkpointer
 
@@ -243,6 +271,16 @@ class TierpipeCallback(TrainerCallback):
         if self._resume_folder is not None:
             shutil.rmtree(self._resume_folder, ignore_errors=True)
             self._resume_folder = None
+
+
+def _ddp(args: TrainingArguments) -> bool:
+    """Whether the Trainer runs DDP: every rank holds the whole model and optimizer state.
+    (DeepSpeed and FSDP are refused; a `parallelism_config` shards or splits the model.)"""
+    return (
+        args.parallel_mode == ParallelMode.DISTRIBUTED
+        and args.world_size > 1
+        and getattr(args, "parallelism_config", None) is None
+    )
 
 
 def _rng_states(args: TrainingArguments) -> dict[str, Any]:

@@ -29,13 +29,13 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
 from torch.utils.hooks import RemovableHandle
 
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO
     from lightning.pytorch.callbacks import Checkpoint
+    from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - only without the extra
     raise ImportError(
@@ -43,6 +43,14 @@ except ImportError as e:  # pragma: no cover - only without the extra
     ) from e
 
 from tierpipe.errors import ConfigError, UnsupportedStateError
+from tierpipe.integrations.ddp import (
+    Replicated,
+    check_declared,
+    declared_keys,
+    put_back_rng,
+    rng_state,
+    validate_replicated,
+)
 from tierpipe.integrations.model_parallel import ShardedLoad, is_sharded
 from tierpipe.names import validate_token
 from tierpipe.trainer.checkpointer import Checkpointer
@@ -61,20 +69,14 @@ log = structlog.get_logger(__name__)
 #: `ckpt_path` that resumes from the newest step every rank can restore.
 RESUME_LATEST = "tierpipe:latest"
 _RESUME_PATH = re.compile(r"tierpipe:(latest|[0-9]+)")
+#: The checkpoint's keys DDP keeps equal on every rank (not `_RNG_KEY`: each rank's own RNG).
+_DDP_KEYS = ("state_dict", "optimizer_states")
+_RNG_KEY = "tierpipe_rng"  # (a checkpoint's key of its rank's torch RNG: CPU, CUDA if used)
 #: Checkpoint keys Lightning does not need to resume training (`load_from_checkpoint` rebuilds
 #: a module from them): values there that cannot be stored without pickle are dropped.
-_HPARAMS_KEYS = frozenset(
-    {
-        pl.LightningModule.CHECKPOINT_HYPER_PARAMS_KEY,
-        pl.LightningDataModule.CHECKPOINT_HYPER_PARAMS_KEY,
-    }
-)
-_HPARAMS_TYPE_KEYS = frozenset(
-    {
-        pl.LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE,
-        pl.LightningDataModule.CHECKPOINT_HYPER_PARAMS_TYPE,
-    }
-)
+_HOLDERS = (pl.LightningModule, pl.LightningDataModule)  # (whose hparams a checkpoint holds)
+_HPARAMS_KEYS = frozenset(c.CHECKPOINT_HYPER_PARAMS_KEY for c in _HOLDERS)
+_HPARAMS_TYPE_KEYS = frozenset(c.CHECKPOINT_HYPER_PARAMS_TYPE for c in _HOLDERS)
 
 
 def _parse_resume_path(path: _PATH) -> tuple[bool, int | None]:
@@ -160,7 +162,8 @@ class TierpipeCheckpoint(Checkpoint):
 
     Resume with `trainer.fit(model, ckpt_path=cb.resume_path(trainer))`, or pass
     `ckpt_path="tierpipe:latest"` / `"tierpipe:<step>"` directly. Supported strategies: single
-    device, DDP, and `ModelParallelStrategy` (each rank saves its DTensor shards; a resume on
+    device, DDP (the model and optimizers stored once per job: `replicated`), and
+    `ModelParallelStrategy` (each rank saves its DTensor shards; a resume on
     another world size or mesh reshards them). Not `FSDPStrategy` (FSDP1: ShardedTensor state)
     nor DeepSpeed (state only in the engine's own files). Each rank's torch RNG is saved too and
     put back where the uninterrupted run has it (at an epoch-end save's restore; else as the
@@ -181,10 +184,16 @@ class TierpipeCheckpoint(Checkpoint):
         overwrite: start the job over (see `Checkpointer`); without it, a run that did not
             resume may not save steps the job already has.
         keep: the job's retention policy (see `Checkpointer`).
+        replicated: top-level keys of the checkpoint dict the same on every rank, their tensors
+            stored once per job (by rank 0) and restored by every rank from its shard. None:
+            `("state_dict", "optimizer_states")` under `DDPStrategy` of more than one rank
+            (buffers DDP lets differ, e.g. BatchNorm's, come back as rank 0's, as from a
+            `.ckpt`), none otherwise; `()`: every rank stores its own. Resume with the same.
 
     Raises:
         InvalidNameError: `job` is not a safe name.
-        ConfigError: `every_n_train_steps` is negative, or nothing would ever be saved.
+        ConfigError: `every_n_train_steps` is negative, nothing would ever be saved, or
+            `replicated` is not key names (at the first save: not keys of the checkpoint).
     """
 
     def __init__(
@@ -198,6 +207,7 @@ class TierpipeCheckpoint(Checkpoint):
         settings: Settings | None = None,
         overwrite: bool = False,
         keep: Keep | None = None,
+        replicated: Replicated = None,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 0:
             raise ConfigError(f"every_n_train_steps must be >= 0 (got {every_n_train_steps!r})")
@@ -210,7 +220,7 @@ class TierpipeCheckpoint(Checkpoint):
         self.finish_timeout_s = finish_timeout_s
         self._settings = settings
         self._overwrite = overwrite
-        self._keep = keep
+        self._keep, self._replicated = keep, validate_replicated(replicated)
         self._checkpointer: Checkpointer | None = None
         self._io: TierpipeCheckpointIO | None = None
         self._guards: list[RemovableHandle] = []
@@ -254,7 +264,12 @@ class TierpipeCheckpoint(Checkpoint):
             settings=self._settings,
             overwrite=self._overwrite,
             keep=self._keep,
+            replicated=self._declared(trainer),
         )
+
+    def _declared(self, trainer: pl.Trainer) -> frozenset[str]:
+        ddp = isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1
+        return declared_keys(self._replicated, _DDP_KEYS, data_parallel=ddp)
 
     # --- Lightning hooks
 
@@ -357,7 +372,8 @@ class TierpipeCheckpoint(Checkpoint):
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint = self._storable(checkpoint)
-        checkpoint[_RNG_KEY] = {**_rng_state(), "epoch_end": epoch_end}
+        check_declared(self._declared(trainer), checkpoint)
+        checkpoint[_RNG_KEY] = {**rng_state(), "epoch_end": epoch_end}
         try:
             handle = self.checkpointer.save(step, checkpoint, blocking=self.blocking)
         except UnsupportedStateError as e:
@@ -410,7 +426,7 @@ class TierpipeCheckpoint(Checkpoint):
             )
         self._rng = state.pop(_RNG_KEY, None)
         if self._rng is not None and self._rng.pop("epoch_end", False):
-            _put_back(self._rng)  # (the next epoch's loaders draw from it, as they did)
+            put_back_rng(self._rng)  # (the next epoch's loaders draw from it, as they did)
             self._rng = None
         log.info("lightning_checkpoint_restored", job=self.job, step=restored.step)
         return state
@@ -419,26 +435,8 @@ class TierpipeCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Put back the RNG of a mid-epoch step resumed from, once the loaders drew from it."""
-        _put_back(self._rng)
+        put_back_rng(self._rng)
         self._rng = None
-
-
-_RNG_KEY = "tierpipe_rng"  # (a checkpoint's key of its rank's torch RNG: CPU, CUDA if used)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _put_back(state: dict[str, Any] | None) -> None:
-    """Set torch's RNG to `state` (if any)."""
-    if state is not None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _encodable(value: Any) -> bool:

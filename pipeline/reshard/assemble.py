@@ -253,7 +253,7 @@ def _plan(
             _replica(plan, i, e, se, mesh, old_world)
             continue
         if target is None or (se is None and not isinstance(target, DTensor)):
-            if se is not None:
+            if se is not None and tuple(e.shape) != tuple(se.global_shape):  # (a replica: whole)
                 log.warning("reshard_without_target", path=list(e.path),
                             hint="comes back as the value rank's local shard")  # fmt: skip
             plan.whole.add(e.blob)
