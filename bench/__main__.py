@@ -3,15 +3,15 @@
 
 Dispatches to `bench.<name>.run(size_gib, reps)` (`control`: `bench.control.run(nodes,
 ranks_per_node, steps)`, with its own options; `rpo`: `bench.rpo.run(trials, quick, seed,
-state_mib)`; `reshard` and `overhead`: `bench.<name>.run(size_gib, reps, quick=...)`); progress
-goes to stderr, and stdout gets exactly one JSON line: the benchmark's figures, or
-`{"error": ...}` if it failed (exit 1).
+state_mib)`; `reshard`, `overhead` and `flush`: `bench.<name>.run(size_gib, reps,
+quick=...)`); progress goes to stderr, and stdout gets exactly one JSON line: the benchmark's
+figures, or `{"error": ...}` if it failed (exit 1).
 
 `all --quick` runs the benches of `QUICK` one after another, each in its own process
 (`python -m bench <name> <its quick options>`), and prints one JSON line per bench on stdout as
 it ends: `{"bench": <name>, <its figures>}` (or `{"bench": <name>, "error": ...}`); exit 1 if
 any failed. `reshard --quick`, `rpo --quick` and `control` are left out (minutes each here);
-`flush` too (its throttle checks upload ~13 s per rate per rep).
+`flush --quick` skips its throttle checks (~13 s of uploading per rate per rep).
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ QUICK: dict[str, tuple[str, ...]] = {
     "overhead": ("--quick", "--reps", "3"),
     "nvme": ("--size-gib", "0.25", "--reps", "5"),
     "restore": ("--size-gib", "0.25", "--reps", "5"),
+    "flush": ("--quick", "--size-gib", "0.25", "--reps", "5"),
     "plan": (),
 }
 #: Benches with a `--quick` of their own.
-HAS_QUICK = ("rpo", "reshard", "overhead")
+HAS_QUICK = ("rpo", "reshard", "overhead", "flush")
 #: `control`'s own options (the others take --size-gib and --reps).
 CONTROL_DEFAULTS = {"nodes": 100, "ranks_per_node": 8, "steps": 5}
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stall: cProfile one extra save; control: cProfile the coordinator (stderr)",
     )
-    rpo = parser.add_argument_group("rpo only (--quick: rpo, reshard, overhead and all)")
+    rpo = parser.add_argument_group("rpo only (--quick: rpo, reshard, overhead, flush, all)")
     rpo.add_argument("--quick", action="store_true", help="a small run (the test's)")
     rpo.add_argument(
         "--only", default=None, help=f"all: a comma-separated subset of {','.join(QUICK)}"
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reps < 3:
             log(f"WARNING: {args.reps} reps; medians of fewer than 3 reps are not meaningful here")
         kwargs: dict[str, Any] = {"profile": True} if args.profile and args.name == "stall" else {}
-        if args.name in ("reshard", "overhead"):
+        if args.name in ("reshard", "overhead", "flush"):
             kwargs = {"quick": args.quick}
         call = functools.partial(module_run, args.name, args.size_gib, args.reps, **kwargs)
     return _call(call)

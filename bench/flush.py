@@ -479,5 +479,6 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
     }
     if worst is not None:
         verdict = "met" if abs(worst) <= 10 else "missed"
-        log(f"throttle_err_pct = {worst:+.2f}: {verdict} (target |x| <= 10, worst of the medians)")
+        log(f"throttle_err_pct = {worst:+.2f} (the worse median): {verdict} against the target "
+            "|x| <= 10")  # fmt: skip
     return result

@@ -180,4 +180,5 @@ def record(
     )
     result[f"{key}_verdict"] = v
     sign = "<=" if better == "lower" else ">="
-    log(f"{key} = {p.median:.3f} ({spread}, {p.n} pairs): {v} (target {sign} {target:g})")
+    log(f"{key} = {p.median:.3f} ({spread}, {p.n} pairs): {v} against the target "
+        f"{sign} {target:g}")  # fmt: skip
