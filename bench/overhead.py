@@ -46,8 +46,8 @@ HALF_WIDTH = 0.02
 TARGET_PCT = 5.0
 MAX_ROUNDS = 20
 BUDGET_S = 900.0
-#: `--quick`: state size cap, steps, save interval, rounds and budget.
-QUICK_GIB, QUICK_STEPS, QUICK_EVERY, QUICK_MAX_ROUNDS, QUICK_BUDGET_S = 0.01, 100, 25, 8, 120.0
+#: `--quick`: state size cap, steps, save interval (the target's), rounds and budget.
+QUICK_GIB, QUICK_STEPS, QUICK_EVERY, QUICK_MAX_ROUNDS, QUICK_BUDGET_S = 0.01, 200, EVERY, 8, 120.0
 
 _MODES = ("base", "blocking", "overlapped")
 
