@@ -2,11 +2,13 @@
 
 One object store for everything: an embedded SeaweedFS (`tierpipe.dev.S3Server`, its data
 in a private directory under `.bench`) on the same 2 cores as everything else. A real deployment
-(embedded nats-server, `python -m tierpipe.cli worker nvme-write verify flush` as a subprocess,
-configured for that store) takes shards that a `Checkpointer` stages from the synthetic state of
-`bench.common.make_state`. Nothing runs the evict stage: the benchmark releases each staging slot
-once its shard is verified, and deletes the uploaded object and the NVMe file once the shard is
-flushed, so store and NVMe hold one shard at a time (plus the baseline file below).
+(embedded nats-server, `python -m tierpipe.cli worker nvme-write verify flush evict` as a
+subprocess, configured for that store) takes shards that a `Checkpointer` stages from the
+synthetic state of `bench.common.make_state`. The evict stage runs for the job's coordinator it
+hosts: the flush stage uploads only the step the coordinator names (without one, nothing goes
+up). The benchmark still releases each staging slot once its shard is verified, and deletes the
+uploaded object and the NVMe file once the shard is flushed (whichever of it and evict comes
+first), so store and NVMe hold one shard at a time (plus the baseline file below).
 
 - `flush_mib_s`: shard bytes / `ShardFlushed.seconds`, the flush stage's own upload time
   (`S3Store.upload`: HEAD for an existing object, abort earlier attempts, create, parts read with
@@ -210,7 +212,7 @@ class _Flushes:
         handle = self.ckpt.save(step, state)
         verified = handle.wait("verified", timeout=SHARD_TIMEOUT_S)
         assert verified is not None
-        # What the (absent) evict stage would do once the NVMe copy is verified.
+        # (what evict does too: the next save need not wait for it)
         assert self.dep.staging_root is not None
         release(self.dep.staging_root, JOB, 0, step)
         key = None
@@ -366,7 +368,7 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
     with ExitStack() as stack:
         store = _Store(stack)
         dep = stack.enter_context(
-            Deployment("flush", stages=("nvme-write", "verify", "flush"), env=store.env())
+            Deployment("flush", stages=("nvme-write", "verify", "flush", "evict"), env=store.env())
         )
         # At most: the baseline file + one shard on NVMe (+ slack); objects are deleted after
         # every upload.
