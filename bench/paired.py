@@ -24,6 +24,7 @@ import numpy as np
 from bench.common import log
 
 __all__ = [
+    "MIN_PAIRS",
     "Better",
     "Paired",
     "Verdict",
@@ -42,6 +43,9 @@ Better = Literal["lower", "higher"]
 LEVEL = 0.90
 RESAMPLES = 2000
 SEED = 0
+#: The fewest pairs `record` gives a verdict on: below 5 the bootstrap interval is the range of
+#: the ratios, and all of 2-4 pairs on one side of a target happens by chance 6-25 % of the time.
+MIN_PAIRS = 5
 
 T = TypeVar("T")
 
@@ -168,17 +172,19 @@ def record(
     better: Better = "lower",
 ) -> None:
     """Add `key` (the median ratio), `key_lo`, `key_hi` and, given a target, `key_verdict` to
-    `result`, and log one line for the target (fewer than 2 pairs: undecided)."""
+    `result`, and log one line for the target (fewer than `MIN_PAIRS` pairs: undecided)."""
     result[key] = p.median
     result[f"{key}_lo"], result[f"{key}_hi"] = p.lo, p.hi
     spread = "no interval" if p.lo is None else f"90 % interval {p.lo:.3f}-{p.hi:.3f}"
     if target is None:
         log(f"{key} = {p.median:.3f} ({spread}, {p.n} pairs)")
         return
-    v: Verdict = (
-        "undecided" if p.lo is None or p.hi is None else verdict(p.lo, p.hi, target, better)
-    )
+    v: Verdict = "undecided"
+    if p.n >= MIN_PAIRS and p.lo is not None and p.hi is not None:
+        v = verdict(p.lo, p.hi, target, better)
     result[f"{key}_verdict"] = v
+    if p.n < MIN_PAIRS:
+        spread += f"; fewer than {MIN_PAIRS} pairs: no verdict"
     sign = "<=" if better == "lower" else ">="
     log(f"{key} = {p.median:.3f} ({spread}, {p.n} pairs): {v} against the target "
         f"{sign} {target:g}")  # fmt: skip

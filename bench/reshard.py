@@ -55,7 +55,7 @@ from typing import Any
 
 from bench.common import _T0 as T0
 from bench.common import REPO, GiB, MiB, log, median, scratch_dir
-from bench.paired import Paired, Verdict, alternate, paired, record, verdict
+from bench.paired import MIN_PAIRS, Paired, Verdict, alternate, paired, record, verdict
 
 __all__ = ["run"]
 
@@ -513,7 +513,10 @@ def _worse(result: dict[str, Any], ratios: list[Paired | None], *, target: float
     ps = [p for p in ratios if p is not None]
     worse = max(ps, key=lambda p: p.median)
     each: list[Verdict] = [
-        "undecided" if p.lo is None or p.hi is None else verdict(p.lo, p.hi, target) for p in ps
+        "undecided"
+        if p.n < MIN_PAIRS or p.lo is None or p.hi is None
+        else verdict(p.lo, p.hi, target)
+        for p in ps
     ]
     v: Verdict = ("missed" if "missed" in each else
                   "met" if all(x == "met" for x in each) else "undecided")  # fmt: skip

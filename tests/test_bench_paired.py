@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from bench.paired import alternate, paired, record, run_pairs, verdict
+from bench.paired import MIN_PAIRS, alternate, paired, record, run_pairs, verdict
 
 
 def test_the_median_is_that_of_the_per_pair_ratios_not_a_ratio_of_medians() -> None:
@@ -95,6 +95,15 @@ def test_record_adds_the_bounds_and_the_verdict() -> None:
     assert isinstance(lo, float) and isinstance(hi, float)
     assert lo <= result["stall_vs_memcpy"] <= hi <= 0.95  # type: ignore[operator]
     assert result["other"] == 1
+
+
+def test_too_few_pairs_get_an_interval_but_no_verdict() -> None:
+    """All pairs well below the target: met with `MIN_PAIRS` of them, undecided with one less."""
+    for n, expected in ((MIN_PAIRS - 1, "undecided"), (MIN_PAIRS, "met")):
+        result: dict[str, object] = {}
+        record(result, "r", paired([1.0] * n, [0.5 + 0.01 * i for i in range(n)]), 1.0)
+        assert result["r_hi"] is not None and result["r_hi"] < 1.0  # type: ignore[operator]
+        assert result["r_verdict"] == expected
 
 
 def test_a_paired_figure_maps_through_an_increasing_function() -> None:
