@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' _)
 # Test processes in parallel (pytest-xdist): most tests wait on servers and agent processes.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-soak test-gpu lint typecheck docs format bench-stall bench-nvme bench-plan clean
+.PHONY: demo test test-soak test-gpu lint typecheck docs format bench-stall bench-nvme bench-plan bench-all clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tierpipe needs Python >= 3.11 (set PYTHON=...)")'
@@ -60,6 +60,11 @@ bench-nvme: $(STAMP)
 # Recovery planning and event replay at scale, on synthetic events (no shard data).
 bench-plan: $(STAMP)
 	$(VENV)/bin/python -m bench plan
+
+# Every bench small enough for a before/after comparison in a few minutes: one JSON line each,
+# paired ratios with their 90 % intervals and verdicts (closing notes use it).
+bench-all: $(STAMP)
+	$(VENV)/bin/python -m bench all --quick
 
 clean:
 	rm -rf $(VENV) build tierpipe-data .pytest_cache .ruff_cache .mypy_cache .hypothesis
