@@ -3,6 +3,7 @@ per test, agent processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -174,6 +176,53 @@ class Agent:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def torchrun_env(settings: Settings, rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives `rank` of `world` on one node (gloo's rendezvous on
+    loopback `port`, one thread), with `settings` and logs at warning and above."""
+    return {
+        **os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning",
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+
+
+def finish_ranks(
+    procs: list[subprocess.Popen[bytes]], timeout: float, says: Callable[[], str] = str
+) -> None:
+    """Every rank exits 0 within `timeout`. Else those still running get SIGUSR1 (a rank that
+    registered faulthandler for it dumps its threads' stacks to stderr), all are killed, and
+    the test fails; `says()`: what a failure shows (the ranks' logs)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        hung = [q for q in procs if q.poll() is None]
+        for q in hung:
+            q.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        pytest.fail(f"{len(hung)} rank(s) still running after {timeout} s\n{says()}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * len(procs), says()
+
+
+def run_bench(*args: str, timeout: float) -> tuple[dict[str, Any], str]:
+    """`python -m bench args` from the repository: it exits 0 and its stdout is one JSON line;
+    (that line's figures, its stderr)."""
+    out = subprocess.run([sys.executable, "-m", "bench", *args], cwd=Path(__file__).parent.parent,
+                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout  # (stdout carries only the JSON line)
+    figures: dict[str, Any] = json.loads(lines[0])
+    return figures, out.stderr
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

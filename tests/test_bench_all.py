@@ -3,14 +3,12 @@ dispatch (the fastest bench) with its JSON line."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench.__main__ import BENCHMARKS, QUICK, main, quick_runs
+from tests.conftest import run_bench
 
 
 def test_all_quick_runs_each_quick_bench_in_its_own_process_with_its_options() -> None:
@@ -54,17 +52,7 @@ def test_bad_all_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFi
 @pytest.mark.timeout(300)
 def test_all_quick_dispatches_and_prints_one_json_line_per_bench() -> None:
     """`all --quick --only plan` runs the bench and prints its figures under its name."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--quick", "--only", "plan"],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 1, out.stdout
-    r = json.loads(lines[0])
+    r, stderr = run_bench("all", "--quick", "--only", "plan", timeout=280)
     assert r["bench"] == "plan" and "error" not in r
     assert r["plan_s_1024x20"] > 0
-    assert "all: -m bench plan" in out.stderr
+    assert "all: -m bench plan" in stderr

@@ -4,12 +4,9 @@ the figures the issue names (the targets are the full run's business)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.conftest import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,17 +20,7 @@ FIGURES = (
 
 def test_bench_reshard_quick_reports_every_figure() -> None:
     """Every figure is a positive number, each candidate timed at every world size."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench", "reshard", "--quick"],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 1, out.stdout  # (stdout carries only the JSON line)
-    r = json.loads(lines[-1])
+    r, stderr = run_bench("reshard", "--quick", timeout=540)
     for key in FIGURES:
         assert isinstance(r.get(key), float) and r[key] > 0, (key, r.get(key, "missing"))
     for world in (2, 4, 8):
@@ -44,4 +31,4 @@ def test_bench_reshard_quick_reports_every_figure() -> None:
     assert 1.0 <= r["ddp_object_bytes_over_one_replica"] < 1.5
     assert r["ddp_nvme_bytes_per_node"] >= r["ddp_replica_bytes"]
     assert r["ddp_each_object_bytes_over_one_replica"] >= 4.0
-    assert "the target" in out.stderr
+    assert "the target" in stderr

@@ -3,12 +3,9 @@ has the figures the issue names, of the right types (the targets are the full ru
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.conftest import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -24,20 +21,10 @@ FIGURES = {
 
 
 def test_bench_rpo_quick_reports_every_figure() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "bench", "rpo", "--quick", "--seed", "7"],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 1, out.stdout  # (stdout carries only the JSON line)
-    r = json.loads(lines[-1])
+    r, stderr = run_bench("rpo", "--quick", "--seed", "7", timeout=420)
     for key, types in FIGURES.items():
         assert isinstance(r.get(key, "missing"), types), (key, r.get(key, "missing"))
-    assert r["seed"] == 7 and "seed 7" in out.stderr  # (the kill moments' RNG, printed)
+    assert r["seed"] == 7 and "seed 7" in stderr  # (the kill moments' RNG, printed)
     for mode in ("replicas_off", "replicas_on"):
         lost = r[f"lost_intervals_{mode}"]
         assert len(lost) == r["trials"] == 1 and all(isinstance(x, int) and x >= 0 for x in lost)
@@ -50,4 +37,4 @@ def test_bench_rpo_quick_reports_every_figure() -> None:
         r["nvme_highwater_ckpts_replicas_off"] + r["nvme_highwater_ckpts_replicas_on"]
     )
     assert isinstance(r["socket_mib_s"], float) and r["socket_mib_s"] > 0
-    assert "trial rpo-on-0: rank" in out.stderr and "the target" in out.stderr
+    assert "trial rpo-on-0: rank" in stderr and "the target" in stderr

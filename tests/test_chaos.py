@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, finish_ranks
 from tierpipe.schemas import ShardFlushed, StageFailed
 from tierpipe.settings import Settings
 
@@ -45,24 +45,6 @@ def launch(settings: Settings, job: str, rank: int, out: Path, *extra: str) -> s
     env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning"}
     args = [sys.executable, str(RANK_SCRIPT), job, str(rank), str(WORLD), str(STEPS), str(EVERY)]
     return subprocess.Popen([*args, str(out), *extra], env=env, cwd=RANK_SCRIPT.parent.parent)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Wait for every rank to exit 0; one still running at `timeout` dumps its threads' stacks
-    to the test's stderr (faulthandler, SIGUSR1) before it is killed and the test fails."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = [q for q in procs if q.poll() is None]
-            for q in hung:
-                q.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
-            for q in hung:
-                q.kill()
-            pytest.fail(f"{len(hung)} rank(s) still running after {timeout} s: stacks in stderr")
-    assert [p.returncode for p in procs] == [0] * len(procs)
 
 
 def records(out: Path) -> list[dict]:
@@ -111,7 +93,7 @@ def test_node_loss_restart_resumes_exactly(
     run2 = tmp_path / "run2.jsonl"
     t0 = time.monotonic()
     restarted = [launch(a if r < 2 else c, job, r, run2, "resume") for r in range(WORLD)]
-    finish([*restarted, *reference], timeout=180)
+    finish_ranks([*restarted, *reference], timeout=180)
     wall = time.monotonic() - t0
 
     saved = {(r["rank"], r["step"]): r["digest"] for r in records(run1) if r["event"] == "saved"}

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Events
+from tests.conftest import Events, finish_ranks, torchrun_env
 from tierpipe.dev import free_ports
 from tierpipe.errors import ConfigError
 from tierpipe.names import shard_relpath
@@ -40,33 +38,19 @@ def run(settings: Settings, module: str, *args: str) -> list[str]:
     with contextlib.ExitStack() as stack:
         # (files, not pipes: a full pipe would block a rank)
         errs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(WORLD)]
-        procs = []
-        for rank in range(WORLD):
-            env = {
-                **os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning",
-                "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-            }  # fmt: skip
-            command = [sys.executable, "-m", module, *args]
-            procs.append(subprocess.Popen(command, env=env, cwd=REPO, stderr=errs[rank]))
-        deadline = time.monotonic() + 300
-        try:
-            for p in procs:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail("ranks still running after 300 s")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        logs = []
-        for err in errs:
-            err.seek(0)
-            logs.append(err.read().decode(errors="replace"))
-    assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(x[-3000:] for x in logs)
-    return logs
+
+        def logs() -> list[str]:
+            for err in errs:
+                err.seek(0)
+            return [err.read().decode(errors="replace") for err in errs]
+
+        procs = [
+            subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stderr=errs[rank],
+                             env=torchrun_env(settings, rank, WORLD, port))
+            for rank in range(WORLD)
+        ]  # fmt: skip
+        finish_ranks(procs, 300, lambda: "\n".join(x[-3000:] for x in logs()))
+        return logs()
 
 
 def held(settings: Settings, job: str, step: int) -> dict[int, dict[str, int]]:

@@ -7,16 +7,15 @@ newest step; every restored model and optimizer tensor gathers to the saved one 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import finish_ranks, torchrun_env
 from tierpipe.dev import free_ports
 from tierpipe.errors import ConfigError
 from tierpipe.settings import Settings
@@ -38,18 +37,7 @@ def run(
     port = free_ports(1)[0]
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            **settings.as_env(),
-            "TIERPIPE_LOG_LEVEL": "warning",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = torchrun_env(settings, rank, world, port)
         args = ["--job", job, "--world", str(world), "--tp", str(tp), "--epochs", str(epochs)]
         procs.append(
             subprocess.Popen(
@@ -58,18 +46,7 @@ def run(
                 cwd=REPO,
             )
         )
-    deadline = time.monotonic() + 150
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail("ranks still running after 150 s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * world
+    finish_ranks(procs, 150)
 
 
 def records(out: Path) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ steps it trained past its newest save are the uninterrupted run the resumed one 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, finish_ranks, torchrun_env
 from tierpipe.dev import free_ports
 from tierpipe.schemas import ShardVerified
 from tierpipe.settings import Settings
@@ -41,18 +40,7 @@ def launch(
     port = free_ports(1)[0]
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            **settings.as_env(),
-            "TIERPIPE_LOG_LEVEL": "warning",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = torchrun_env(settings, rank, world, port)
         args = ["--job", job, "--dp", str(dp), "--tp", str(tp), "--out", str(out), *extra]
         procs.append(
             subprocess.Popen(
@@ -64,18 +52,7 @@ def launch(
 
 def finish(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     """Every rank exits 0 within `timeout`, else all are killed and the test fails."""
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ranks still running after {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * len(procs)
+    finish_ranks(procs, timeout)
 
 
 def records(out: Path, event: str) -> list[dict]:
