@@ -160,16 +160,16 @@ async def run_agent(settings: Settings, stages: Sequence[Stage], *, node: str) -
                 endpoint_url.set(peer_url)
             for stage in stages:
                 await tg.start(run_stage, stage, settings, bus)
-            log.info("agent_ready", node=node, stages=len(stages))
-            # The node's trainers learn from it that an agent serves them, and where it keeps
-            # their copies (`tierpipe.control.advert`).
-            tg.start_soon(
+            # The node's trainers learn from its record that an agent serves them, and where
+            # it keeps their copies (`tierpipe.control.advert`): stored before it is ready.
+            await tg.start(
                 functools.partial(
                     advertise, node=node, stages=[s.STAGE for s in stages], peer_url=peer_url
                 ),
                 settings,
                 bus,
             )
+            log.info("agent_ready", node=node, stages=len(stages))
             async for signum in signals:
                 log.info("agent_stopping", signal=signal.Signals(signum).name)
                 drain.begin()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
+import anyio.abc
 import msgspec
 import structlog
 
@@ -69,11 +70,14 @@ def bucket_name(settings: Settings) -> str:
 
 
 async def advertise(
-    settings: Settings, bus: Bus, *, node: str, stages: Sequence[str], peer_url: str = ""
-) -> None:
+    settings: Settings, bus: Bus, *, node: str, stages: Sequence[str], peer_url: str = "",
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
     """Store `node`'s record now and every `node_heartbeat_s` until cancelled, then mark it
     stopped (unless another agent of the node wrote it since). Never raises: a record that
-    cannot be stored is logged (once per cause) and tried again at the next beat.
+    cannot be stored is logged (once per cause) and tried again at the next beat. Started
+    (`task_status`) once the first store was tried: an agent says it is ready after that, so
+    a trainer started then finds the record.
 
     The record names the agent's peer endpoint (`peer_url`, "" without one), the node's
     failure domain, and the jobs it has copies of as of each beat (`local_jobs`): the nodes of a
@@ -112,6 +116,8 @@ async def advertise(
                 if str(e) != trouble:
                     log.warning("node_record_not_stored", node=node, error=str(e))
                 trouble = str(e)
+            task_status.started()  # (after the first try; a no-op after)
+            task_status = anyio.TASK_STATUS_IGNORED
             # The next beat, or sooner once the node takes part in another job (its partners
             # find it in the job's ring before its first shard is verified).
             next_beat = time.monotonic() + settings.node_heartbeat_s
