@@ -317,8 +317,8 @@ class Evict:
         verify stage deals with those)."""
         out = []
         for path in sorted((self.nvme.root / job).glob("step-*/rank-*.shard")):
-            try:
-                head = read_head(path)
+            try:  # (a file another process removes meanwhile: gone from the listing)
+                head, nbytes = read_head(path), path.stat().st_size
             except (OSError, ShardFormatError, TierpipeError):
                 continue
             h = head.header
@@ -329,7 +329,7 @@ class Evict:
             out.append(
                 LocalCopy(
                     h.job, h.step, h.rank, h.world_size, h.epoch, head.header_digest.hex(),
-                    path.stat().st_size, path,
+                    nbytes, path,
                 )
             )  # fmt: skip
         return out

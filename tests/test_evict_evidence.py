@@ -177,3 +177,35 @@ def test_the_fate_of_an_nvme_copy(
         "keep" if fate == "keep" else "unflushed"
     )
     assert s3_keeps(4, Floors(nvme=5, s3=6, keep=[4]), None)
+
+
+def test_a_copy_removed_while_retention_lists_the_copies_is_skipped(
+    settings: Settings, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process removes a shard file after its header was read and before its size:
+    the listing skips it, and the agent lives on (the evict stage died of FileNotFoundError,
+    which took the whole agent down: `bench nvme` removes its shards under it)."""
+    from tierpipe.stages import evict as evict_stage
+
+    gone, _ = plant(settings, job, 3)
+    kept, _ = plant(settings, job, 4)
+    read_head = evict_stage.read_head
+
+    def read_then_lose(path: Path) -> object:
+        head = read_head(path)
+        if Path(path) == gone:
+            gone.unlink()  # (the other process, between the two reads)
+        return head
+
+    monkeypatch.setattr(evict_stage, "read_head", read_then_lose)
+
+    async def main() -> list[LocalCopy]:
+        async with Bus(settings) as bus, AsyncExitStack() as stack:
+            store = await JobStore(bus.js, settings).open()
+            nvme = stack.enter_context(NvmeStore.from_settings(settings))
+            evict = Evict(settings, bus, nvme, store, stack)
+            return await anyio.to_thread.run_sync(evict.local_copies, job)
+
+    copies = anyio.run(main)
+    assert [(c.step, c.path) for c in copies] == [(4, kept)]
+    assert copies[0].nbytes == kept.stat().st_size
