@@ -518,6 +518,7 @@ def _resharded_load(folder: str, want_path: str) -> None:
     dcp.load({"model": model}, checkpoint_id=folder)
     for k, t in model.items():
         assert same(t.full_tensor(), want[f"model.{k}"]), k
+    dist.barrier()  # (no rank leaves while its peer is inside DCP's last collective)
     dist.destroy_process_group()
     print("resharded load ok")
 
@@ -546,6 +547,7 @@ def _dtensor_save(job: str, want_path: str) -> None:
     gathered = {f"model.{k}": t.full_tensor() for k, t in model.items()}
     if rank == 0:
         torch.save(gathered, want_path)
+    dist.barrier()
     dist.destroy_process_group()
     print("dtensor saved")
 

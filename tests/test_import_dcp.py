@@ -197,6 +197,7 @@ def _save(folder: str) -> None:
     model["b"] = distribute_tensor(model["b"], mesh, [Replicate()])
     model["h"] = distribute_tensor(model["h"], mesh, [Shard(1)])
     dcp.save(state, checkpoint_id=folder)
+    dist.barrier()
     dist.destroy_process_group()
     print("dcp saved")
 

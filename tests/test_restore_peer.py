@@ -231,6 +231,7 @@ try:
         got = c.restore()
     print(json.dumps({"step": got.step, "tier": got.source.tier, "agreement": got.agreement,
                       "w": float(got.state["w"][0]), "from_peer": got.from_peer}))
+    dist.barrier()
 finally:
     dist.destroy_process_group()
 """

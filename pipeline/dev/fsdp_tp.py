@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
     try:
         _train(args, rank, world)
+        dist.barrier()  # (no rank tears its group down while a peer is in a collective)
     finally:
         dist.destroy_process_group()
 

@@ -158,6 +158,7 @@ def run_rank(rank: int, world_size: int, steps: int, every: int) -> int:
     equal = all(torch.equal(fresh.state_dict()[k], v) for k, v in live.items())
     equal &= fresh.embed.weight.data_ptr() == fresh.head.weight.data_ptr()
     if world_size > 1:
+        dist.barrier()  # (no rank tears gloo down while a peer is in a collective)
         dist.destroy_process_group()
     _emit(
         event="done",
