@@ -14,18 +14,16 @@
   target and pinned steps stay. Below `nvme_min_free_bytes` free, or when nvme-write finds no
   room for a save (it asks: `storage.resources.make_room`), the oldest removable copies go
   first (`relieve_pressure`), before any save waits.
-- Object storage: the job's retention coordinator (`tierpipe.control.coordinator`), one per job,
-  elected by a lease; every agent runs one here, and any may hold a job's lease. It removes a step's
-  objects (and COMMIT) and writes its COMMIT manifest through this stage's object store.
-
-Every removal is published as an `evicted` event. Holds the node's evict lock.
+- Object storage: the job's retention coordinator (`tierpipe.control.coordinator`), elected by a
+  lease among the agents (each runs one here), removes objects and writes COMMITs through this
+  stage's object store. Every removal is published as `evicted`. Holds the node's evict lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,13 +378,16 @@ class Evict:
 
     # --- object storage (the coordinator's removals)
 
-    async def remove_objects(self, job: str, step: int, world_size: int) -> None:
-        """Remove one step's COMMIT, then every rank's object of it (DeleteObjects, 1,000 keys
-        a request): a COMMIT never names an object that is gone."""
+    async def remove_objects(
+        self, job: str, step: int, world_size: int, ranks: Sequence[int] | None
+    ) -> None:
+        """Remove one step's COMMIT, then every rank's object (ranks None) or those of `ranks`
+        (DeleteObjects, 1,000 keys a request): a COMMIT never names an object that is gone."""
         store = await self._object_store()
-        await remove_commit(store, job, step)
-        keys = [store.key(job, step, rank, world_size) for rank in range(world_size)]
-        await store.delete_many(keys)
+        if ranks is None:
+            await remove_commit(store, job, step)
+        ranks = range(world_size) if ranks is None else ranks
+        await store.delete_many([store.key(job, step, r, world_size) for r in ranks])
 
     async def commit_step(self, manifest: CommitManifest) -> bool:
         """Create a step's COMMIT manifest (see `s3_commit.put_commit`)."""

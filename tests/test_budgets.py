@@ -121,7 +121,7 @@ def _coordinate(settings: Settings, job: str, body: Callable[[Bus, JobStore], ob
     """Run `body` while an in-process coordinator leads `job` (the job has no stored policy,
     so no agent of another test bids for it)."""
 
-    async def remove(job: str, step: int, world: int) -> None:
+    async def remove(job: str, step: int, world: int, ranks: object) -> None:
         pass
 
     async def main() -> None:

@@ -26,6 +26,7 @@ from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import StorageUnavailableError
 from tierpipe.names import stream_name
+from tierpipe.recovery import survey
 from tierpipe.schemas import Event
 from tierpipe.schemas.commit import CommitManifest, decode_commit, encode_commit
 from tierpipe.schemas.jobstate import RANKS_PER_CHUNK, Keep, RankDigests
@@ -122,7 +123,7 @@ def test_a_commit_the_store_refuses_is_written_at_the_next_flush() -> None:
             raise StorageUnavailableError("store down")
         return True
 
-    async def remove(job: str, step: int, world_size: int) -> None:
+    async def remove(job: str, step: int, world_size: int, ranks: object) -> None:
         pass
 
     async def main() -> None:
@@ -141,6 +142,52 @@ def test_a_commit_the_store_refuses_is_written_at_the_next_flush() -> None:
         changes.s3_removed[2] = state.record(2)  # type: ignore[assignment]
         await coord._store(state, changes)
         assert tried == [1, 1]
+
+    anyio.run(main)
+
+
+def test_an_object_confirmed_after_its_steps_removal_is_removed_and_announced() -> None:
+    """Retention removes step 1 (every rank's object, its COMMIT) while rank 1's upload is on
+    its way, announcing rank 0 alone; rank 1's late `flushed` gets its object removed (rank 1
+    alone, no COMMIT: gone already) and announced. Before: it was neither (an object uploaded
+    after the removal stayed in the bucket, and `test_flush` missed an announcement)."""
+    removed: list[tuple[int, object]] = []
+    published: list[Event] = []
+
+    async def remove(job: str, step: int, world_size: int, ranks: object) -> None:
+        removed.append((step, None if ranks is None else list(ranks)))  # type: ignore[call-overload]
+
+    class Recording(_Quiet):
+        async def publish(self, event: Event, *, id_suffix: str = "") -> None:
+            published.append(event)
+
+    def evicted() -> list[tuple[int, int]]:
+        got = [(e.step, e.rank) for b in published for e in getattr(b, "events", [])]
+        published.clear()
+        return got
+
+    async def main() -> None:
+        bus: Any = Recording()
+        coord = Coordinator(load_settings(env={}), bus, bus, "n", remove)
+        state = JobState("j", Keep(nvme_keep_latest_k=10, s3_keep_latest_k=1))
+        late = saved("j", 1, 1, "n")
+        events = [*saved("j", 1, 0, "n"), *late[:2], *saved("j", 2, 0, "n"), *saved("j", 2, 1, "n")]
+        for seq, event in enumerate(events, 1):
+            state.apply(seq, event)
+        await coord._store(state, state.take_changes())
+        assert removed == [(1, None)] and evicted() == [(1, 0)]
+        state.apply(100, late[2])
+        await coord._store(state, state.take_changes())
+        assert removed == [(1, None), (1, [1])] and evicted() == [(1, 1)]
+        assert not coord._removals
+        # A restart folding the state to read it removes nothing: the late object is left to
+        # `tierpipe gc` (logged deferred), never announced, and the fold's write goes on.
+        reader = Coordinator(load_settings(env={}), bus, bus, "n", survey._no_removal)
+        state.apply(101, saved("j", 1, 1, "n")[2])  # (as a re-delivery of the same object)
+        changes = state.take_changes()
+        changes.s3_late[1] = state.record(1)  # type: ignore[assignment]
+        await reader._store(state, changes)
+        assert list(reader._removals) == [("j", 1)] and evicted() == []
 
     anyio.run(main)
 

@@ -204,6 +204,39 @@ def test_the_newest_complete_step_of_a_tier_is_kept_below_the_floor() -> None:
     assert 2 in state.head().steps and state.head().s3_steps == [2]
 
 
+def test_an_object_confirmed_after_its_step_was_removed_is_removed_and_announced_too() -> None:
+    """Step 1's objects are removed while rank 2's upload is still on its way (the fold has
+    ranks 0 and 1 in object storage); its `flushed` comes after. That object is removed too
+    (`s3_late`), once, and the record says rank 2 was there. Before: the late `flushed` was
+    ignored, so its removal was never announced (`test_flush`'s retention test, 1 run in 4), and
+    an object uploaded after the step's removal was left in the bucket."""
+    state = JobState("j", Keep(nvme_keep_latest_k=10, s3_keep_latest_k=1))
+    seq = 0
+
+    def apply(events: list[Event]) -> None:
+        nonlocal seq
+        for event in events:
+            seq += 1
+            state.apply(seq, event)
+
+    late = lifecycle(1, 2)
+    apply([e for r in (0, 1) for e in lifecycle(1, r)] + late[:2])
+    apply([e for r in range(WORLD) for e in lifecycle(2, r)])
+    changes = state.take_changes()
+    assert ranks_of(changes.s3_removed[1].s3) == [0, 1] and not changes.s3_late
+
+    apply(late[2:])
+    changes = state.take_changes()
+    assert set(changes.s3_late) == {1} and ranks_of(changes.s3_late[1].s3) == [2]
+    assert changes.s3_late[1].world_size == WORLD and 1 in changes.put
+    record = state.record(1)
+    assert record is not None and record.s3_removed and ranks_of(record.s3) == [0, 1, 2]
+    assert 1 not in state.head().s3_steps  # (removed: never counted complete there)
+
+    apply(late[2:])  # the same event again (redelivered): nothing more to remove
+    assert not state.take_changes().s3_late
+
+
 # --- property: the compact state says what the whole-history catalog says
 
 

@@ -108,7 +108,7 @@ def test_a_coordinator_writes_no_object_of_a_job_bound_to_another_store(
         touched.append(manifest.step)
         return True
 
-    async def remove(job: str, step: int, world_size: int) -> None:
+    async def remove(job: str, step: int, world_size: int, ranks: object) -> None:
         touched.append(-step)
 
     elsewhere = StoreLocation(endpoint="https://s3.example.com", bucket="team-a")

@@ -115,8 +115,9 @@ class StepBits:
 
     def update(self, rank: int, on: Container[str]) -> tuple[bool, bool]:
         """Set `rank` on the tiers in `on`, clear it on the others (`s3` keeps its ranks once
-        retention removed the objects); whether that changed anything, and whether it changed
-        the step's completeness on some tier (or on any)."""
+        retention removed the objects, and gains one whose object was confirmed after:
+        `Changes.s3_late`); whether that changed anything, and whether it changed the step's
+        completeness on some tier (or on any)."""
         i, mask = rank >> 3, 1 << (rank & 7)
         # One rank moves each count by one at most, and no tier counts more ranks than `either`:
         # below `world_size - 1` no completeness can change.
@@ -124,7 +125,8 @@ class StepBits:
         before, flipped = self._full() if near else (), False
         for t in TIERS:
             wanted = t in on
-            if bool(self.bits[t][i] & mask) != wanted and not (t == "s3" and self.s3_removed):
+            kept = t == "s3" and self.s3_removed and not wanted
+            if bool(self.bits[t][i] & mask) != wanted and not kept:
                 flipped |= self.set(t, rank, wanted)
         return flipped, flipped and near and before != self._full()
 

@@ -21,6 +21,10 @@ class Changes:
     #: Steps whose objects are to be removed now (below the object-storage floor), with their
     #: record as it was (the ranks whose objects were confirmed in `s3`).
     s3_removed: dict[int, StepRecord] = field(default_factory=dict)
+    #: Steps removed already whose objects of some ranks were confirmed only afterwards (an
+    #: upload that completed as the step was removed), with their record, its `s3` naming those
+    #: ranks alone: their objects are removed too (maybe again), and announced.
+    s3_late: dict[int, StepRecord] = field(default_factory=dict)
     #: (step, chunk) whose `RankDigests` changed; steps that left, with their chunk count.
     digests: set[tuple[int, int]] = field(default_factory=set)
     digests_deleted: dict[int, int] = field(default_factory=dict)
@@ -36,6 +40,7 @@ class Changes:
             self.put
             or self.deleted
             or self.s3_removed
+            or self.s3_late
             or self.digests
             or self.head
             or self.floors

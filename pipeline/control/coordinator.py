@@ -9,7 +9,8 @@ by the evict stage), it takes the job's lease if it is free and then, until it l
   the stored `resume_seq` (a bounded suffix, not the history);
 - every `coordinator_flush_s`, stores what changed (compare-and-set, fenced by the lease);
 - removes the objects of the steps below the object-storage floor (DeleteObjects, 1,000 keys a
-  request) once it stored the records that say they are gone;
+  request) once it stored the records that say they are gone, and an object confirmed only after
+  its step's removal (an upload that completed as the floor passed: `Changes.s3_late`);
 - writes the COMMIT manifest of each step that becomes complete in object storage
   (`tierpipe.storage.s3.commit`), once it stored the records that say so;
 - pins the step an in-progress restore reads (the job's recovery plans are in its stream);
@@ -33,15 +34,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 import structlog
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.history import Follow
-from tierpipe.control.bitmap import ranks_of
+from tierpipe.control.bitmap import bitmap, ranks_of
 from tierpipe.control.holder import agent_identity, take_over
 from tierpipe.control.jobstate import Changes, JobState
 from tierpipe.control.kvstate import JobStore, default_keep
@@ -71,8 +73,9 @@ POLICY_READ_S = 5.0
 #: How often an agent looks for jobs new to its node (as its stages do: `runner.JOB_SCAN_S`).
 JOB_SCAN_S = 0.5
 
-#: Removes the objects of (job, step, world size): the coordinator's one use of object storage.
-RemoveObjects = Callable[[str, int, int], Awaitable[None]]
+#: Removes objects of (job, step, world size): the step's COMMIT and every rank's object (ranks
+#: None), or the objects of the ranks given alone. The coordinator's one use of object storage.
+RemoveObjects = Callable[[str, int, int, Sequence[int] | None], Awaitable[None]]
 #: Creates a step's COMMIT manifest in object storage; whether it was written (False: one was
 #: there already).
 CommitStep = Callable[[CommitManifest], Awaitable[bool]]
@@ -96,8 +99,9 @@ class Coordinator:
         self.settings, self.bus, self.store, self.node = settings, bus, store, node
         self._remove = remove
         self._commit = commit
-        #: (job, step) -> its record: objects to remove, not removed yet.
-        self._removals: dict[tuple[str, int], StepRecord] = {}
+        #: (job, step) -> its record (`s3`: the ranks whose removal is announced) and whether
+        #: every rank's object goes (else those in `s3` alone): objects to remove, not removed yet.
+        self._removals: dict[tuple[str, int], tuple[StepRecord, bool]] = {}
         #: (job, step) -> its manifest: COMMITs to write, not written yet.
         self._commits: dict[tuple[str, int], CommitManifest] = {}
         #: Jobs this agent leads now (for tests and the status line).
@@ -296,21 +300,23 @@ class Coordinator:
             if self._commit is not None and (manifest := self._manifest(state, step)) is not None:
                 self._commits[(state.job, step)] = manifest
         for step, rec in changes.s3_removed.items():
-            self._removals[(state.job, step)] = rec
+            self._removal(state.job, rec, every=True)
             # A step removed before its COMMIT was written gets none (written after the removal
             # it would name removed objects).
             self._commits.pop((state.job, step), None)
+        for rec in changes.s3_late.values():
+            self._removal(state.job, rec, every=False)
         if any(k[0] == state.job for k in (*self._commits, *self._removals)):
             # Of the job's own store only: bound by the first object write (StoreMismatchError:
             # this coordinator steps down before it stores or touches anything).
             await bind_location(self.store, state.job, self.location)
         await self.store.write(state, changes)
         await self._write_commits(state.job)
-        for (job, step), rec in sorted(self._removals.items()):
+        for (job, step), (rec, every) in sorted(self._removals.items()):
             if job != state.job:
                 continue
             try:
-                await self._remove(job, step, rec.world_size)
+                await self._remove(job, step, rec.world_size, None if every else ranks_of(rec.s3))
             except TierpipeError as e:
                 log.warning("object_removal_deferred", job=job, step=step, error=str(e))
                 return
@@ -327,6 +333,16 @@ class Coordinator:
                 )  # fmt: skip
             await batches.flush()
             log.info("objects_removed", job=job, step=step, ranks=rec.world_size)
+
+    def _removal(self, job: str, rec: StepRecord, *, every: bool) -> None:
+        """Note objects of `rec`'s step to remove: every rank's, or those of the ranks in
+        `rec.s3` alone (merged with a removal of the step not done yet)."""
+        key = (job, rec.step)
+        if (had := self._removals.get(key)) is not None:
+            ranks = [*ranks_of(had[0].s3), *ranks_of(rec.s3)]
+            rec = msgspec.structs.replace(rec, s3=bitmap(ranks, rec.world_size))
+            every |= had[1]
+        self._removals[key] = (rec, every)
 
     async def _share(
         self, job: str, budget: Budget, active: int, stored: Shares, term: int

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from tierpipe.control.bitmap import TIERS, StepBits
+from tierpipe.control.bitmap import TIERS, StepBits, bitmap, has_rank, ranks_of
 from tierpipe.control.changes import Changes
 from tierpipe.control.ledger import Ledger, LedgerShard
 from tierpipe.control.upload import targets
@@ -206,7 +206,10 @@ class JobState:
         epoch = max(epoch, s.epoch)
         changed = epoch != s.epoch
         s.epoch = epoch
+        late = s.s3_removed and "s3" in usable and not has_rank(s.bits["s3"], rank)
         flipped, recount = s.update(rank, usable)
+        if late:
+            self._late(step, rank)
         # Every tier's copy is the same file: the first verified one gives the rank's digest.
         copy = usable.get("nvme") or usable.get("s3") or usable.get("peer")
         if copy is not None and s.note_copy(rank, copy.header_digest, copy.nbytes):
@@ -215,6 +218,16 @@ class JobState:
             self._changes.put.add(step)
         if recount:
             self._recount()
+
+    def _late(self, step: int, rank: int) -> None:
+        """`rank`'s object of `step` was confirmed after retention removed the step's objects
+        (its upload completed as the floor passed): it is removed too (`Changes.s3_late`)."""
+        s = self._steps[step]
+        before = self._changes.s3_late.get(step)
+        ranks = [*ranks_of(before.s3), rank] if before is not None else [rank]
+        self._changes.s3_late[step] = msgspec.structs.replace(
+            s.record(step), s3=bitmap(ranks, s.world_size)
+        )
 
     def _apply_to_record(self, step: int, rank: int, f: Fact) -> None:
         """An event about a step known by its record alone: only removals count (a copy

@@ -28,7 +28,12 @@ import structlog
 from tierpipe.bus.client import Bus
 from tierpipe.control.coordinator import Coordinator
 from tierpipe.control.kvstate import JobStore
-from tierpipe.errors import LeaseLostError, TierpipeError, WorldSizeMismatchError
+from tierpipe.errors import (
+    LeaseLostError,
+    StorageUnavailableError,
+    TierpipeError,
+    WorldSizeMismatchError,
+)
 from tierpipe.names import batch_subject, shard_subject, state_subjects
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.recovery.plan import Source, counts, unusable
@@ -241,9 +246,16 @@ async def _batch_after(bus: Bus, mine: str, batch: str, deadline: float) -> int:
         await anyio.sleep(0.02)
 
 
-async def _no_removal(job: str, step: int, world_size: int) -> None:
-    """Folding the job state to read it never removes objects (the floors hold meanwhile)."""
-    raise AssertionError(f"no object removal while catching up ({job} step {step})")
+async def _no_removal(job: str, step: int, world_size: int, ranks: Sequence[int] | None) -> None:
+    """Folding the job state to read it never removes objects: no step is removed (the floors
+    hold meanwhile), and an object confirmed after its step's removal (`Changes.s3_late`) is
+    left (the fold's coordinator logs it deferred; `tierpipe gc` removes it)."""
+    if ranks is None:
+        raise AssertionError(f"no object removal while catching up ({job} step {step})")
+    raise StorageUnavailableError(
+        f"{job} step {step}: a restart's fold removes no objects (ranks {list(ranks)} left to "
+        "`tierpipe gc`)"
+    )
 
 
 async def survey(
