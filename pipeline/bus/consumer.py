@@ -143,7 +143,7 @@ FETCH_BATCH = 16
 FETCH_WAIT_S = 5.0
 #: How long a fetch that has its first message waits for the rest of its batch (events a node
 #: published together arrive within it): what a lone message's hand-over costs at most.
-MORE_WAIT_S = 0.02
+MORE_WAIT_S = 0.005
 
 
 async def fetch(
