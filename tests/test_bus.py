@@ -115,6 +115,38 @@ async def test_an_idle_long_poll_is_no_failure(own_server: NatsServer) -> None:
         assert got == []
 
 
+async def test_a_fetch_hands_over_a_message_as_it_arrives(own_server: NatsServer) -> None:
+    """A fetch returns a message as it arrives, never at the end of its wait. When the server
+    answers a fetch's first pull at once with a status (here 408 "Requests Pending": a message is
+    pending and an earlier pull still waits), nats-py falls back to a long pull for the whole
+    batch and held the message it got until `FETCH_WAIT_S` was over (on the agents: a replica
+    made 4-5 s after its shard was verified, past test_replicate's 5 s bound)."""
+    s = load_settings(env={}, nats_url=own_server.url, max_ack_pending=1)
+    async with Bus(s) as bus:
+        await bus.ensure_stream(J)
+        await ensure_consumer(bus, J, "verify_n1", ["tp.j1.staged.n1.*"])
+        sub = await pull(bus, J, "verify_n1")
+        for step in (1, 2):
+            await bus.publish(staged(J, "n1", step))
+        (first,) = await fetch(sub, timeout=5.0)  # (step 2 waits: one unacked at a time)
+        # An earlier pull still waiting on this subscription's inbox (as one a fetch gave up on).
+        assert bus.nc is not None
+        earlier = json.dumps({"batch": 16, "expires": 30_000_000_000}).encode()
+        await bus.nc.publish(sub._nms, earlier, reply=sub._deliver)  # type: ignore[attr-defined]
+
+        async def ack_later() -> None:
+            await anyio.sleep(1.0)
+            await first.ack()  # (step 2 goes out now)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ack_later)
+            t0 = anyio.current_time()
+            got = await fetch(sub, batch=16, timeout=FETCH_WAIT_S)
+            waited = anyio.current_time() - t0
+        assert [decode_event(m.data).step for m in got] == [2]  # type: ignore[union-attr]
+        assert waited < 2.5, waited
+
+
 async def test_republished_event_is_deduplicated(settings: Settings, job: str) -> None:
     """Publishing the same event twice (a redelivered stage) stores it once."""
     async with Bus(settings) as bus:

@@ -274,7 +274,8 @@ def run_ranks(
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
         assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+        # (its warnings, e.g. why a step was abandoned: what a failed assertion on it shows)
+        out.append({**json.loads(stdout.strip().splitlines()[-1]), "log": stderr[-3000:]})
     return out
 
 
@@ -332,17 +333,17 @@ def test_a_replicated_value_is_stored_once_and_every_rank_restores_it(
     assert sizes[0] - sizes[1] >= sum(replicas.values())
 
     results = run_ranks(settings, job, 2, tmp_path, "restore")
-    assert [(r["step"], r["r"], r["lr"]) for r in results] == [(2, 0, 0.2), (2, 1, 0.2)]
+    assert [(r["step"], r["r"], r["lr"]) for r in results] == [(2, 0, 0.2), (2, 1, 0.2)], results
     assert all(r["sums"] == expected(2) for r in results), results
     results = run_ranks(settings, job, 2, tmp_path, "restore-none")
     assert [r["sums"] for r in results] == [expected(2, 2, 0), expected(2, 2, 1)]
     results = run_ranks(settings, job, 3, tmp_path, "restore")
-    assert [(r["step"], r["r"]) for r in results] == [(2, 0), (2, 1), (2, 0)]
+    assert [(r["step"], r["r"]) for r in results] == [(2, 0), (2, 1), (2, 0)], results
     assert all(r["sums"] == expected(2) for r in results), results
     # The writer's node lost: its NVMe copy gone, the others read its object.
     os.remove(files[0])
     results = run_ranks(settings, job, 2, tmp_path, "restore")
-    assert [(r["step"], r["tier"]) for r in results] == [(2, "s3"), (2, "s3")]
+    assert [(r["step"], r["tier"]) for r in results] == [(2, "s3"), (2, "s3")], results
     assert all(r["sums"] == expected(2) for r in results), results
     # And its object too: no copy of step 2's replicas is left, every rank takes step 1.
     s3.delete_object(Bucket=settings.s3_bucket, Key=S3Store(settings).key(job, 2, 0, 2))
