@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.conftest import Agent, Events
 from tierpipe.bus.client import Bus
 from tierpipe.dev import S3Server
-from tierpipe.errors import LayoutMismatchError, ShardMissingError
+from tierpipe.errors import LayoutMismatchError, ShardMissingError, StorageUnavailableError
 from tierpipe.names import shard_relpath
 from tierpipe.peer.server import PeerServer
 from tierpipe.recovery.load import Expected
@@ -385,6 +386,47 @@ async def test_no_good_copy_left_names_each_failure(tmp_path: Path) -> None:
     async with Tiers(Settings(node="n"), None, node="n") as tiers:
         with pytest.raises(ShardMissingError, match="nvme: ShardMissingError, nvme: Integrity"):
             await read_parts(tiers, origin, lambda h: [], lambda *a: None, Tally())
+
+
+class _Outage(Tiers):
+    """Tiers whose copies are unavailable (a store or peer down for a moment) `outages` times
+    each before they open."""
+
+    def __init__(self, settings: Settings, outages: int) -> None:
+        super().__init__(settings, None, node="n")
+        self.outages, self.opened = outages, 0
+
+    @contextlib.asynccontextmanager
+    async def open(self, copy: SourceRef, origin: Origin) -> AsyncIterator[Any]:
+        self.opened += 1
+        if self.outages:
+            self.outages -= 1
+            raise StorageUnavailableError(f"{copy.location}: down for a moment")
+        async with super().open(copy, origin) as ranged:
+            yield ranged
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("outages", [1, 2, 3])
+async def test_a_copy_unavailable_for_a_moment_is_tried_again(tmp_path: Path, outages: int) -> None:
+    """A saved rank's only copy is unavailable (an outage) once or twice, then readable: it is
+    read, as the normal restore retries an outage (3 tries); a third outage gives it up. Before:
+    one outage dropped the copy, and with no other the step was abandoned for an older one
+    (`test_replicated_once`: step 1 from NVMe instead of step 2 from object storage)."""
+    g = torch.randn(4, 4)
+    origin = saved_world(tmp_path, g, (2,), ("S0",), job="j")[0]
+    settings = Settings(node="n", retry_base_s=0.01)
+    tally = Tally()
+    async with _Outage(settings, outages) as tiers:
+        if outages == 3:
+            with pytest.raises(ShardMissingError, match="StorageUnavailableError"):
+                await read_parts(tiers, origin, lambda h: [], lambda *a: None, tally)
+        else:
+            head = await read_parts(tiers, origin, lambda h: [], lambda *a: None, tally)
+            assert head.header.rank == 0 and tiers.opened == outages + 1
+    assert [type(e).__name__ for _, _, e in tally.failed] == ["StorageUnavailableError"] * (
+        outages == 3
+    )
 
 
 @pytest.mark.anyio

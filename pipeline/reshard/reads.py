@@ -15,17 +15,18 @@ it), then a peer's endpoint (ranged GETs: the node that saved the shard serves i
 partners their replicas), then object storage (ranged GETs). A copy that is missing,
 unreachable or proven bad (a digest, a garbled head) is dropped for the spans still to read,
 which the next copy serves; spans already taken are not read again (their bytes were checked).
+A copy that is unavailable (an outage) is tried again after the others, up to `OUTAGE_TRIES`
+times, with a growing wait between rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -40,25 +41,25 @@ from tierpipe.errors import (
     PeerUnavailableError,
     ShardFormatError,
     ShardMissingError,
-    StorageUnavailableError,
     TierpipeError,
+    UnavailableError,
 )
 from tierpipe.peer.client import PeerClient, shard_url
 from tierpipe.recovery.load import Expected, check_head
 from tierpipe.reshard.buffers import Budget, ReadBuffer, first_error
+from tierpipe.reshard.copies import File, Object, Peer, Ranged
 from tierpipe.reshard.layout import Span
 from tierpipe.schemas import ALIGN, BLOCK_BYTES, BLOCK_DIGEST_BYTES, BlobEntry, SourceRef
 from tierpipe.settings import Settings
-from tierpipe.storage.aligned import aligned_buffer, close_quietly, open_direct, pread_into
+from tierpipe.storage.aligned import aligned_buffer, close_quietly, open_direct
 from tierpipe.storage.aligned import round_up as align_up
 from tierpipe.storage.resources import translated
-from tierpipe.storage.s3.errors import NotFound
 from tierpipe.storage.shard import PREFIX_NBYTES, Head, parse_head, parse_prefix
 
 if TYPE_CHECKING:
     from tierpipe.storage.s3.store import S3Store
 
-__all__ = ("DEPTH", "Origin", "Ranged", "Tiers", "read_parts", "verify_span")
+__all__ = ("DEPTH", "OUTAGE_TRIES", "Origin", "Tiers", "read_parts", "verify_span")
 
 log = structlog.get_logger(__name__)
 
@@ -84,19 +85,9 @@ class Tally:
         self.nbytes[tier] = self.nbytes.get(tier, 0) + n
 
 
-class Ranged(Protocol):
-    """One copy of a shard, read by byte ranges."""
-
-    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
-        """Fill the first `nbytes` of `buf` (page-aligned, at least `nbytes` rounded up to
-        `ALIGN` long: an O_DIRECT read may fill the rest) with the copy's bytes from `start`.
-
-        Raises:
-            ShardFormatError: the copy is shorter.
-            ShardMissingError, UnavailableError: it is not there, or did not answer.
-        """
-
-
+#: Tries of one copy during an outage (its store or peer down, or hung) before it is given up
+#: (as `tierpipe.recovery.load`'s restore tries a source).
+OUTAGE_TRIES = 3
 #: Spans of one copy read at once (while one is checked and taken, the next are read).
 DEPTH = 2
 
@@ -131,24 +122,37 @@ async def read_parts(
     problems: list[str] = []
     head: Head | None = None
     budget = Budget() if budget is None else budget
-    for copy in origin.copies:
-        try:
-            async with tiers.open(copy, origin) as ranged:
-                head = await _head(ranged, copy.location, origin)
-                tally.add(copy.tier, head.data_offset)
-                if left is None:
-                    left = list(need(head))
-                await _spans(ranged, head, left, copy, take, tally, budget, depth)
-            return head
-        except ConfigError:  # (the plan does not fit the shard: no other copy would)
-            raise
-        except TierpipeError as e:
-            evidence = type(e).__name__ in EVIDENCE_ERRORS
-            log.warning("reshard_source_failed", rank=origin.expected.rank,
-                        step=origin.expected.step, tier=copy.tier, node=copy.node,
-                        location=copy.location, error=str(e), corrupt=evidence)  # fmt: skip
-            tally.failed.append((origin.expected.rank, copy, e))
-            problems.append(f"{copy.tier}: {type(e).__name__}")
+    tries = dict.fromkeys(range(len(origin.copies)), 0)
+    delay = tiers.settings.retry_base_s
+    while tries:
+        for i in list(tries):
+            copy = origin.copies[i]
+            tries[i] += 1
+            try:
+                async with tiers.open(copy, origin) as ranged:
+                    head = await _head(ranged, copy.location, origin)
+                    tally.add(copy.tier, head.data_offset)
+                    if left is None:
+                        left = list(need(head))
+                    await _spans(ranged, head, left, copy, take, tally, budget, depth)
+                return head
+            except ConfigError:  # (the plan does not fit the shard: no other copy would)
+                raise
+            except TierpipeError as e:
+                outage = isinstance(e, UnavailableError) and tries[i] < OUTAGE_TRIES
+                evidence = type(e).__name__ in EVIDENCE_ERRORS
+                log.warning("reshard_source_failed", rank=origin.expected.rank,
+                            step=origin.expected.step, tier=copy.tier, node=copy.node,
+                            location=copy.location, error=str(e), corrupt=evidence,
+                            again=outage)  # fmt: skip
+                if outage:  # (tried again after the other copies, as the normal restore does)
+                    continue
+                del tries[i]
+                tally.failed.append((origin.expected.rank, copy, e))
+                problems.append(f"{copy.tier}: {type(e).__name__}")
+        if tries:
+            await anyio.sleep(delay)
+            delay = min(delay * 2, tiers.settings.retry_max_s)
     where = f"rank {origin.expected.rank} of step {origin.expected.step}"
     raise ShardMissingError(where, "no good copy left (" + (", ".join(problems) or "none") + ")")
 
@@ -326,13 +330,13 @@ class Tiers:
             except FileNotFoundError as e:
                 raise ShardMissingError(copy.location, "file is missing") from e
             try:
-                yield _File(fd, copy.location)
+                yield File(fd, copy.location)
             finally:
                 os.close(fd)
         elif copy.tier == "peer":
-            yield _Peer(await self._peer_client(), await self._url(copy, origin))
+            yield Peer(await self._peer_client(), await self._url(copy, origin))
         else:
-            yield _Object(await self._object_store(), copy.location)
+            yield Object(await self._object_store(), copy.location)
 
     async def _url(self, copy: SourceRef, origin: Origin) -> str:
         if copy.node not in self._urls:
@@ -359,86 +363,3 @@ class Tiers:
 
             self._s3 = await self._stack.enter_async_context(S3Store(self.settings))
         return self._s3
-
-
-class _File:
-    """A copy on this node's NVMe: preads in a thread (whole pages from a page boundary, so
-    O_DIRECT serves them; else through a bounce buffer)."""
-
-    def __init__(self, fd: int, path: str) -> None:
-        self.fd, self.path = fd, path
-
-    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
-        with translated(self.path):
-            got = await anyio.to_thread.run_sync(self._read, start, buf, nbytes)
-        if got < nbytes:
-            raise ShardFormatError(self.path, f"{got} bytes from {start}, {nbytes} expected")
-
-    def _read(self, start: int, buf: mmap.mmap, nbytes: int) -> int:
-        if start % ALIGN == 0:
-            with memoryview(buf) as view:
-                return pread_into(self.fd, view[: align_up(nbytes)], start, nbytes)
-        lo = start // ALIGN * ALIGN
-        bounce = aligned_buffer(align_up(start + nbytes - lo))
-        try:
-            got = max(0, min(nbytes, pread_into(self.fd, bounce, lo) - (start - lo)))
-            buf[:got] = bounce[start - lo : start - lo + got]
-            return got
-        finally:
-            close_quietly(bounce)
-
-
-class _Peer:
-    def __init__(self, client: PeerClient, url: str) -> None:
-        self.client, self.url = client, url
-
-    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
-        with memoryview(buf) as view:
-            await self.client.read_range(self.url, start, view[:nbytes])
-
-
-class _Object:
-    """An object, by ranged GETs of at most `part_size_bytes`, `part_concurrency` at once."""
-
-    def __init__(self, store: S3Store, location: str) -> None:
-        self.store, self.location = store, location
-        bucket, _, self.key = location.removeprefix("s3://").partition("/")
-        if not location.startswith("s3://") or bucket != store.bucket or not self.key:
-            raise ShardMissingError(location, f"not in the configured bucket {store.bucket}")
-
-    async def read(self, start: int, buf: mmap.mmap, nbytes: int) -> None:
-        part = max(self.store.settings.part_size_bytes, BLOCK_BYTES)
-        lanes = anyio.Semaphore(max(1, self.store.settings.part_concurrency))
-        requests = self.store.requests
-
-        async def get(at: int, size: int) -> None:
-            """One ranged GET into its place in `buf` (one request to retry)."""
-            r = await requests.client.get_object(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                Range=f"bytes={start + at}-{start + at + size - 1}",
-            )
-            got = 0
-            async for chunk in r["Body"].iter_chunks(1 << 20):
-                if got + len(chunk) > size:
-                    raise StorageUnavailableError(f"{self.location}: long read at {start + at}")
-                buf[at + got : at + got + len(chunk)] = chunk
-                got += len(chunk)
-            if got != size:
-                raise ShardFormatError(
-                    self.location, f"{got} bytes from {start + at}, {size} asked"
-                )
-
-        async def one(at: int) -> None:
-            async with lanes:
-                try:
-                    await requests(self.key, lambda: get(at, min(part, nbytes - at)))
-                except NotFound:
-                    raise ShardMissingError(self.location, "no such object") from None
-
-        try:
-            async with anyio.create_task_group() as tg:
-                for at in range(0, nbytes, part):
-                    tg.start_soon(one, at)
-        except BaseExceptionGroup as group:
-            raise group.exceptions[0] from group
