@@ -21,7 +21,6 @@ own local shard where that rank stored none.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,13 +38,13 @@ from tierpipe.reshard.layout import (
     Span,
     blocks,
     box_of,
-    coordinate_of,
     copy_piece,
     full_box,
     overlaps,
     placements_of,
 )
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
+from tierpipe.reshard.steplayout import mesh_boxes
 from tierpipe.schemas import BLOCK_BYTES, MeshEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.state import KeyPath, blob_view, flatten_targets
 from tierpipe.storage.shard import Head, sharded_layouts
@@ -306,19 +305,8 @@ def _saved_boxes(
             f"{name}: saved local shard {tuple(e.shape)} at {tuple(se.offsets)} is not what its "
             f"placements {se.placements} give ({own})"
         )
-    boxes = _mesh_boxes(tuple(se.global_shape), tuple(mesh.shape), tuple(se.placements))
+    boxes = mesh_boxes(tuple(se.global_shape), tuple(mesh.shape), tuple(se.placements))
     return list(zip(mesh.ranks, boxes, strict=True))
-
-
-@functools.lru_cache(maxsize=4096)
-def _mesh_boxes(
-    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[str, ...]
-) -> tuple[Box, ...]:
-    """The box of each mesh position, row-major (the tensors of a model share few layouts)."""
-    return tuple(
-        box_of(global_shape, mesh_shape, coordinate_of(i, mesh_shape), placements)
-        for i in range(math.prod(mesh_shape))
-    )
 
 
 def _target_box(target: torch.Tensor) -> tuple[Box, torch.Tensor]:
