@@ -15,15 +15,29 @@ from __future__ import annotations
 import functools
 import math
 
+import msgspec
+import structlog
 import xxhash
 
+from tierpipe.control.kvstate import JobStore, layout_key
 from tierpipe.errors import LayoutMismatchError
 from tierpipe.reshard.layout import Box, box_of, coordinate_of
 from tierpipe.schemas import MeshEntry, ShardedEntry, ShardHeader, TensorEntry
-from tierpipe.schemas.layout import LayoutMesh, LayoutTensor, StepLayout, encode_layout
+from tierpipe.schemas.layout import (
+    LayoutMesh,
+    LayoutTensor,
+    StepLayout,
+    decode_layout,
+    encode_layout,
+)
 from tierpipe.storage.sharding import local_box, replica_writer
 
-__all__ = ("boxes", "layout_digest", "layout_of", "mesh_boxes", "skeleton")
+__all__ = (
+    "boxes", "layout_digest", "layout_of", "mesh_boxes", "skeleton", "store_layout",
+    "stored_layout",
+)  # fmt: skip
+
+log = structlog.get_logger(__name__)
 
 
 def layout_of(header: ShardHeader) -> StepLayout:
@@ -53,6 +67,42 @@ def layout_of(header: ShardHeader) -> StepLayout:
 def layout_digest(layout: StepLayout) -> str:
     """The layout's name: xxh3-64 of its encoding, 16 hex digits (`LAYOUT_DIGEST_PATTERN`)."""
     return xxhash.xxh3_64_hexdigest(encode_layout(layout))
+
+
+async def store_layout(store: JobStore, job: str, data: bytes, *, digest: str = "") -> str:
+    """Store an encoded layout under its digest (`layout_key`), unless it is there already
+    (atomic: of writers racing, one stores; the value is the same); its digest.
+
+    Raises:
+        ValueError: `digest` is given and is not the digest of `data`.
+        BusError, BusUnavailableError: the store did not answer.
+    """
+    actual = xxhash.xxh3_64_hexdigest(data)
+    if digest and digest != actual:
+        raise ValueError(f"layout bytes hash to {actual}, not {digest}")
+    if await store.create(layout_key(job, actual), data):
+        log.info("layout_stored", job=job, layout=actual, nbytes=len(data))
+    return actual
+
+
+async def stored_layout(store: JobStore, job: str, digest: str) -> StepLayout | None:
+    """The layout stored under `digest`, or None: not stored, or its bytes do not hash to
+    `digest` or do not decode (logged; the caller then reads a shard header as before).
+
+    Raises:
+        BusError, BusUnavailableError: the store did not answer.
+    """
+    data = await store.value(layout_key(job, digest))
+    if data is None:
+        return None
+    if xxhash.xxh3_64_hexdigest(data) != digest:
+        log.warning("layout_refused", job=job, layout=digest, reason="digest")
+        return None
+    try:
+        return decode_layout(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.warning("layout_refused", job=job, layout=digest, reason=str(e))
+        return None
 
 
 def boxes(layout: StepLayout, i: int) -> list[tuple[int, Box]]:
