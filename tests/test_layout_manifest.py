@@ -1,12 +1,14 @@
 """A sharded save's global layout in its step's manifest (issue 23, item 3): stored once in the
-job state and named by the step's record and COMMIT, rebuilt by reindex (real agent, NATS,
-object storage)."""
+job state and named by the step's record and COMMIT, rebuilt by reindex, and what a resharded
+restore plans from without reading a shard header (real agent, NATS, object storage)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch
 
 from tests.conftest import Agent, Events
 from tests.test_commit import commit_of, wait_until
+from tests.test_reshard import expected_sums
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore, layout_key
 from tierpipe.names import shard_relpath, stream_name
@@ -92,3 +95,90 @@ def test_a_sharded_saves_layout_is_stored_named_committed_and_reindexed(
     assert out.returncode == 0, out.stdout + out.stderr
     rec2, layout2, _ = job_state(settings, job, 1)
     assert rec2 is not None and rec2.layout == rec.layout and layout2 == want
+
+
+def run_ranks_logged(
+    settings: Settings, job: str, world: int, tmp_path: Path, *args: str
+) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """`tests/reshard_rank.py` as `world` gloo ranks (as `test_reshard.run_ranks`), logging at
+    debug level: each rank's JSON line and its log events."""
+    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "debug",
+           "TIERPIPE_LOG_FORMAT": "json"}  # fmt: skip
+    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.reshard_rank",
+                job,
+                str(r),
+                str(world),
+                str(store),
+                *args,
+            ],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        logs = []
+        for line in stderr.splitlines():
+            try:
+                logs.append(json.loads(line))
+            except ValueError:
+                continue
+        out.append((json.loads(stdout.strip().splitlines()[-1]), logs))
+    return out
+
+
+def planned(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+    return [e for e in logs if isinstance(e, dict) and e.get("event") == event]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # (gloo ranks on a loaded 2-core machine)
+def test_a_resharded_restore_plans_from_the_layout_with_no_header_read(
+    settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
+) -> None:
+    """DTensors saved on a 2x2 mesh: the record names their layout, and restores onto two
+    ranks and onto four on a 1-D mesh decide and plan from it with zero shard headers read
+    before their reads start, bitwise; with the layout gone from the job state (as for a step
+    saved before layouts), the same restore reads the value rank's header first, bitwise too."""
+    agent()
+    run_ranks_logged(settings, job, 4, tmp_path, "save", "2x2")
+    for rank in range(4):
+        events.wait_for(
+            lambda e, rank=rank: isinstance(e, ShardFlushed) and e.rank == rank, kind="flushed"
+        )
+    rec, layout, _ = wait_until(  # type: ignore[misc]
+        "the record's layout", lambda: (got := job_state(settings, job, 1))[0] and got[1] and got
+    )
+    assert layout == saved_header_layout(settings, job, 1, 3, 4)
+    for world, mesh in ((2, "2"), (4, "4")):
+        for result, logs in run_ranks_logged(settings, job, world, tmp_path, "restore", mesh):
+            assert result["step"] == 1 and result["sums"] == expected_sums(), result
+            (plan,) = planned(logs, "reshard_planned")
+            assert (plan["planned_from"], plan["heads_read"]) == ("layout", 0), plan
+            assert plan["sources"] >= 2  # (the value rank's reads and the others' at once)
+            if world == 4:  # (the same world size: the choice to reshard, from the layout)
+                (checked,) = planned(logs, "reshard_checked")
+                assert checked["checked_from"] == "layout", checked
+
+    async def forget_layout() -> None:
+        async with Bus(settings) as bus:
+            store = await JobStore(bus.js, settings).open()
+            await store.purge([layout_key(job, rec.layout)])
+
+    anyio.run(forget_layout)
+    for result, logs in run_ranks_logged(settings, job, 2, tmp_path, "restore", "2"):
+        assert result["step"] == 1 and result["sums"] == expected_sums(), result
+        (plan,) = planned(logs, "reshard_planned")
+        assert (plan["planned_from"], plan["heads_read"]) == ("header", 1), plan

@@ -4,19 +4,25 @@ rank's sharded entries and boxes back from it (pure: headers built here)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from structlog.testing import capture_logs
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from tests.test_reshard import torch_placements
+from tests.test_reshard import saved_world, torch_placements
 from tierpipe.errors import LayoutMismatchError
+from tierpipe.reshard.assemble import assemble
 from tierpipe.reshard.layout import coordinate_of
+from tierpipe.reshard.reads import Origin, Tiers
 from tierpipe.reshard.steplayout import boxes, layout_digest, layout_of, skeleton
 from tierpipe.schemas import MeshEntry, ShardedEntry, ShardHeader
 from tierpipe.schemas.layout import LAYOUT_DIGEST_PATTERN, decode_layout, encode_layout
+from tierpipe.settings import Settings
 from tierpipe.state import plan_state
+from tierpipe.storage.reader import read_head
 
 MESH = (2, 2)
 #: Key -> (global shape, placements) on the 2x2 mesh: sharded twice, replicated on one mesh
@@ -124,3 +130,53 @@ def test_a_rank_outside_the_saved_mesh_is_refused() -> None:
     """Asking for a rank the save had not is a LayoutMismatchError, not a guess."""
     with pytest.raises(LayoutMismatchError, match="rank 7"):
         skeleton(layout_of(header_2x2(0)), job="j", step=1, rank=7, world_size=8)
+
+
+# --- assemble planned from the layout (shard files here, no servers)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_layout", [True, False])
+async def test_assemble_plans_from_the_layout_before_any_header_read(
+    tmp_path: Path, with_layout: bool
+) -> None:
+    """With the step's layout, assemble plans before reading any header and starts every
+    saved rank's reads at once; without it, after the value rank's header; the same bytes."""
+    g = torch.randn(9, 7)
+    origins = saved_world(tmp_path, g, (2, 2), ("S0", "S1"), job="j")
+    layout = layout_of(read_head(origins[0].copies[0].location).header)
+
+    async def origin(r: int) -> Origin:
+        return origins[r]
+
+    target = {"w": torch.zeros(9, 7), "r": torch.zeros(1, dtype=torch.int64)}
+    with capture_logs() as logs:
+        async with Tiers(Settings(node="n"), None, node="n") as tiers:
+            got = await assemble(tiers, origin, target, rank=5, old_world=4,
+                                 layout=layout if with_layout else None)  # fmt: skip
+    assert torch.equal(target["w"], g) and int(target["r"]) == 1
+    (plan,) = [e for e in logs if e["event"] == "reshard_planned"]
+    want = ("layout", 0, 4) if with_layout else ("header", 1, 1)
+    assert (plan["planned_from"], plan["heads_read"], plan["sources"]) == want
+    assert got.tally.heads == 4
+
+
+@pytest.mark.anyio
+async def test_a_header_that_does_not_hold_the_planned_layout_is_refused(tmp_path: Path) -> None:
+    """A layout its shards do not hold (a record that names another one) is a
+    LayoutMismatchError naming the layout, never bytes copied by the wrong plan."""
+    g = torch.randn(9, 7)
+    origins = saved_world(tmp_path, g, (2, 2), ("S0", "S1"), job="j")
+    saved = layout_of(read_head(origins[0].copies[0].location).header)
+    t = saved.tensors[0]
+    other = msgspec.structs.replace(
+        saved, tensors=(msgspec.structs.replace(t, placements=("S1", "S0")),)
+    )
+
+    async def origin(r: int) -> Origin:
+        return origins[r]
+
+    target = {"w": torch.zeros(9, 7)}
+    async with Tiers(Settings(node="n"), None, node="n") as tiers:
+        with pytest.raises(LayoutMismatchError, match=layout_digest(other)):
+            await assemble(tiers, origin, target, rank=0, old_world=4, layout=other)

@@ -5,6 +5,8 @@
 - `reads`: ranged reads of saved shards from this node's NVMe, a peer or object storage, every
   block checked against its digest before its bytes are used;
 - `buffers`: the reads' buffers (reused, bounded in bytes per restore);
+- `steplayout`: a save's global layout (the same for every rank), kept in the job state;
+- `planning`: which parts of which saved shards fill each target, from the layout or a header;
 - `assemble`: one rank's state from parts of the saved shards (the value rule, the copies);
 - `restore`: the resharded restore itself (when it is needed, the step, the agreement).
 
