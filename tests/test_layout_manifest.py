@@ -17,7 +17,7 @@ import anyio
 import pytest
 import torch
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, run_cli
 from tests.test_commit import commit_of, wait_until
 from tests.test_reshard import expected_sums
 from tierpipe.bus.client import Bus
@@ -58,8 +58,9 @@ def test_a_sharded_saves_layout_is_stored_named_committed_and_reindexed(
     settings: Settings, job: str, agent: Callable[..., Agent], events: Events, tmp_path: Path
 ) -> None:
     """A save with a replicated key (a sharded entry over the world's mesh): its record names
-    a layout stored once in KV, the one its shard header gives; its COMMIT carries it; after
-    the stream and the KV are lost, reindex from object storage stores it and names it again."""
+        a layout stored once in KV, the one its shard header gives; its COMMIT carries it; after
+        the stream and the KV are lost, reindex from object storage stores it and names it again;
+    `tierpipe rm` removes it with the job."""
     a = agent()
     with Checkpointer(job, rank=0, world_size=1, settings=settings, replicated=["emb"]) as c:
         c.save(1, {"emb": torch.arange(12.0).view(3, 4), "w": torch.ones(5)})
@@ -93,8 +94,12 @@ def test_a_sharded_saves_layout_is_stored_named_committed_and_reindexed(
         env=elsewhere, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    rec2, layout2, _ = job_state(settings, job, 1)
+    rec2, layout2, keys2 = job_state(settings, job, 1)
     assert rec2 is not None and rec2.layout == rec.layout and layout2 == want
+    assert layout_key(job, rec.layout) in keys2
+    done = run_cli(settings, "rm", "--job", job, "--apply", "--idle-s", "0")
+    assert done.returncode == 0, done.stderr
+    assert job_state(settings, job, 1)[2] == []  # (the layout went with the job's other keys)
 
 
 def run_ranks_logged(
