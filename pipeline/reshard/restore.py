@@ -151,8 +151,8 @@ class Resharder:
         into `into`: saved by another world size, or a DTensor target whose layout (global
         shape, mesh, placements, coordinate) is not the one this rank saved, or a replica this
         rank's shard holds no bytes of (judged from the step's layout; without one, this rank's
-        head read; any rank's answer counts for all). False where nothing can be chosen (the normal
-        restore says why)."""
+        head read; any rank's answer counts for all). False where nothing can be chosen (the
+        normal restore says why)."""
         choice = await self._share(await self._choose(step, {}) if self._leads() else None)
         differs = ""
         if not choice.error:
@@ -178,10 +178,10 @@ class Resharder:
     async def _layout(self, step: int) -> StepLayout | None:
         """The step's global layout, where its record names one the job state holds (None:
         an older step, ranks that disagreed, or a job state that did not answer)."""
-        rec = await self._reads.record(step)
-        if rec is None or not rec.layout:
-            return None
         try:
+            rec = await self._reads.record(step)
+            if rec is None or not rec.layout:
+                return None
             return await stored_layout(self.store, self.job, rec.layout)
         except TierpipeError as e:
             log.info("reshard_layout_unread", job=self.job, step=step, error=str(e))
