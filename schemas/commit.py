@@ -5,8 +5,10 @@ The job's retention coordinator writes it once every rank's object of the step i
 removes the step's objects. It names the step's objects (their keys follow from job, step, rank
 and world size) and carries the same per-rank data as the job state's `RankDigests`: what
 `tierpipe reindex` needs to rebuild the job state from storage alone, when the stream and the
-KV are lost. Encoded as msgpack: 24 bytes a rank plus ~100 bytes (measured: 284 bytes at 8 ranks,
-1.92 MB at 80,000; one PUT, far below any object size limit).
+KV are lost, and the step's global layout (`tierpipe.schemas.layout`), where its record names
+one, so a resharded restore after a reindex still plans without shard headers. Encoded as
+msgpack: 24 bytes a rank plus ~100 bytes (measured: 284 bytes at 8 ranks, 1.92 MB at 80,000;
+one PUT, far below any object size limit), plus ~60 bytes a sharded tensor for the layout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated
 import msgspec
 
 from tierpipe.schemas.jobstate import DIGEST_BYTES, SIZE_BYTES, RankDigests, digest_at
+from tierpipe.schemas.layout import LayoutDigest
 from tierpipe.schemas.names import Token
 
 __all__ = ("COMMIT_VERSION", "CommitManifest", "decode_commit", "encode_commit")
@@ -45,6 +48,10 @@ class CommitManifest(msgspec.Struct, frozen=True, kw_only=True):
     #: Who wrote it (the coordinator's node) and when (s since the epoch), for operators.
     by: str = ""
     ts: float = 0.0
+    #: The step's global layout (`tierpipe.schemas.layout`): its digest, as the step's record
+    #: names it, and its bytes, so `reindex` stores it again ("" and empty: none, or older).
+    layout: LayoutDigest = ""
+    layout_data: bytes = b""
 
     def __post_init__(self) -> None:
         if len(self.digests) != DIGEST_BYTES * self.world_size:
@@ -63,6 +70,7 @@ class CommitManifest(msgspec.Struct, frozen=True, kw_only=True):
         *,
         by: str = "",
         ts: float = 0.0,
+        layout: str = "",
     ) -> CommitManifest:
         """The manifest of a step from its `RankDigests` chunks, in rank order.
 
@@ -73,7 +81,7 @@ class CommitManifest(msgspec.Struct, frozen=True, kw_only=True):
         manifest = cls(
             job=job, step=step, world_size=world_size, epoch=epoch,
             digests=b"".join(c.digests for c in chunks), sizes=b"".join(c.sizes for c in chunks),
-            by=by, ts=ts,
+            by=by, ts=ts, layout=layout,
         )  # fmt: skip
         missing = [r for r in range(world_size) if manifest.of(r) is None]
         if missing:

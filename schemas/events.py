@@ -14,37 +14,16 @@ from typing import Annotated, Literal, Protocol, TypeVar
 
 import msgspec
 
+from tierpipe.schemas.layout import LayoutDigest
 from tierpipe.schemas.names import Token
 
 __all__ = (
-    "BATCH_MAX",
-    "READY_RANKS",
-    "SCHEMA_VERSION",
-    "BatchKind",
-    "Event",
-    "FlushAction",
-    "FlushControl",
-    "NodeBatch",
-    "RankSteps",
-    "RecoveryPlanned",
-    "RestoreReport",
-    "ShardEvent",
-    "ShardEvicted",
-    "ShardFlushed",
-    "ShardIdentity",
-    "ShardReplicated",
-    "ShardStaged",
-    "ShardVerified",
-    "ShardWritten",
-    "SourceRef",
-    "StageFailed",
-    "Tier",
-    "decode_event",
-    "deflated_bitmap",
-    "encode_event",
-    "inflate_bitmap",
-    "shard_event",
-)
+    "BATCH_MAX", "READY_RANKS", "SCHEMA_VERSION", "BatchKind", "Event", "FlushAction",
+    "FlushControl", "NodeBatch", "RankSteps", "RecoveryPlanned", "RestoreReport", "ShardEvent",
+    "ShardEvicted", "ShardFlushed", "ShardIdentity", "ShardReplicated", "ShardStaged",
+    "ShardVerified", "ShardWritten", "SourceRef", "StageFailed", "Tier", "decode_event",
+    "deflated_bitmap", "encode_event", "inflate_bitmap", "shard_event",
+)  # fmt: skip
 
 #: Bumped when a field changes meaning or a required field is added.
 SCHEMA_VERSION = 1
@@ -164,6 +143,8 @@ class _NvmeCopy(ShardEvent, frozen=True, kw_only=True):
     #: restore's write-back, verify's rewrite of it) is a new fact, even with the same bytes;
     #: the same staging delivered again is not (`tierpipe.names.msg_id`).
     staged_ts: float = 0.0
+    #: The save's global layout's digest (stored in KV before this event; `schemas.layout`).
+    layout: LayoutDigest = ""
 
 
 class ShardWritten(_NvmeCopy, frozen=True, kw_only=True, tag="written"):
@@ -194,6 +175,7 @@ class ShardFlushed(ShardEvent, frozen=True, kw_only=True, tag="flushed"):
     #: counts a `flush` copy only if it matches a verified NVMe copy; a reindexed one stands on
     #: its own (its node may be gone), and restore checks its header on load either way.
     origin: Literal["flush", "reindex"] = "flush"
+    layout: LayoutDigest = ""  # (as its `verified` event, or its COMMIT manifest, said)
 
 
 class ShardReplicated(ShardEvent, frozen=True, kw_only=True, tag="replicated"):

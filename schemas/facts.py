@@ -43,6 +43,8 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 #: Checked for hex digits by `decode_fact` (a length is free, a pattern is not).
 Digest = Annotated[str, msgspec.Meta(min_length=32, max_length=32)]
+#: A layout digest: "" or 16 hex digits (checked by `decode_fact`).
+Layout = Annotated[str, msgspec.Meta(max_length=16)]
 Tier = Literal["ram", "nvme", "peer", "s3"]
 
 _TOKEN = re.compile(TOKEN_PATTERN)
@@ -82,6 +84,7 @@ class _NvmeFact(_ShardFact, frozen=True, kw_only=True):
     seconds: float
     origin: Literal["save", "restore"] = "save"
     staged_ts: float = 0.0
+    layout: Layout = ""
 
 
 class WrittenFact(_NvmeFact, frozen=True, kw_only=True, tag="written"):
@@ -101,6 +104,7 @@ class FlushedFact(_ShardFact, frozen=True, kw_only=True, tag="flushed"):
     nbytes: NonNegInt
     seconds: float
     origin: Literal["flush", "reindex"] = "flush"
+    layout: Layout = ""
 
 
 class ReplicatedFact(_ShardFact, frozen=True, kw_only=True, tag="replicated"):
@@ -205,3 +209,6 @@ def _shard(e: ShardFact) -> None:
     digest = getattr(e, "header_digest", None)
     if digest is not None and not _HEX.issuperset(digest):
         raise msgspec.ValidationError("a header digest is 32 lowercase hex digits")
+    layout = getattr(e, "layout", "")
+    if layout and (len(layout) != 16 or not _HEX.issuperset(layout)):
+        raise msgspec.ValidationError("a layout digest is 16 lowercase hex digits")

@@ -17,6 +17,9 @@ Keys (job names are tokens, so a key's parts never contain a dot):
 - `<job>.lease`: `Lease`, who coordinates the job;
 - `<job>.budget`: `Budget`, the job-wide admission budgets (`tierpipe flush rate --job`);
 - `<job>.shares`: `Shares`, each active node's part of them (written by the coordinator);
+- `<job>.layout.<digest>`: a `tierpipe.schemas.layout.StepLayout` (msgpack), the global layout of
+  the steps whose records name that digest, created once by the first agent to write a shard
+  of it (kept until `tierpipe rm`);
 - `<job>.location`: `StoreLocation`, where the job's objects live (created once, by the first
   agent to write one; every later object write or delete of the job checks it).
 """
@@ -28,6 +31,7 @@ from typing import Annotated
 import msgspec
 
 from tierpipe.schemas.events import deflated_bitmap, inflate_bitmap
+from tierpipe.schemas.layout import LayoutDigest
 from tierpipe.schemas.names import Token
 
 __all__ = (
@@ -89,6 +93,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: Ranks with a verified replica on another node's NVMe than the one that saved it (the
     #: `peer` tier: `ShardReplicated`).
     peer: bytes = b""
+    #: The digest of the global layout every rank's copy reported (`<job>.layout.<digest>`,
+    #: `tierpipe.schemas.layout.StepLayout`): "" for a plain save, an older one, or ranks
+    #: that disagree. A resharded restore plans from it without reading a shard header.
+    layout: LayoutDigest = ""
 
 
 class StoredRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -105,6 +113,7 @@ class StoredRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     s3_z: bytes = b""
     peer: bytes = b""
     peer_z: bytes = b""
+    layout: LayoutDigest = ""
 
     def record(self) -> StepRecord:
         """The record, its bitmaps inflated.
@@ -121,7 +130,7 @@ class StoredRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
             raise msgspec.ValidationError(f"step record {self.step}: {e}") from e
         return StepRecord(
             step=self.step, world_size=self.world_size, epoch=self.epoch, nvme=nvme, s3=s3,
-            s3_removed=self.s3_removed, peer=peer,
+            s3_removed=self.s3_removed, peer=peer, layout=self.layout,
         )  # fmt: skip
 
     @property
@@ -137,6 +146,7 @@ def stored_record(rec: StepRecord) -> StoredRecord:
     return StoredRecord(
         step=rec.step, world_size=rec.world_size, epoch=rec.epoch, nvme=nvme, s3=s3,
         s3_removed=rec.s3_removed, nvme_z=nvme_z, s3_z=s3_z, peer=peer, peer_z=peer_z,
+        layout=rec.layout,
     )  # fmt: skip
 
 

@@ -167,9 +167,8 @@ async def _upload(ctx: Flush, event: ShardVerified, path: Path) -> ShardFlushed 
         await ctx.s3.delete(location, header_digest=event.header_digest)
         return None
     bind_io(done.nbytes, done.seconds, key=done.key, existed=done.existed)
-    return event.follow(
-        ShardFlushed, node=ctx.node, header_digest=event.header_digest, **done.fields()
-    )
+    return event.follow(ShardFlushed, node=ctx.node, header_digest=event.header_digest,
+                        layout=event.layout, **done.fields())  # fmt: skip
 
 
 async def _kept(ctx: Flush, event: ShardVerified, otherwise: str) -> bool:

@@ -8,6 +8,11 @@ the slot fails instead of sealing another step's bytes. Holds the node's nvme-wr
 files left by a crash are swept on start. Idempotent: a redelivered event finds the final file
 holding the same save and only republishes (deduplicated).
 
+A shard with sharded (DTensor) tensors names its save's global layout on `written`
+(`tierpipe.reshard.steplayout`: the same for every rank), stored first in the job state under
+its digest, once per process and layout; the job state's step record names it once every rank
+reported it, and a resharded restore plans from it without reading a shard header.
+
 NVMe short of room (below `nvme_min_free_bytes` free with this shard, or no room for it at all)
 asks the evict stage of this process to remove the oldest removable copies first
 (`tierpipe.storage.resources.make_room`); the save waits (`NoSpaceError`, retried) only when
@@ -23,13 +28,17 @@ from pathlib import Path
 
 import anyio
 import structlog
+import xxhash
 from anyio.abc import TaskGroup
 
 from tierpipe.bus.client import Bus
+from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import NoSpaceError, StagingGoneError, TierpipeError
 from tierpipe.log import bind_io
 from tierpipe.names import node_name
-from tierpipe.schemas import ShardStaged, ShardWritten
+from tierpipe.reshard.steplayout import layout_of, store_layout
+from tierpipe.schemas import ShardHeader, ShardStaged, ShardWritten
+from tierpipe.schemas.layout import encode_layout
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore, WriteResult
 from tierpipe.storage.reader import read_head
@@ -50,6 +59,10 @@ class NvmeWrite:
     store: NvmeStore
     #: Unmaps staging images once their shard is written, off the `written` event's path.
     unmapper: TaskGroup
+    #: The job state, where a sharded save's layout is stored; (job, digest) of the layouts
+    #: this process stored or found there (one create per job and layout, not per shard).
+    jobs: JobStore
+    layouts: set[tuple[str, str]]
 
 
 @asynccontextmanager
@@ -60,12 +73,14 @@ async def open(settings: Settings, bus: Bus) -> AsyncIterator[NvmeWrite]:
             store.lock(STAGE, timeout_s=settings.agent_lock_timeout_s),
             anyio.create_task_group() as unmapper,
         ):
-            yield NvmeWrite(settings, node_name(settings.node), store, unmapper)
+            jobs = JobStore(bus.js, settings).bind()
+            yield NvmeWrite(settings, node_name(settings.node), store, unmapper, jobs, set())
 
 
 async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritten:
-    """Seal the staged shard on NVMe (or find it sealed already) and say so."""
-    result = await _write(ctx, event)
+    """Seal the staged shard on NVMe (or find it sealed already) and say so, with the save's
+    global layout (stored first) where the shard holds sharded tensors."""
+    result, header = await _write(ctx, event)
     bind_io(result.nbytes, result.seconds, path=result.path, existed=result.existed)
     return event.follow(
         ShardWritten,
@@ -77,11 +92,31 @@ async def handle(ctx: NvmeWrite, event: ShardStaged, attempt: int) -> ShardWritt
         seconds=round(result.seconds, 6),
         origin=event.origin,
         staged_ts=event.ts,
+        layout=await _layout(ctx, header),
     )
 
 
-async def _write(ctx: NvmeWrite, event: ShardStaged) -> WriteResult:
-    """Write the shard from its staging image (unmapped in the background afterwards)."""
+async def _layout(ctx: NvmeWrite, header: ShardHeader) -> str:
+    """The digest of the save's global layout, stored in the job state unless this process
+    did already ("" for a shard without sharded tensors, or when the job state does not
+    answer: the layout only spares a restore its header reads, the save goes on without)."""
+    if not header.sharded:
+        return ""
+    data = encode_layout(layout_of(header))
+    digest = xxhash.xxh3_64_hexdigest(data)
+    if (header.job, digest) not in ctx.layouts:
+        try:
+            await store_layout(ctx.jobs, header.job, data)
+        except TierpipeError as e:
+            log.warning("layout_not_stored", job=header.job, step=header.step, error=str(e))
+            return ""
+        ctx.layouts.add((header.job, digest))
+    return digest
+
+
+async def _write(ctx: NvmeWrite, event: ShardStaged) -> tuple[WriteResult, ShardHeader]:
+    """Write the shard from its staging image (unmapped in the background afterwards); the
+    result, and the shard's header."""
     final = ctx.store.locate(event.job, event.step, event.rank, event.world_size)
     try:
         image = await anyio.to_thread.run_sync(open_image, ctx.settings.staging_root, event)
@@ -89,7 +124,7 @@ async def _write(ctx: NvmeWrite, event: ShardStaged) -> WriteResult:
         # Released or replaced after a redelivery: fine if the shard already made it to NVMe.
         return await _already_written(final, event, gone)
     try:
-        return await _place(ctx, image, final, event)
+        return await _place(ctx, image, final, event), image.head.header
     except StagingGoneError as gone:
         # The slot was reused or released mid-copy (nothing was placed): fine if the shard
         # made it to NVMe meanwhile (another writer's copy, say), else the save is gone.
@@ -119,15 +154,18 @@ async def _place(ctx: NvmeWrite, image: StagedImage, final: str, event: ShardSta
     return await store.write(image, final, rewind_to=event.rewind_to)
 
 
-async def _already_written(final: str, event: ShardStaged, gone: StagingGoneError) -> WriteResult:
-    """This save as NVMe already holds it at `final`; raises `gone` if it does not."""
+async def _already_written(
+    final: str, event: ShardStaged, gone: StagingGoneError
+) -> tuple[WriteResult, ShardHeader]:
+    """This save as NVMe already holds it at `final`, and its header; raises `gone` if it
+    does not."""
     done = await anyio.to_thread.run_sync(_found, Path(final), event)
     if done is None:
         raise gone
     return done
 
 
-def _found(final: Path, event: ShardStaged) -> WriteResult | None:
+def _found(final: Path, event: ShardStaged) -> tuple[WriteResult, ShardHeader] | None:
     try:
         head = read_head(final)
     except (OSError, TierpipeError):
@@ -143,4 +181,4 @@ def _found(final: Path, event: ShardStaged) -> WriteResult | None:
         return None  # another shard, or this step of another timeline
     return WriteResult(
         str(final), head.file_nbytes, head.header_digest.hex(), len(h.tensors), 0.0, True
-    )
+    ), h

@@ -88,6 +88,7 @@ async def handle(ctx: Verify, event: ShardWritten, attempt: int) -> list[Event]:
         rewritten=bool(out),
         origin=event.origin,
         staged_ts=event.staged_ts,
+        layout=event.layout,
     )
     return [*out, verified]
 

@@ -57,6 +57,8 @@ def test_each_role_writes_only_the_job_state_keys_it_needs(
             assert not _refused(trainer, key), f"the trainer may not write {key}"
         for key in (f"{job}.location", f"{job}.budget", f"{job}-other.head"):
             assert _refused(trainer, key), f"the trainer wrote {key}"
-        for key in (f"{job}.location", f"{job}-other.head", f"{job}.step.3.ranks.0"):
+        layout = f"{job}.layout.0123456789abcdef"  # (the nvme-write stage stores one)
+        assert _refused(trainer, layout), f"the trainer wrote {layout}"
+        for key in (f"{job}.location", f"{job}-other.head", f"{job}.step.3.ranks.0", layout):
             assert not _refused(agent, key), f"the agent may not write {key}"
         assert _refused(agent, f"{job}.budget"), "the agent wrote the job's budget"

@@ -48,7 +48,10 @@ def is_full(bits: bytes | bytearray, world_size: int) -> bool:
 class StepBits:
     """One step's bitmaps, mutable, with their counts."""
 
-    __slots__ = ("bits", "count", "digests", "either", "epoch", "s3_removed", "sizes", "world_size")
+    __slots__ = (
+        "bits", "count", "digests", "either", "epoch", "layout", "layout_count", "layout_ranks",
+        "s3_removed", "sizes", "world_size",
+    )  # fmt: skip
 
     def __init__(self, world_size: int, epoch: int = 0) -> None:
         self.world_size = world_size
@@ -64,6 +67,32 @@ class StepBits:
         #: Empty for a step known by its record alone (its digests stay in the KV as they are).
         self.digests = bytearray()
         self.sizes = bytearray()
+        #: The layout digest the step's copies reported (None: two ranks disagreed), and the
+        #: ranks that reported it: the record names it once every rank did.
+        self.layout: str | None = ""
+        self.layout_ranks = bytearray()
+        self.layout_count = 0
+
+    def note_layout(self, rank: int, digest: str) -> bool:
+        """`rank`'s copy reported layout `digest`; whether the record's layout changed (a
+        disagreement clears it for good: the restore then reads a shard header instead)."""
+        before = self.agreed_layout()
+        if self.layout is not None and self.layout not in ("", digest):
+            self.layout = None
+        elif self.layout is not None:
+            self.layout = digest
+            if not self.layout_ranks:
+                self.layout_ranks = bytearray((self.world_size + 7) // 8)
+            i, mask = rank >> 3, 1 << (rank & 7)
+            if not self.layout_ranks[i] & mask:
+                self.layout_ranks[i] |= mask
+                self.layout_count += 1
+        return self.agreed_layout() != before
+
+    def agreed_layout(self) -> str:
+        """The layout every rank reported, or ""."""
+        full = self.layout_count >= self.world_size
+        return self.layout if self.layout and full else ""
 
     def note_copy(self, rank: int, digest: str, nbytes: int) -> bool:
         """Record `rank`'s verified copy; whether that changed anything."""
@@ -91,6 +120,8 @@ class StepBits:
     def of(cls, rec: StepRecord) -> StepBits:
         s = cls(rec.world_size, rec.epoch)
         s.s3_removed = rec.s3_removed
+        if rec.layout:
+            s.layout, s.layout_count = rec.layout, rec.world_size
         for tier in TIERS:
             for rank in ranks_of(getattr(rec, tier)):
                 if rank < rec.world_size:
@@ -164,4 +195,5 @@ class StepBits:
             s3_removed=self.s3_removed,
             # (none: empty, so the records of a job without replicas stay as small as before)
             peer=bytes(self.bits["peer"]) if self.count["peer"] else b"",
+            layout=self.agreed_layout(),
         )

@@ -46,7 +46,7 @@ from tierpipe.bus.history import Follow
 from tierpipe.control.bitmap import bitmap, ranks_of
 from tierpipe.control.holder import agent_identity, take_over
 from tierpipe.control.jobstate import Changes, JobState
-from tierpipe.control.kvstate import JobStore, default_keep
+from tierpipe.control.kvstate import JobStore, default_keep, layout_key
 from tierpipe.control.location import bind_location, check_location, location_of
 from tierpipe.control.pins import RestorePins
 from tierpipe.control.shares import ACTIVE_STEPS, ActiveNodes, divide
@@ -375,7 +375,7 @@ class Coordinator:
         try:
             return CommitManifest.from_chunks(
                 state.job, step, rec.world_size, rec.epoch, [c for c in chunks if c is not None],
-                by=self.node, ts=time.time(),
+                by=self.node, ts=time.time(), layout=rec.layout,
             )  # fmt: skip
         except ValueError as e:
             log.warning("step_commit_skipped", job=state.job, step=step, error=str(e))
@@ -389,6 +389,11 @@ class Coordinator:
             if j != job or commit is None:
                 continue
             try:
+                if manifest.layout and not manifest.layout_data:  # (its bytes, from the KV)
+                    data = await self.store.value(layout_key(job, manifest.layout)) or b""
+                    manifest = msgspec.structs.replace(
+                        manifest, layout=manifest.layout if data else "", layout_data=data
+                    )
                 written = await commit(manifest)
             except TierpipeError as e:
                 log.warning("step_commit_deferred", job=job, step=step, error=str(e))

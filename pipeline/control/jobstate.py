@@ -7,7 +7,8 @@ facts, `tierpipe.schemas.facts`) and stores what changed in JetStream KV
 (`tierpipe.control.kvstate`); restarts, retention and operators read the KV, never the history.
 Pure (no I/O), so property tests hold it against a fold of the whole history (the test
 oracle `Catalog`, tests/oracle_catalog.py). Copies go into a ledger (`tierpipe.control.ledger`),
-each rank's usable ones into its step's bitmaps (`tierpipe.control.bitmap.StepBits`).
+each rank's usable ones into its step's bitmaps (`tierpipe.control.bitmap.StepBits`), with the
+global layout its copies name (`StepRecord.layout`, once every rank named the same one).
 
 Memory stays bounded by what is kept: steps in the window (the NVMe retention window and what
 is in flight) are folded from their events; older kept steps are known by their records alone,
@@ -139,6 +140,9 @@ class JobState:
             shard = self._ledger.apply(f)
             self._first_seq.setdefault(step, seq)
             self._refresh(step, rank, f.world_size, shard)
+            s = self._steps.get(step) if (layout := getattr(f, "layout", "")) else None
+            if s is not None and f.world_size == s.world_size and s.note_layout(rank, layout):
+                self._changes.put.add(step)
         if rewind is not None:
             self._rewound(rank, f.epoch, rewind)
 

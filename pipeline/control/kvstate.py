@@ -12,6 +12,7 @@ The bucket's reads and writes go through `tierpipe.bus.kv.Bucket`, where nats-py
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -42,6 +43,7 @@ from tierpipe.schemas.jobstate import (
     decode_record,
     encode_record,
 )
+from tierpipe.schemas.layout import LAYOUT_DIGEST_PATTERN
 from tierpipe.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ __all__ = (
     "budget_key",
     "default_keep",
     "head_key",
+    "layout_key",
     "location_key",
     "shares_key",
     "step_key",
@@ -104,6 +107,17 @@ def shares_key(job: str) -> str:
 
 def location_key(job: str) -> str:
     return f"{job}.location"
+
+
+def layout_key(job: str, digest: str) -> str:
+    """The key of a stored layout (`tierpipe.schemas.layout`; created once, removed by `rm`).
+
+    Raises:
+        ValueError: `digest` is not a layout digest.
+    """
+    if not digest or not re.fullmatch(LAYOUT_DIGEST_PATTERN, digest):
+        raise ValueError(f"not a layout digest: {digest[:40]!r}")
+    return f"{job}.layout.{digest}"
 
 
 def step_key(job: str, step: int) -> str:

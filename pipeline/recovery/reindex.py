@@ -6,10 +6,11 @@ its identity and digests in its header, every uploaded object its size, checksum
 digest, and every step complete in object storage a COMMIT manifest (`s3_commit`). So
 `tierpipe reindex`:
 - republishes `written` + `verified` for the shards on this node's NVMe (re-reading each to
-  verify it, unless told not to);
+  verify it, unless told not to), naming each sharded save's global layout, stored first;
 - reads the job's COMMIT manifests (one listing) and republishes `flushed` for each object a
   manifest names, once a HEAD shows it there with the manifest's size and header digest (no
-  download); a rank that fails the check is skipped and listed;
+  download), with the layout the manifest carries (stored first); a rank that fails the check
+  is skipped and listed;
 - republishes `flushed` for the job's other objects (steps without a COMMIT), found by listing
   each of its 256 hash prefixes (a key whose hash does not match its job and rank is skipped);
 - when the KV has no state of the job (lost, or never written), folds what it republished into
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import anyio
 import structlog
+import xxhash
 
 from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
@@ -38,6 +40,7 @@ from tierpipe.control.kvstate import JobStore
 from tierpipe.errors import TierpipeError
 from tierpipe.names import node_name, shard_relpath, validate_token
 from tierpipe.progress import Progress, Ticker
+from tierpipe.reshard.steplayout import layout_of, store_layout
 from tierpipe.schemas import (
     TOKEN_PATTERN,
     Event,
@@ -46,7 +49,9 @@ from tierpipe.schemas import (
     ShardWritten,
     shard_event,
 )
+from tierpipe.schemas.commit import CommitManifest
 from tierpipe.schemas.jobstate import Keep
+from tierpipe.schemas.layout import encode_layout
 from tierpipe.settings import Settings
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.reader import read_head
@@ -101,6 +106,7 @@ async def reindex(
         batches = Batcher(bus, id_suffix=suffix)  # (what the job's coordinator reads)
         kv = await JobStore(bus.js, settings).open()
         lost = await kv.head(job) is None
+        layouts: set[tuple[str, str]] = set()
 
         async def publish(event: Event) -> None:
             published.append(((await bus.publish(event, id_suffix=suffix)).seq, event))
@@ -112,10 +118,15 @@ async def reindex(
             tick.more(len(paths))
             for path in paths:
                 tick()
+                found: dict[str, bytes] = {}
                 try:
                     events = await anyio.to_thread.run_sync(
-                        nvme_events, store, path, job, node, verify
+                        nvme_events, store, path, job, node, verify, found
                     )
+                    for digest, data in found.items():  # (stored before an event names it)
+                        if (job, digest) not in layouts:
+                            await store_layout(kv, job, data, digest=digest)
+                            layouts.add((job, digest))
                 except (TierpipeError, OSError) as e:
                     skipped.append(f"{path}: {e}")
                     continue
@@ -130,12 +141,15 @@ async def reindex(
                 tick.more(len(manifests))
                 for manifest in manifests:
                     tick()
+                    layout = await _manifest_layout(kv, manifest, skipped)
                     good, bad = await check_objects(objects, manifest)
                     for rank, head in sorted(good.items()):
                         shard = ShardKey(job, manifest.step, rank, manifest.world_size)
                         key = objects.key(*shard)
                         digest, size = manifest.of(rank) or ("", 0)
-                        await publish(_flushed(objects, key, shard, head, digest, size, node))
+                        await publish(
+                            _flushed(objects, key, shard, head, digest, size, node, layout)
+                        )
                         done.add(key)
                     skipped += [f"step {manifest.step} rank {r}: {why}" for r, why in bad.items()]
                     committed.append(manifest.step)
@@ -185,14 +199,32 @@ async def _rebuild(
 
 
 def nvme_events(
-    store: NvmeStore, path: Path, job: str, node: str, verify: bool
+    store: NvmeStore,
+    path: Path,
+    job: str,
+    node: str,
+    verify: bool,
+    layouts: dict[str, bytes] | None = None,
 ) -> list[ShardWritten | ShardVerified]:
+    """The `written` (and, with `verify`, `verified`) events of a shard file on this node's
+    NVMe, from its header. `layouts`: the events name the save's global layout (a shard with
+    sharded tensors), whose encoding is put there by its digest for the caller to store first.
+
+    Raises:
+        TierpipeError, OSError: the file is not a readable shard of `job` at its own path.
+    """
     head = read_head(path)
     h = head.header
     if h.job != job or path != store.path_for(shard_relpath(h.job, h.step, h.rank, h.world_size)):
         raise TierpipeError(f"header says job {h.job!r} step {h.step} rank {h.rank}")
     digest = head.header_digest.hex()
-    where = {"path": str(path), "nbytes": head.file_nbytes, "header_digest": digest}
+    where: dict[str, object] = {
+        "path": str(path), "nbytes": head.file_nbytes, "header_digest": digest,
+    }  # fmt: skip
+    if layouts is not None and h.sharded:
+        data = encode_layout(layout_of(h))
+        where["layout"] = layout = xxhash.xxh3_64_hexdigest(data)
+        layouts[layout] = data
     written = shard_event(ShardWritten, h, node=node, tensors=len(h.tensors), seconds=0.0, **where)
     if not verify:
         return [written]
@@ -226,8 +258,9 @@ def _flushed(
     digest: str,
     size: int,
     node: str,
+    layout: str = "",
 ) -> ShardFlushed:
-    """The `flushed` event of an object, from its HEAD."""
+    """The `flushed` event of an object, from its HEAD (`layout`: its COMMIT's, stored)."""
     meta = head.get("Metadata", {})
     # The node that uploaded it stays its owner (only it removes it); its save's epoch too.
     uploader = meta.get("tp-node", "")
@@ -248,4 +281,17 @@ def _flushed(
         nbytes=size,
         seconds=0.0,
         origin="reindex",
+        layout=layout,
     )
+
+
+async def _manifest_layout(kv: JobStore, manifest: CommitManifest, skipped: list[str]) -> str:
+    """The layout a COMMIT manifest carries, stored in the job state ("" if none, or if its
+    bytes are not the layout it names: listed as skipped)."""
+    if not manifest.layout or not manifest.layout_data:
+        return ""
+    try:
+        return await store_layout(kv, manifest.job, manifest.layout_data, digest=manifest.layout)
+    except ValueError as e:
+        skipped.append(f"step {manifest.step} layout: {e}")
+        return ""

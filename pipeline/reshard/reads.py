@@ -75,11 +75,13 @@ class Origin:
 
 @dataclass(slots=True)
 class Tally:
-    """Bytes read per tier (heads and blocks), and the copies that failed: (saved rank, the
-    copy, why)."""
+    """Bytes read per tier (heads and blocks), the headers read, and the copies that failed:
+    (saved rank, the copy, why)."""
 
     nbytes: dict[str, int] = field(default_factory=dict)
     failed: list[tuple[int, SourceRef, TierpipeError]] = field(default_factory=list)
+    #: Shard headers read (a copy's head each: what planning from a layout spares).
+    heads: int = 0
 
     def add(self, tier: str, n: int) -> None:
         self.nbytes[tier] = self.nbytes.get(tier, 0) + n
@@ -132,6 +134,7 @@ async def read_parts(
                 async with tiers.open(copy, origin) as ranged:
                     head = await _head(ranged, copy.location, origin)
                     tally.add(copy.tier, head.data_offset)
+                    tally.heads += 1
                     if left is None:
                         left = list(need(head))
                     await _spans(ranged, head, left, copy, take, tally, budget, depth)

@@ -2,7 +2,9 @@
 
 `Checkpointer.restore` calls `restore_or_reshard`: with DTensor targets (or a `value_rank`), it
 asks `Resharder.needed` whether the step to restore was saved by another number of ranks, or
-with another layout than a DTensor target's (this rank's saved head read and compared); if so,
+with another layout than a DTensor target's (judged from the step's global layout, which its
+record names, `tierpipe.reshard.steplayout`; for an older step, this rank's saved head read and
+compared); if so,
 `Resharder.run` restores it, else the normal restore does (in place, `tierpipe.recovery`). Every
 rank then assembles its state from the saved shards (`tierpipe.reshard.assemble`: only the
 blocks overlapping its new local shards, each checked).
@@ -56,11 +58,14 @@ from tierpipe.recovery.plan import counts
 from tierpipe.recovery.survey import Reads, current_head
 from tierpipe.reshard.assemble import ValueRank, assemble, holds_dtensor
 from tierpipe.reshard.reads import Origin, Tally, Tiers, read_parts
+from tierpipe.reshard.steplayout import skeleton, stored_layout
 from tierpipe.schemas import ShardReplicated, ShardVerified, SourceRef, StageFailed, Tier
+from tierpipe.schemas.layout import StepLayout
 from tierpipe.settings import Settings
-from tierpipe.state import layout_mismatch
+from tierpipe.state import flatten_targets, layout_mismatch
 from tierpipe.storage.nvme import NvmeStore
 from tierpipe.storage.s3.keys import object_key
+from tierpipe.tree import is_dtensor
 
 __all__ = ("Resharder", "ValueRank", "restore_or_reshard")
 
@@ -145,24 +150,61 @@ class Resharder:
         """Whether the step to restore (the newest complete one, or `step`) needs resharding
         into `into`: saved by another world size, or a DTensor target whose layout (global
         shape, mesh, placements, coordinate) is not the one this rank saved, or a replica this
-        rank's shard holds no bytes of (this rank's head read; any rank's answer counts for
-        all). False where nothing can be chosen (the normal
-        restore says why)."""
+        rank's shard holds no bytes of (judged from the step's layout; without one, this rank's
+        head read; any rank's answer counts for all). False where nothing can be chosen (the
+        normal restore says why)."""
         choice = await self._share(await self._choose(step, {}) if self._leads() else None)
         differs = ""
         if not choice.error:
             saved = Saved(choice.step, choice.world_size)
             if saved.world_size != self.world_size:
                 return True
+            layout = await self._layout(saved.step)
+            judged = None if layout is None else self._judged(layout, into, saved)
+            log.debug("reshard_checked", job=self.job, rank=self.rank, step=saved.step,
+                      checked_from="header" if judged is None else "layout")  # fmt: skip
             try:
-                async with Tiers(self.settings, self.bus, node=self.node) as tiers:
-                    origin = await self.origin(saved, self.rank, peers=False)
-                    head = await read_parts(tiers, origin, lambda h: [], _skip, Tally())
-                mismatch = layout_mismatch(head.header, into)
-                differs = "" if mismatch is None else str(mismatch)
+                if judged is None:
+                    async with Tiers(self.settings, self.bus, node=self.node) as tiers:
+                        origin = await self.origin(saved, self.rank, peers=False)
+                        head = await read_parts(tiers, origin, lambda h: [], _skip, Tally())
+                    mismatch = layout_mismatch(head.header, into)
+                    judged = "" if mismatch is None else str(mismatch)
+                differs = judged
             except TierpipeError as e:  # (the normal restore finds its copies, or says why)
                 log.info("reshard_check_skipped", job=self.job, rank=self.rank, error=str(e))
         return any(o.kind for o in await self._gather(_Outcome(differs)))
+
+    async def _layout(self, step: int) -> StepLayout | None:
+        """The step's global layout, where its record names one the job state holds (None:
+        an older step, ranks that disagreed, or a job state that did not answer)."""
+        try:
+            rec = await self._reads.record(step)
+            if rec is None or not rec.layout:
+                return None
+            return await stored_layout(self.store, self.job, rec.layout)
+        except TierpipeError as e:
+            log.info("reshard_layout_unread", job=self.job, step=step, error=str(e))
+            return None
+
+    def _judged(self, layout: StepLayout, into: Any, saved: Saved) -> str | None:
+        """What `layout_mismatch` says of this rank's saved shard, judged from the layout
+        (the shard's sharded entries, `steplayout.skeleton`): "" where it fits `into` in
+        place; None where the layout cannot tell (a DTensor target it does not name: the
+        header says whether that was saved as a plain tensor; a rank not in a saved mesh)."""
+        targets, _ = flatten_targets(into) if into is not None else ({}, [])
+        paths = {t.path for t in layout.tensors}
+        if any(is_dtensor(t) and path not in paths for path, t in targets.items()):
+            return None
+        try:
+            header = skeleton(
+                layout, job=self.job, step=saved.step, rank=self.rank,
+                world_size=saved.world_size,
+            )  # fmt: skip
+        except LayoutMismatchError:
+            return None
+        mismatch = layout_mismatch(header, into)
+        return "" if mismatch is None else str(mismatch)
 
     async def run(
         self, into: Any, *, step: int | None = None, value_rank: ValueRank = None
@@ -259,6 +301,7 @@ class Resharder:
             got = await assemble(
                 tiers, origin, into, rank=self.rank, old_world=saved.world_size,
                 value_rank=value_rank, local=local, tally=tally,
+                layout=await self._layout(saved.step),
             )  # fmt: skip
         by_tier = got.tally.nbytes
         tier = Counter(by_tier).most_common(1)[0][0] if by_tier else "nvme"
