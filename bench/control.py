@@ -413,8 +413,9 @@ def _coordinator_main(env: dict[str, str], conn: Any, profile: bool) -> None:
         from tierpipe.control.coordinator import Coordinator
         from tierpipe.control.kvstate import JobStore
 
-        async def remove(job: str, step: int, world_size: int) -> None:
-            stats.removed.append((job, step))
+        async def remove(job: str, step: int, world_size: int, ranks: object) -> None:
+            if ranks is None:  # (a step's objects; not a late upload's, removed on its own)
+                stats.removed.append((job, step))
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
