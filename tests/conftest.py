@@ -137,7 +137,9 @@ def settings(
         log_level="info",
         log_format="json",
     )
-    shutil.rmtree(staging, ignore_errors=True)
+    # (and the roots of the other nodes a test derives from it: `<staging>-b`, `<staging>-a`)
+    for root in [staging, *staging.parent.glob(f"{staging.name}-*")]:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class Agent:
