@@ -191,6 +191,42 @@ def torchrun_env(settings: Settings, rank: int, world: int, port: int) -> dict[s
     }  # fmt: skip
 
 
+def gloo_ranks(
+    settings: Settings,
+    module: str,
+    args: list[str],
+    world: int,
+    tmp_path: Path,
+    *,
+    log_level: str = "warning",
+    log_format: str | None = None,
+) -> list[tuple[str, str]]:
+    """`python -m <module> <args[0]> RANK WORLD STORE_FILE <args[1:]>` as `world` processes of
+    one gloo group (a file store under `tmp_path`), with `settings`; each rank's stdout and
+    stderr once every rank exited 0 (else the test fails with the rank's stderr)."""
+    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": log_level}
+    if log_format is not None:
+        env["TIERPIPE_LOG_FORMAT"] = log_format
+    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, args[0], str(r), str(world), str(store), *args[1:]],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(world)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append((stdout, stderr))
+    return out
+
+
 def finish_ranks(
     procs: list[subprocess.Popen[bytes]], timeout: float, says: Callable[[], str] = str
 ) -> None:

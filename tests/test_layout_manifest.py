@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import anyio
 import pytest
 import torch
 
-from tests.conftest import Agent, Events, run_cli
+from tests.conftest import Agent, Events, gloo_ranks, run_cli
 from tests.test_commit import commit_of, wait_until
 from tests.test_reshard import expected_sums
 from tierpipe.bus.client import Bus
@@ -107,33 +106,9 @@ def run_ranks_logged(
 ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     """`tests/reshard_rank.py` as `world` gloo ranks (as `test_reshard.run_ranks`), logging at
     debug level: each rank's JSON line and its log events."""
-    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "debug",
-           "TIERPIPE_LOG_FORMAT": "json"}  # fmt: skip
-    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.reshard_rank",
-                job,
-                str(r),
-                str(world),
-                str(store),
-                *args,
-            ],
-            env=env,
-            cwd=Path(__file__).parent.parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
+    for stdout, stderr in gloo_ranks(settings, "tests.reshard_rank", [job, *args], world,
+                                     tmp_path, log_level="debug", log_format="json"):  # fmt: skip
         logs = []
         for line in stderr.splitlines():
             try:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, gloo_ranks
 from tierpipe.errors import LayoutMismatchError, ShardFormatError, ShardMissingError
 from tierpipe.names import shard_relpath
 from tierpipe.recovery.load import Expected, load_into
@@ -247,36 +244,14 @@ async def test_a_non_writer_reads_the_writers_bytes_and_never_a_forgery(tmp_path
 def run_ranks(
     settings: Settings, job: str, world: int, tmp_path: Path, action: str
 ) -> list[dict[str, Any]]:
-    """`tests/replicated_rank.py` as `world` processes of one gloo group; their JSON lines."""
-    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning"}
-    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.replicated_rank",
-                job,
-                str(r),
-                str(world),
-                str(store),
-                action,
-            ],
-            env=env,
-            cwd=Path(__file__).parent.parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
+    """`tests/replicated_rank.py` as `world` processes of one gloo group; their JSON lines,
+    each with its rank's warnings (`log`: e.g. why a step was abandoned, for a failed assertion
+    to show)."""
+    ranks = gloo_ranks(settings, "tests.replicated_rank", [job, action], world, tmp_path)
+    return [
+        {**json.loads(stdout.strip().splitlines()[-1]), "log": stderr[-3000:]}
+        for stdout, stderr in ranks
     ]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        # (its warnings, e.g. why a step was abandoned: what a failed assertion on it shows)
-        out.append({**json.loads(stdout.strip().splitlines()[-1]), "log": stderr[-3000:]})
-    return out
 
 
 def expected(step: int, world: int | None = None, rank: int = 0) -> dict[str, str]:

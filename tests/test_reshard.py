@@ -6,9 +6,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.conftest import Agent, Events
+from tests.conftest import Agent, Events, gloo_ranks
 from tierpipe.bus.client import Bus
 from tierpipe.dev import S3Server
 from tierpipe.errors import LayoutMismatchError, ShardMissingError, StorageUnavailableError
@@ -470,34 +467,8 @@ def run_ranks(
     settings: Settings, job: str, world: int, tmp_path: Path, *args: str
 ) -> list[dict[str, Any]]:
     """`tests/reshard_rank.py` as `world` processes of one gloo group; their JSON lines."""
-    env = {**os.environ, **settings.as_env(), "TIERPIPE_LOG_LEVEL": "warning"}
-    store = tmp_path / f"gloo-{uuid.uuid4().hex[:6]}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.reshard_rank",
-                job,
-                str(r),
-                str(world),
-                str(store),
-                *args,
-            ],
-            env=env,
-            cwd=Path(__file__).parent.parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    ranks = gloo_ranks(settings, "tests.reshard_rank", [job, *args], world, tmp_path)
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in ranks]
 
 
 def expected_sums() -> dict[str, str]:
