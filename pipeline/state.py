@@ -36,6 +36,7 @@ from tierpipe.storage.shard import (
     DTYPE_SIZES,
     align_up,
     blocks_nbytes,
+    contiguous_strides,
     encode_head,
     sharded_layouts,
 )
@@ -220,7 +221,7 @@ def _plan_state(
                 paths[members[0]],
                 dtype_name(t.dtype),
                 tuple(t.shape),
-                _contiguous(t.shape),
+                contiguous_strides(t.shape),
                 blob,
                 0,
             )
@@ -429,14 +430,6 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -192,6 +192,30 @@ def test_an_object_confirmed_after_its_steps_removal_is_removed_and_announced() 
     anyio.run(main)
 
 
+def lose_state_and_reindex(
+    settings: Settings, job: str, tmp_path: Path, events: Events | None = None
+) -> str:
+    """Lose `job`'s stream and the whole job-state bucket, then run `tierpipe reindex` on
+    another node (no NVMe copies there); its stdout."""
+
+    async def lose_everything() -> None:
+        async with Bus(settings) as bus:
+            await bus.js.purge_stream(stream_name(settings.stream, job), subject=f"tp.{job}.>")
+            await bus.js.delete_key_value(settings.kv_bucket)
+
+    anyio.run(lose_everything)
+    if events is not None:
+        assert events.all() == []
+    env = {**os.environ, **settings.as_env()}
+    elsewhere = {**env, "TIERPIPE_NODE": "reindexer", "TIERPIPE_NVME_ROOT": str(tmp_path / "x")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tierpipe.cli", "reindex", "--job", job],
+        env=elsewhere, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 # --- object storage
 
 
@@ -256,21 +280,8 @@ def test_lost_stream_and_kv_are_rebuilt_from_commit_manifests(
     assert [found.of(r) for r in range(2)] == anyio.run(kv_digests)
     a.stop()
 
-    async def lose_everything() -> None:
-        async with Bus(settings) as bus:
-            await bus.js.purge_stream(stream_name(settings.stream, job), subject=f"tp.{job}.>")
-            await bus.js.delete_key_value(settings.kv_bucket)
-
-    anyio.run(lose_everything)
-    assert events.all() == []
-    env = {**os.environ, **settings.as_env()}
-    elsewhere = {**env, "TIERPIPE_NODE": "reindexer", "TIERPIPE_NVME_ROOT": str(tmp_path / "x")}
-    out = subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", "reindex", "--job", job],
-        env=elsewhere, capture_output=True, text=True,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "republished 0 NVMe shards and 4 objects" in out.stdout, out.stdout
+    out = lose_state_and_reindex(settings, job, tmp_path, events)
+    assert "republished 0 NVMe shards and 4 objects" in out, out
 
     async def head() -> object:
         async with Bus(settings) as bus:

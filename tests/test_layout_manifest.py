@@ -5,9 +5,6 @@ restore plans from without reading a shard header (real agent, NATS, object stor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,11 +14,11 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events, gloo_ranks, run_cli
-from tests.test_commit import commit_of, wait_until
+from tests.test_commit import commit_of, lose_state_and_reindex, wait_until
 from tests.test_reshard import expected_sums
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore, layout_key
-from tierpipe.names import shard_relpath, stream_name
+from tierpipe.names import shard_relpath
 from tierpipe.reshard.steplayout import layout_digest, layout_of, stored_layout
 from tierpipe.schemas import ShardFlushed
 from tierpipe.schemas.commit import CommitManifest
@@ -80,19 +77,7 @@ def test_a_sharded_saves_layout_is_stored_named_committed_and_reindexed(
     assert found.layout_data
     a.stop()
 
-    async def lose_everything() -> None:
-        async with Bus(settings) as bus:
-            await bus.js.purge_stream(stream_name(settings.stream, job), subject=f"tp.{job}.>")
-            await bus.js.delete_key_value(settings.kv_bucket)
-
-    anyio.run(lose_everything)
-    env = {**os.environ, **settings.as_env()}
-    elsewhere = {**env, "TIERPIPE_NODE": "reindexer", "TIERPIPE_NVME_ROOT": str(tmp_path / "x")}
-    out = subprocess.run(
-        [sys.executable, "-m", "tierpipe.cli", "reindex", "--job", job],
-        env=elsewhere, capture_output=True, text=True,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    lose_state_and_reindex(settings, job, tmp_path)
     rec2, layout2, keys2 = job_state(settings, job, 1)
     assert rec2 is not None and rec2.layout == rec.layout and layout2 == want
     assert layout_key(job, rec.layout) in keys2

@@ -14,7 +14,7 @@ layout planned from, and `spans` turns a source's pieces into the whole blocks t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -35,7 +35,7 @@ from tierpipe.reshard.steplayout import layout_digest, layout_of, mesh_boxes, sk
 from tierpipe.schemas import MeshEntry, ShardedEntry, ShardHeader, TensorEntry
 from tierpipe.schemas.layout import StepLayout
 from tierpipe.state import KeyPath
-from tierpipe.storage.shard import sharded_layouts
+from tierpipe.storage.shard import contiguous_strides, sharded_layouts
 from tierpipe.storage.sharding import local_box, stores_bytes
 
 __all__ = ("Fill", "Plan", "check_layout", "plan_header", "plan_layout", "spans")
@@ -245,7 +245,7 @@ def _entry(plan: Plan, header: ShardHeader, path: KeyPath, fill: Fill) -> Tensor
     if i < 0:
         raise LayoutMismatchError(f"{_name(path)}: not in rank {header.rank}'s shard")
     e = header.tensors[i]
-    if e.dtype != fill.dtype or e.stride != _contiguous(e.shape) or e.offset:
+    if e.dtype != fill.dtype or e.stride != contiguous_strides(e.shape) or e.offset:
         raise LayoutMismatchError(f"{_name(path)}: rank {header.rank}'s shard holds "
                                   f"{e.dtype} {e.shape} stride {e.stride}")  # fmt: skip
     se = sharded_layouts(header).get(i)
@@ -266,14 +266,6 @@ def spans(header: ShardHeader, plan: Plan, source: int) -> list[Span]:
         parts.setdefault(e.blob, []).append((fill, piece, e, lo, hi))
     plan.parts[source] = parts
     return blocks((blob, lo, hi) for blob, got in parts.items() for *_, lo, hi in got)
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _name(path: KeyPath) -> str:

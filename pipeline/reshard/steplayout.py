@@ -30,6 +30,7 @@ from tierpipe.schemas.layout import (
     decode_layout,
     encode_layout,
 )
+from tierpipe.storage.shard import contiguous_strides
 from tierpipe.storage.sharding import local_box, replica_writer
 
 __all__ = (
@@ -150,7 +151,7 @@ def skeleton(layout: StepLayout, *, job: str, step: int, rank: int, world_size: 
         offsets, shape = box
         if mesh not in meshes:
             meshes.append(mesh)
-        tensors.append(TensorEntry(t.path, t.dtype, shape, _contiguous(shape), i, 0))
+        tensors.append(TensorEntry(t.path, t.dtype, shape, contiguous_strides(shape), i, 0))
         sharded.append(
             ShardedEntry(
                 tensor=i,
@@ -176,11 +177,3 @@ def mesh_boxes(
         box_of(global_shape, mesh_shape, coordinate_of(i, mesh_shape), placements)
         for i in range(math.prod(mesh_shape))
     )
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))

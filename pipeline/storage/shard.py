@@ -15,6 +15,7 @@ import math
 import mmap
 import struct
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -43,6 +44,7 @@ __all__ = (
     "align_up",
     "block_digests",
     "blocks_nbytes",
+    "contiguous_strides",
     "encode_head",
     "file_nbytes",
     "mesh_of",
@@ -397,7 +399,7 @@ def _check_tensor(
     blob_nbytes = blobs[t.blob].nbytes
     numel = math.prod(t.shape) if stored else 0  # (a replica another rank writes: no bytes)
     if not shared:
-        if t.offset or t.stride != _contiguous_strides(t.shape) or numel * size != blob_nbytes:
+        if t.offset or t.stride != contiguous_strides(t.shape) or numel * size != blob_nbytes:
             raise ShardFormatError(
                 path,
                 f"tensor {t.path!r} alone in blob {t.blob} must be contiguous and fill its "
@@ -409,7 +411,7 @@ def _check_tensor(
         raise ShardFormatError(path, f"tensor {t.path!r} reaches past the end of its blob")
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides as torch gives them (a zero-size dimension counts as 1)."""
     strides, acc = [], 1
     for n in reversed(shape):
