@@ -18,7 +18,7 @@ from tierpipe.bus.batcher import Batcher
 from tierpipe.bus.client import Bus
 from tierpipe.control.kvstate import JobStore, lease_key
 from tierpipe.recovery.survey import current_head, own_events
-from tierpipe.schemas import Event, ShardFlushed, ShardVerified, ShardWritten
+from tierpipe.schemas import Event, RestoreReport, ShardFlushed, ShardVerified, ShardWritten
 from tierpipe.schemas.jobstate import JobHead, Keep, Lease
 from tierpipe.settings import Settings
 
@@ -253,3 +253,33 @@ def test_a_stream_made_again_is_folded_from_its_start(
             return head
 
     assert 3 in anyio.run(fresh).s3_steps
+
+
+def test_a_restores_hold_is_folded_at_once_not_at_the_end_of_the_flush_interval(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    """Rank 0 of a restore publishes `hold` and reads the job state once the coordinator has
+    folded it (`current_head`): the coordinator stores that fold at once, not when its flush
+    interval ends (here 5 s), and the reader wakes at the write (measured: it waited up to
+    the whole interval, 2.5 s on average)."""
+    s = settings.replace(coordinator_flush_s=5.0)
+    Path(s.nvme_root, job).mkdir(parents=True)  # (the job's folder: its agent serves it)
+    publish(s, saved(job, 1, 0, s.node or "") + saved(job, 1, 1, s.node or ""))
+    agent("evict", settings=s).wait_ready()
+    wait_for("the coordinator to fold step 1", lambda: (h := read(s, job)[0]) is not None
+             and h.s3_steps == [1], timeout=60)  # fmt: skip
+
+    async def hold_then_read(restart: str) -> float:
+        async with Bus(s) as bus:
+            store = await JobStore(bus.js, s).open()
+            hold = RestoreReport(job=job, node=s.node or "", ts=time.time(), restart=restart,
+                                 rank=0, world_size=2, phase="hold")  # fmt: skip
+            t0 = time.monotonic()
+            seq = (await bus.publish(hold)).seq
+            head = await current_head(bus, store, s, job=job, holder="rank-0",
+                                      deadline=time.monotonic() + 30)  # fmt: skip
+            assert head is not None and head.seq >= seq, (head, seq)
+            return time.monotonic() - t0
+
+    waits = [anyio.run(hold_then_read, f"r{i}") for i in range(3)]
+    assert max(waits) < 1.0, waits

@@ -21,10 +21,12 @@ import torch
 
 from tests.conftest import Agent, Events
 from tierpipe.bus.client import Bus
+from tierpipe.control.advert import job_nodes
 from tierpipe.control.bitmap import bitmap
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
 from tierpipe.names import shard_relpath
+from tierpipe.recovery.plan import counts
 from tierpipe.schemas import (
     RecoveryPlanned,
     RestoreReport,
@@ -116,6 +118,31 @@ def kv_head_s3_steps(settings: Settings, job: str) -> list[int]:
     return anyio.run(read)
 
 
+def wait_for_ring(settings: Settings, job: str, nodes: int) -> None:
+    """Until `nodes` agents' records list the job and a peer endpoint (the replica ring)."""
+
+    async def ring() -> None:
+        async with Bus(settings) as bus:
+            with anyio.fail_after(30):
+                for _ in iter(int, 1):  # (the records are in KV: no event to await)
+                    if len([r for r in await job_nodes(bus, settings, job) if r.peer_url]) >= nodes:
+                        return
+                    await anyio.sleep(0.1)
+
+    anyio.run(ring)
+
+
+def kv_counts(settings: Settings, job: str, step: int, rank: int) -> tuple[bool, bool, bool]:
+    """Whether the job state counts `rank`'s copy of `step` on NVMe, in S3, on a peer."""
+
+    async def read() -> tuple[bool, bool, bool]:
+        async with Bus(settings) as bus:
+            rec = await (await JobStore(bus.js, settings).open()).record(job, step)
+        return (False, False, False) if rec is None else counts(rec, rank)
+
+    return anyio.run(read)
+
+
 def restore(settings: Settings, job: str, rank: int, world: int, local: int = LOCAL) -> Any:
     """Rank `rank` restores into a fresh model; (restored, model)."""
     with checkpointer(settings, job, rank, world, local) as c:
@@ -178,13 +205,20 @@ def test_a_corrupt_copy_of_a_non_leader_rank_sends_only_that_rank_to_object_stor
     events: Events,
 ) -> None:
     """Rank 3's NVMe copy of the newest step is rank 2's file: its node's leader proves it is
-    not the verified copy (reported as rank 3's), the plan sends rank 3 alone elsewhere (its
-    replica on node a where the job state counts it by then, else object storage), and every
-    rank restores the newest step, bitwise."""
+    not the verified copy (reported as rank 3's, once: rank 3, sent to its replica on node a,
+    does not check that copy again), the plan sends rank 3 alone elsewhere, and every rank
+    restores the newest step, bitwise."""
+    nodes = [settings, node_b]
+    for ns in nodes:  # (each agent lists the job at once: node b's first shards get replicas)
+        Path(ns.nvme_root, job).mkdir(parents=True)
     agent()
     agent(settings=node_b)
-    nodes = [settings, node_b]
+    wait_for_ring(settings, job, 2)
     saved = save(nodes, job, [1, 2], events)
+    deadline = time.monotonic() + 60  # (the plan sends rank 3 to its replica, not the object)
+    while not kv_counts(settings, job, 2, 3)[2]:
+        assert time.monotonic() < deadline, "the job state never counted rank 3's replica"
+        time.sleep(0.1)
     root = Path(node_b.nvme_root).absolute()
     two, three = root / shard_relpath(job, 2, 2, 4), root / shard_relpath(job, 2, 3, 4)
     assert two.stat().st_size == three.stat().st_size
@@ -192,9 +226,8 @@ def test_a_corrupt_copy_of_a_non_leader_rank_sends_only_that_rank_to_object_stor
     results = restore_all(nodes, job)
     for rank, (restored, target) in enumerate(results):
         assert (restored.step, restored.rounds) == (2, 1), rank
-        elsewhere = "peer" if restored.from_peer else "s3"
-        assert restored.source.tier == (elsewhere if rank == 3 else "nvme"), rank
-        assert sorted(restored.from_s3 + restored.from_peer) == [3]
+        assert restored.source.tier == ("peer" if rank == 3 else "nvme"), rank
+        assert (restored.from_peer, restored.from_s3) == ([3], []), rank
         assert_state(target, saved[(2, rank)])
     bad = [
         e

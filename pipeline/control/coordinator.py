@@ -412,11 +412,13 @@ async def _fold_for(
     *,
     held: bool,
 ) -> None:
-    """Fold what arrives for up to `seconds` (less once the follow is idle)."""
+    """Fold what arrives for up to `seconds` (less once the follow is idle, or at once after
+    a restore's `hold`: its rank 0 waits to read the job state until this fold is stored)."""
     job = state.job
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         batch = await events.batch(left)
+        held_now = False
         for stored in batch:
             if stored.event is None:  # (no event this version reads: skipped, as replays do)
                 state.passed(stored.seq)
@@ -424,10 +426,11 @@ async def _fold_for(
             if isinstance(stored.event, RecoveryPlanned | RestoreReport):
                 pins.note(stored.event)  # pinned before later events fold
                 state.pin(pins.steps(job), hold=held or pins.held(job))
+                held_now |= isinstance(stored.event, RestoreReport) and stored.event.phase == "hold"
             if isinstance(stored.event, BatchFact):
                 active.note(stored.event)
             state.apply(stored.seq, stored.event)
-        if not batch:
+        if not batch or held_now:
             return
 
 

@@ -306,7 +306,13 @@ class Restorer:
             # Sent to object storage, a rank its leader surveyed has nothing to check first:
             # the leader found its object confirmed (no record read; the loader checks the
             # object against the recorded digest).
-            found = Survey([step], remote={step}) if from_s3 else await self._survey_step(step)
+            # Sent to a peer, it does not read (nor check) its own NVMe copy: its leader
+            # proved it bad, or it is gone.
+            found = (
+                Survey([step], remote={step})
+                if from_s3
+                else await self._survey_step(step, disk=not from_peer)
+            )
         srcs = await sources(
             self._reads, found, rank=self.rank, world_size=self.world_size, step=step,
             nvme=not (from_s3 or from_peer),
@@ -329,12 +335,12 @@ class Restorer:
         _, report = await self._report("loaded", round_=round_, step=step, tier=got[0].tier)
         return got, report
 
-    async def _survey_step(self, step: int) -> Survey:
+    async def _survey_step(self, step: int, *, disk: bool = True) -> Survey:
         """This rank's own copies of the planned `step` (a rank its leader surveyed for): the
-        step's record and digest chunk, and its disk."""
+        step's record and digest chunk, and its disk (unless `disk` is False)."""
         found = await survey(
             self._reads, [step], ranks=[self.rank], world_size=self.world_size, node=self.node,
-            locate_nvme=self._loader.nvme.locate,
+            locate_nvme=self._loader.nvme.locate if disk else None,
         )  # fmt: skip
         await self._report_bad(found)
         return found[self.rank]

@@ -173,7 +173,7 @@ async def current_head(
                 [await _rank_batch_after(bus, job, kind, r, deadline, settings.ack_wait_s)
                  for r in ranks for kind in _SAVED]
             )  # fmt: skip
-    folded, bid_at = False, 0.0
+    folded, bid_at, pause = False, 0.0, _FIRST_POLL_S
     while True:
         head = await store.head(job)
         if not seq or (head is not None and head.seq >= seq):
@@ -190,8 +190,13 @@ async def current_head(
         if time.monotonic() > deadline:
             log.warning("job_state_behind", job=job, folded=head and head.seq, seq=seq)
             return head
-        await anyio.sleep(0.05)
+        await anyio.sleep(pause)  # (a direct get per look: KV watches are agents' alone)
+        pause = min(pause * 1.5, _POLL_S)
 
+
+#: The first pause between looks at the head (the coordinator stores a restore's `hold` at
+#: once: rank 0 usually waits a few milliseconds), growing to `_POLL_S`.
+_FIRST_POLL_S, _POLL_S = 0.003, 0.05
 
 #: How often a restart waiting for the job's coordinator looks whether it is gone (the lease,
 #: and while it holds, the holder's node record and maybe a connect to its endpoint: every
@@ -265,10 +270,11 @@ async def survey(
     ranks: Sequence[int],
     world_size: int,
     node: str,
-    locate_nvme: Locate,
+    locate_nvme: Locate | None,
 ) -> dict[int, Survey]:
     """Each of `ranks`' copies of the candidate `steps` of the job (newest first; see the
-    module docstring): the node's ranks share every read.
+    module docstring): the node's ranks share every read. `locate_nvme` None: no NVMe copy
+    is looked at (none is counted).
 
     Raises:
         WorldSizeMismatchError: the newest candidate was saved by another number of ranks.
@@ -303,15 +309,16 @@ def _all_missing(found: dict[int, Survey], step: int, why: str) -> None:
 
 
 async def _check(
-    found: Survey, reads: Reads, rec: StepRecord, *, rank: int, node: str, locate_nvme: Locate
-) -> None:
+    found: Survey, reads: Reads, rec: StepRecord, *, rank: int, node: str,
+    locate_nvme: Locate | None,
+) -> None:  # fmt: skip
     """Note `rank`'s copies of `rec`'s step in `found` (and why it has none)."""
     s, world = rec.step, rec.world_size
     local_why = "no usable NVMe copy (superseded by a rewind, evicted, or proven bad)"
     nvme, s3, peer = counts(rec, rank)  # (as `tierpipe plan` reads the record; then the disk)
     if peer:
         found.peer.add(s)
-    if nvme:  # (a copy proven bad, or evicted, stays out)
+    if nvme and locate_nvme is not None:  # (a copy proven bad, or evicted, stays out)
         path = locate_nvme(reads.job, s, rank, world)
         local_why = _absent(path)  # (a stat, on the loop: no digest read for a missing file)
         if not local_why:
