@@ -40,7 +40,7 @@ Every candidate runs once per rep, after one untimed warm-up each: boto3, the fl
 raw aioboto3 back to back (in that order on even reps, reversed on odd ones: a drift costs both
 sides of a pair alike), then the others in a shuffled order. Times and rates are medians;
 `flush_vs_boto3` and `flush_vs_raw` are medians of the per-rep rate ratios (the baseline's
-seconds over the flush stage's) with a bootstrap 90 % interval and a verdict against their
+seconds over the flush stage's) with a 90 % interval and a verdict against their
 targets, >= 1.0 and >= 0.9 (`bench.paired`: `_lo`, `_hi`, `_verdict` met / missed /
 undecided). `--quick` (`bench all --quick`): no throttle checks (`throttle_*` null) and the
 raw sweep cut to 64 MiB x 4.

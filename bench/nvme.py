@@ -17,7 +17,7 @@ file's size), interleaved with the shards rep by rep: each rep runs the dd pair 
 to back (dd first on even reps, the shard first on odd ones: a drift costs both sides alike),
 then the others in a shuffled order; times are medians; `write_vs_dd` (write_s / dd_write_s)
 and `verify_vs_dd_read` (verify_s / dd_read_s) are medians of the per-rep ratios with a
-bootstrap 90 % interval and a verdict against their target <= 1.0 (`bench.paired`: `_lo`,
+90 % interval and a verdict against their target <= 1.0 (`bench.paired`: `_lo`,
 `_hi`, `_verdict` met / missed / undecided):
 
 - `dd_write_s`: `dd if=/dev/zero of=F bs=16M count=<nbytes> iflag=count_bytes oflag=direct`

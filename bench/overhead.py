@@ -8,7 +8,7 @@ back to back in this one process: no checkpoints (`base`); `save()` every `EVERY
 throughout (nvme-write, verify, evict: NVMe only), as on a real node, competing for the same
 cores. One round runs the three modes in that order, the next in the reverse order, and so on
 (a drift costs every mode alike); each round gives one ratio per mode (its time over the same
-round's base time). At least `--reps` rounds, then more until the bootstrap 90 % interval of
+round's base time). At least `--reps` rounds, then more until the 90 % interval of
 both modes' median ratio is within ±`HALF_WIDTH` (2 %) of it, or `MAX_ROUNDS` rounds or
 `BUDGET_S` seconds are spent (`interval_reached` false, and the log says so); a spent time
 budget ends the run after 2 rounds even short of `--reps` (a machine too loaded to measure
@@ -132,7 +132,7 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
             f"{budget_s:g} s)")  # fmt: skip
     out["notes"] = (
         "overhead_pct: median over rounds of each round's ratio to its base run, with a "
-        "bootstrap 90 % interval (_lo, _hi); interval_reached: both within "
+        "90 % interval (_lo, _hi); interval_reached: both within "
         f"±{HALF_WIDTH * 100:g} % before the round or time budget ran out; the agent "
         "(nvme-write, verify, evict) runs during every mode and takes CPU only around saves; "
         "explained_pct: the overhead the save() stall and the agent's CPU (spread over the "

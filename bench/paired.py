@@ -4,9 +4,14 @@ A ratio of two medians, each taken over its own reps, passes or fails a target b
 the machine's speed drifts between (and during) runs. Here A (the baseline) and B (the
 candidate) run as interleaved pairs, A then B, then B then A, and so on (a linear drift costs
 each the same on average), and what is reported is the median of the per-pair ratios B / A
-(below 1: B is faster, for times) with a bootstrap 90 % interval of that median (fixed seed,
-so the same samples give the same interval). A target is judged against the interval, not the
-point: met, missed, or undecided when the interval straddles it.
+(below 1: B is faster, for times) with a distribution-free 90 % interval of that median: the
+order statistics [r(k), r(n+1-k)] with the largest k whose binomial coverage is still at least
+90 % (the sign test's interval: it holds for any distribution of the ratios, at any number of
+pairs; at 5-7 pairs it is their whole range). A bootstrap of the median, used before, covered
+81-89 % in simulation at 5-30 pairs (its resampled medians take only the sample's middle
+values), and two runs of the same commit gave intervals that did not overlap. A target is
+judged against the interval, not the point: met, missed, or undecided when the interval
+straddles it.
 
 Pure: no torch, no I/O but the one progress line `record` logs.
 """
@@ -39,12 +44,11 @@ Verdict = Literal["met", "missed", "undecided"]
 #: Which side of the target is good: `lower` (a time ratio, `<= target`) or `higher` (a rate).
 Better = Literal["lower", "higher"]
 
-#: The interval's coverage, bootstrap resamples and seed.
+#: The interval's coverage (at least).
 LEVEL = 0.90
-RESAMPLES = 2000
-SEED = 0
-#: The fewest pairs `record` gives a verdict on: below 5 the bootstrap interval is the range of
-#: the ratios, and all of 2-4 pairs on one side of a target happens by chance 6-25 % of the time.
+#: The fewest pairs `record` gives a verdict on: below 5 even the range of the ratios covers
+#: the median less than 90 % of the time (all of 2-4 pairs on one side of it happens by chance
+#: 6-25 % of the time).
 MIN_PAIRS = 5
 
 T = TypeVar("T")
@@ -87,16 +91,9 @@ def alternate(items: Sequence[T], index: int) -> list[T]:
     return list(items) if index % 2 == 0 else list(reversed(items))
 
 
-def paired(
-    a: Sequence[float],
-    b: Sequence[float],
-    *,
-    level: float = LEVEL,
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
-) -> Paired:
-    """The median of the per-pair ratios `b[i] / a[i]` and a percentile bootstrap interval of
-    it at `level` (`resamples` resamples of the pairs, a fixed `seed`).
+def paired(a: Sequence[float], b: Sequence[float], *, level: float = LEVEL) -> Paired:
+    """The median of the per-pair ratios `b[i] / a[i]` and an interval of it that covers the
+    true median at least `level` of the time (`order_interval`; below 5 pairs, the range).
 
     Raises:
         ValueError: no pairs, `a` and `b` of different lengths, or a baseline time <= 0.
@@ -109,13 +106,23 @@ def paired(
     middle = float(np.median(ratios))
     if len(ratios) < 2:
         return Paired(tuple(ratios.tolist()), middle, None, None)
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
-    medians = np.median(ratios[draws], axis=1)
-    tail = (1 - level) / 2 * 100
-    lo, hi = np.percentile(medians, [tail, 100 - tail])
-    # (percentiles of medians of resamples always bracket the sample median but for rounding)
-    return Paired(tuple(ratios.tolist()), middle, min(float(lo), middle), max(float(hi), middle))
+    k = order_interval(len(ratios), level)
+    ordered = np.sort(ratios)
+    lo, hi = float(ordered[k - 1]), float(ordered[len(ratios) - k])
+    return Paired(tuple(ratios.tolist()), middle, lo, hi)
+
+
+def order_interval(n: int, level: float = LEVEL) -> int:
+    """The largest k such that [r(k), r(n+1-k)] (1-based order statistics of `n` samples)
+    holds their distribution's median with probability >= `level`: 1 - 2 P(Bin(n, 1/2) < k).
+    1 (the range) when even that falls short (n <= 4 at 90 %)."""
+    below, k = 1 / 2**n, 1  # P(Bin(n, 1/2) < k)
+    while k < (n + 1) // 2:
+        below += math.comb(n, k) / 2**n  # (now P(Bin(n, 1/2) < k + 1))
+        if 1 - 2 * below < level:
+            break
+        k += 1
+    return k
 
 
 def run_pairs(

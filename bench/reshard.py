@@ -35,7 +35,7 @@ all`), rank processes on this machine (`python -m bench.reshard --rank`, gloo).
    `reshard_vs_dcp` is the worse of 4->2 and 4->8 (the higher median, with its interval;
    target <= 1.0: met when both are, missed when either is).
 
-Every ratio is the median of its per-pair ratios with a bootstrap 90 % interval (`_lo`, `_hi`)
+Every ratio is the median of its per-pair ratios with a 90 % interval (`_lo`, `_hi`)
 and, given a target, a verdict (`_verdict`: met / missed / undecided; `bench.paired`).
 
 A candidate the build cannot run (e.g. a restore into another world size before resharding

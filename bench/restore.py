@@ -11,7 +11,7 @@ bitwise that the targets equal the original state afterwards (targets zeroed fir
 cold read, tierpipe's NVMe restore and the four peers back to back, then the raw GET, the S3
 restore and the ranged GET, each block in that order on even reps and reversed on odd ones (a
 drift costs both sides of a pair alike), then the rest in a shuffled order. Times are medians;
-ratios are medians of the per-rep ratios with a bootstrap 90 % interval (`bench.paired`: `_lo`,
+ratios are medians of the per-rep ratios with a 90 % interval (`bench.paired`: `_lo`,
 `_hi`, and `_verdict` met / missed / undecided where there is a target).
 
 - `nvme_restore_s`: `tierpipe.recovery.load.load_into(shard, into=targets)` with its defaults

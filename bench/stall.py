@@ -6,7 +6,7 @@ them), against baselines on the very same tensors in the same run, medians repor
 runs memcpy, tierpipe and the two DCP candidates back to back, in that order on even reps and
 reversed on odd ones (so tierpipe's neighbours are memcpy and the reused-stager DCP either way,
 and a drift costs both sides of a pair alike), then the others in a shuffled order. The ratios
-are medians of the per-rep ratios with a bootstrap 90 % interval (`bench.paired`), each judged
+are medians of the per-rep ratios with a 90 % interval (`bench.paired`), each judged
 met / missed / undecided against its target:
 
 - `stall_s`: wall time of `Checkpointer.save(step, state)` (blocking mode) with a real node

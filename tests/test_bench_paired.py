@@ -1,4 +1,4 @@
-"""bench.paired: per-pair ratios, their bootstrap interval, verdicts and the interleaving."""
+"""bench.paired: per-pair ratios, their 90 % interval, verdicts and the interleaving."""
 
 from __future__ import annotations
 
@@ -152,3 +152,22 @@ def test_run_pairs_stops_at_its_time_budget() -> None:
         lambda: 1.0, lambda: next(noise), pairs=2, max_pairs=100, half_width=0.0, budget_s=0.0
     )
     assert len(a_s) == 2
+
+
+@pytest.mark.parametrize("n", [5, 7, 9, 12, 30])
+def test_the_90_percent_interval_covers_the_true_median_at_least_90_percent_of_the_time(
+    n: int,
+) -> None:
+    """Coverage, simulated: per-pair ratios drawn from a known distribution (median 1.0), the
+    share of runs whose interval holds 1.0. A bootstrap of the median covered 81-89 % at 5-30
+    pairs (its resampled medians take only the sample's middle values), so two runs on the
+    same machine gave intervals that did not overlap."""
+    rng = np.random.default_rng(11)
+    runs, covered = 2000, 0
+    for _ in range(runs):
+        a = rng.uniform(0.5, 2.0, n)
+        b = a * np.exp(rng.normal(0.0, 0.1, n))  # (ratios log-normal around 1.0)
+        p = paired(a.tolist(), b.tolist())
+        assert p.lo is not None and p.hi is not None
+        covered += p.lo <= 1.0 <= p.hi
+    assert covered / runs >= 0.89, (n, covered / runs)
