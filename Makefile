@@ -34,13 +34,15 @@ lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff format --check .
 
 # mypy sees the package as installed (`tierpipe`, `tierpipe.stages`, `tierpipe.schemas`) through
-# a tree of links to the repository's folders.
+# a tree of links to the repository's folders; the benchmarks, run from the repository root, are
+# checked against that same package (so a changed signature fails here, not in a slow bench test).
 typecheck: $(STAMP)
 	@rm -rf build/typecheck && mkdir -p build/typecheck/tierpipe
 	@for e in pipeline/*.py pipeline/*/; do ln -s "$$PWD/$${e%/}" build/typecheck/tierpipe/; done
 	@ln -s "$$PWD/stages" "$$PWD/schemas" build/typecheck/tierpipe/
 	$(VENV)/bin/mypy -p tierpipe
 	$(VENV)/bin/mypy tests/contract_types.py
+	$(VENV)/bin/mypy bench
 
 # The API reference, generated from the docstrings (mkdocs.yml, docs/), into build/docs; any
 # warning (a broken link, a docstring that does not parse) fails it.

@@ -1,6 +1,7 @@
-"""Shared helpers of the benchmarks: the synthetic training state, timing and statistics, page
-cache dropping, and a one-node tierpipe deployment (an embedded nats-server plus the node agent,
-`python -m tierpipe.cli worker all`, as a subprocess) with guaranteed cleanup.
+"""Shared helpers of the benchmarks: the synthetic training state, the identity of synthetic
+events, timing and statistics, page cache dropping, and a one-node tierpipe deployment (an
+embedded nats-server plus the node agent, `python -m tierpipe.cli worker all`, as a subprocess)
+with guaranteed cleanup.
 
 Nothing here is measured by itself; `bench.stall`, `bench.nvme` and `bench.flush` do the
 measuring.
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -212,7 +213,7 @@ def make_state(
         }
     ]  # fmt: skip
     rnd = random.Random(seed)
-    state = {
+    state: dict[str, Any] = {
         "model": model,
         "optim": {"state": optim_state, "param_groups": param_groups},
         "step": 1000,
@@ -225,6 +226,21 @@ def make_state(
     flat["rng.torch"] = state["rng"]["torch"]
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     return SyntheticState(state, flat, nbytes, dim, layers, vocab)
+
+
+# --- synthetic events
+
+
+class ShardIdent(TypedDict):
+    """The fields that name a shard event's publisher and shard (`tierpipe.schemas.ShardEvent`),
+    shared by the synthetic events of one rank and step: `ShardWritten(**ident, ...)`."""
+
+    job: str
+    node: str
+    ts: float
+    step: int
+    rank: int
+    world_size: int
 
 
 # --- simulated compute

@@ -110,13 +110,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import log, scratch_dir
+from bench.common import ShardIdent, log, scratch_dir
 
 if TYPE_CHECKING:
     from tierpipe.bus.client import Bus
     from tierpipe.bus.kv import Bucket
     from tierpipe.control.jobstate import JobState
     from tierpipe.control.kvstate import JobStore
+    from tierpipe.recovery.agree import Restorer
     from tierpipe.schemas import Event
     from tierpipe.schemas.jobstate import JobHead
     from tierpipe.settings import Settings
@@ -880,21 +881,19 @@ async def _throttled(bus: Bus, settings: Settings, counts: Counter[str]) -> tupl
     return _Throttled(bus, slots, counts), store
 
 
-def _timed_restorer() -> type:
-    """`Restorer`, noting when each rank got the plan it loads (before it reads what it needs
-    to load it: the plan step's record and digest chunk)."""
+def _timed_restorer(
+    planned: dict[int, float], counts: Counter[str], before_plan: Counter[str]
+) -> type[Restorer]:
+    """`Restorer`, noting in `planned` when each rank got the plan it loads (before it reads
+    what it needs to load it: the plan step's record and digest chunk), and in `before_plan`
+    the requests `counts` held when the first rank got it."""
     from tierpipe.recovery.agree import Restorer
 
     class Timed(Restorer):
-        planned: dict[int, float]
-        #: The requests counted so far, and as they were when the first rank got the plan.
-        counts: Counter[str]
-        before_plan: Counter[str]
-
         async def load_planned(self, plan: Any, round_: int) -> Any:
-            if not self.planned:
-                self.before_plan.update(self.counts)
-            self.planned.setdefault(self.rank, time.monotonic())
+            if not planned:
+                before_plan.update(counts)
+            planned.setdefault(self.rank, time.monotonic())
             return await super().load_planned(plan, round_)
 
     return Timed
@@ -934,9 +933,9 @@ async def _run_ranks(
     nvme = _NoNvme(nvme_root)
     planned: dict[int, float] = {}
     loading: dict[int, float] = {}
-    timed = _timed_restorer()
     counts: Counter[str] = Counter()
-    timed.planned, timed.counts, timed.before_plan = planned, counts, Counter()
+    before_plan: Counter[str] = Counter()
+    timed = _timed_restorer(planned, counts, before_plan)
     rpn = layout.ranks_per_node
     throttled, store = await _throttled(bus, settings, counts)
 
@@ -966,7 +965,7 @@ async def _run_ranks(
         plans={(r.step, r.s3_bitmap, r.rounds) for r in results},
         from_s3_ranks=len(results[0].from_s3) if results else 0,
         requests=dict(counts),
-        requests_before_plan=dict(timed.before_plan),
+        requests_before_plan=dict(before_plan),
     )
 
 
@@ -1091,14 +1090,18 @@ def _fold_us(world: int, ranks_per_node: int) -> float:
     for step in (1, 2):
         for rank in range(world):
             node = f"n{rank // ranks_per_node}"
-            ident = dict(job="fold", node=node, ts=0.0, step=step, rank=rank, world_size=world)
-            where = dict(nbytes=4096, header_digest=f"{step:016x}{rank:016x}")
+            ident = ShardIdent(
+                job="fold", node=node, ts=0.0, step=step, rank=rank, world_size=world
+            )
+            digest = f"{step:016x}{rank:016x}"
             path = f"/nvme/{node}/fold/step-{step}/rank-{rank}"
             facts += [
-                fact_of(ShardWritten(**ident, **where, path=path, tensors=1, seconds=0)),
-                fact_of(ShardVerified(**ident, **where, path=path, seconds=0)),
-                fact_of(ShardFlushed(**ident, **where, bucket="b", key=path, etag="e",
-                                     checksum="c", seconds=0)),
+                fact_of(ShardWritten(**ident, nbytes=4096, header_digest=digest, path=path,
+                                     tensors=1, seconds=0)),
+                fact_of(ShardVerified(**ident, nbytes=4096, header_digest=digest, path=path,
+                                      seconds=0)),
+                fact_of(ShardFlushed(**ident, nbytes=4096, header_digest=digest, bucket="b",
+                                     key=path, etag="e", checksum="c", seconds=0)),
             ]  # fmt: skip
     best = float("inf")
     for _ in range(3):

@@ -57,6 +57,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -393,7 +394,9 @@ def run(size_gib: float, reps: int, *, quick: bool = False) -> dict[str, Any]:
         timed("raw-warmup", lambda p, k: _raw(store, p, k, 64 * MiB, 4))
         sweep: dict[tuple[int, int], float] = {}
         for part_mib, conc in shuffled([(p, c) for p in sweep_parts for c in sweep_conc], 0):
-            t = timed("raw-sweep", lambda p, k, pm=part_mib, c=conc: _raw(store, p, k, pm * MiB, c))
+            t = timed(
+                "raw-sweep", partial(_raw, store, part_bytes=part_mib * MiB, concurrency=conc)
+            )
             sweep[(part_mib, conc)] = t
             log(f"    part {part_mib:3d} MiB x {conc}: {t:.2f} s, {nbytes / MiB / t:.1f} MiB/s")
         best_part_mib, best_conc = min(sweep, key=sweep.__getitem__)

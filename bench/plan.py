@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import GiB, fmt, log, median, remove, scratch_dir
+from bench.common import GiB, ShardIdent, fmt, log, median, remove, scratch_dir
 
 __all__ = ["run"]
 
@@ -44,7 +44,7 @@ def _events(job: str, ranks: int, steps: int, per_node: int, digest: str) -> lis
         for rank in range(ranks):
             node = f"node-{rank // per_node:03d}"
             rel = f"{job}/step-{step:012d}/rank-{rank:05d}-of-{ranks:05d}.shard"
-            ident = dict(job=job, node=node, ts=ts, step=step, rank=rank, world_size=ranks)
+            ident = ShardIdent(job=job, node=node, ts=ts, step=step, rank=rank, world_size=ranks)
             path = f"/nvme/{rel}"
             batch += [
                 ShardWritten(**ident, path=path, nbytes=GiB, header_digest=digest, tensors=205,
@@ -72,7 +72,8 @@ def _plan_at_scale() -> dict[str, float]:
         catalog.apply(e)
     fold = time.perf_counter() - t0
     dead = {f"node-{n:03d}" for n in PLAN_DEAD}
-    rank_nodes, local_steps = {}, {}
+    rank_nodes: dict[int, str] = {}
+    local_steps: dict[int, list[int]] = {}
     for rank in range(PLAN_RANKS):
         node = f"node-{rank // PLAN_PER_NODE:03d}"
         if node in dead:  # a replacement node, with an empty NVMe

@@ -431,9 +431,9 @@ def run(size_gib: float, reps: int) -> dict[str, Any]:
 
         seen: set[int] = set()
         flat = {}
-        for k, t in s.flat.items():  # safetensors refuses shared storage: clone tied tensors
-            ptr = t.untyped_storage().data_ptr()
-            flat[k] = t.clone() if ptr in seen else t
+        for k, v in s.flat.items():  # safetensors refuses shared storage: clone tied tensors
+            ptr = v.untyped_storage().data_ptr()
+            flat[k] = v.clone() if ptr in seen else v
             seen.add(ptr)
         save_file(flat, str(st))
         fsync_path(st)

@@ -96,6 +96,7 @@ class _Dcp:
     def save(self, state: dict[str, Any], *, reused: bool) -> float:
         """Blocking time of one async_save; its write completes (untimed) before returning."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         self._count += 1
         path = self.work / f"dcp-{self._count}"
@@ -106,11 +107,14 @@ class _Dcp:
         else:
             future = dcp.async_save(state, checkpoint_id=path)
         blocked = time.perf_counter() - t0
+        # The write's future: bare with synchronous staging (these options), in an
+        # AsyncSaveResponse with asynchronous staging.
+        written = future.upload_completion if isinstance(future, AsyncSaveResponse) else future
         try:
-            future.result(timeout=600)
+            written.result(timeout=600)
         finally:
-            if not future.done():  # interrupted: let the writer thread stop touching `path`
-                concurrent.futures.wait([future], timeout=120)
+            if not written.done():  # interrupted: let the writer thread stop touching `path`
+                concurrent.futures.wait([written], timeout=120)
             remove(path)
         return blocked
 
