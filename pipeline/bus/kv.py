@@ -320,10 +320,11 @@ async def _stored(js: JetStream, bucket: str, pattern: str) -> list[tuple[str, b
                 continue
             waited = 0
             for msg in msgs:
-                taken, left = taken + 1, msg.metadata.num_pending
                 headers = msg.headers or {}
                 if headers.get(_OPERATION) not in _DELETES and _MARKER not in headers:
                     found.append((msg.subject.removeprefix(prefix), msg.data))
+            # (A batch comes in order: its last message's count is the one that matters.)
+            taken, left = taken + len(msgs), msgs[-1].metadata.num_pending if msgs else 0
     finally:
         # (Shielded: a cancelled read deletes it too. Should this fail, the server deletes it
         # after `_ORPHAN_S`.)
