@@ -287,6 +287,25 @@ async def test_what_is_stored_leaves_out_removed_keys_and_no_consumer(
 
 
 @pytest.mark.anyio
+async def test_a_read_of_what_is_stored_cancelled_leaves_no_consumer(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """`stored` cancelled at any moment of its read (a CLI interrupted, a stage stopping)
+    deletes its consumer all the same: each counts towards the stream's limit."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        kv = (await JobStore(bus.js, s).open()).kv
+        for i in range(2_000):
+            await kv.put(f"j{i}.head", b"x" * 100)
+        for i in range(40):  # (reading 2,000 keys takes ~80 ms here: cut in the first 20)
+            with anyio.move_on_after(i / 2000) as read:
+                await kv.stored("*.head")
+            assert read.cancelled_caught
+        info = await bus.js.stream_info(f"KV_{s.kv_bucket}")
+        assert info.state.consumer_count == 0
+
+
+@pytest.mark.anyio
 async def test_what_is_stored_is_read_while_keys_age_out(nats_server: NatsServer, uid: str) -> None:
     """`stored` of a bucket whose keys age out while it reads them (the node records) answers
     in time with those left: a key counted when the read began and gone before its turn is no
