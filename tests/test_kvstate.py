@@ -15,7 +15,7 @@ from nats.js import api
 from tests.oracle_catalog import Catalog
 from tests.test_jobstate import WORLD, histories, lifecycle
 from tierpipe.bus.client import Bus
-from tierpipe.bus.kv import bind_bucket
+from tierpipe.bus.kv import BucketConfig, bind_bucket, open_bucket
 from tierpipe.control.bitmap import ranks_of
 from tierpipe.control.jobstate import JobState
 from tierpipe.control.kvstate import JobStore, digests_key, shares_key, step_key
@@ -234,6 +234,103 @@ async def test_the_bucket_answers_in_its_own_terms(nats_server: NatsServer, uid:
         with pytest.raises(BucketMissingError) as e:
             await bind_bucket(bus.js, f"none-{uid}").get("k")
         assert e.value.bucket == f"none-{uid}"
+
+
+@pytest.mark.anyio
+async def test_what_is_stored_is_read_whole_however_busy_the_bucket(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """`stored` returns every key matching its pattern while another writer keeps the bucket's
+    stream busy. A watch's "all delivered" marker came before values the server had already
+    sent (nats-py issue 842): `tierpipe ls` showed a job without its state (CI)."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus, Bus(s) as writer:
+        kv = (await JobStore(bus.js, s).open()).kv
+        heads = sorted((f"j{i}.head", f"{i}".encode()) for i in range(5))
+        for key, value in heads:
+            await kv.put(key, value)
+        busy, done = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_write_until, writer, f"$KV.{s.kv_bucket}.other.lease", busy, done)
+            await busy.wait()
+            for _ in range(300):  # (the watch came short in ~1 of 6 tries here)
+                found = sorted(await kv.stored("*.head"))
+                if found != heads:
+                    break
+            done.set()
+        assert found == heads
+
+
+@pytest.mark.anyio
+async def test_what_is_stored_leaves_out_removed_keys_and_no_consumer(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """`stored` returns the newest value of each key matching its pattern, the deleted and
+    purged ones left out, [] where none match, `BucketMissingError` for a bucket that does not
+    exist; and it leaves no consumer on the bucket's stream (each counts towards its limit)."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        kv = (await JobStore(bus.js, s).open()).kv
+        for key in ("a.head", "b.head", "c.head", "d.head", "a.lease"):
+            await kv.put(key, b"old")
+        await kv.put("a.head", b"new")
+        await kv.put("d.head", b"")
+        await kv.delete("b.head")
+        await kv.purge("c.head")
+        assert sorted(await kv.stored("*.head")) == [("a.head", b"new"), ("d.head", b"")]
+        assert sorted(await kv.stored("a.>")) == [("a.head", b"new"), ("a.lease", b"old")]
+        assert await kv.stored("*.floor") == []
+        info = await bus.js.stream_info(f"KV_{s.kv_bucket}")
+        assert info.state.consumer_count == 0
+        with pytest.raises(BucketMissingError):
+            await bind_bucket(bus.js, f"none-{uid}").stored(">")
+
+
+@pytest.mark.anyio
+async def test_a_read_of_what_is_stored_cancelled_leaves_no_consumer(
+    nats_server: NatsServer, uid: str
+) -> None:
+    """`stored` cancelled at any moment of its read (a CLI interrupted, a stage stopping)
+    deletes its consumer all the same: each counts towards the stream's limit."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        kv = (await JobStore(bus.js, s).open()).kv
+        for i in range(2_000):
+            await kv.put(f"j{i}.head", b"x" * 100)
+        for i in range(40):  # (reading 2,000 keys takes ~80 ms here: cut in the first 20)
+            with anyio.move_on_after(i / 2000) as read:
+                await kv.stored("*.head")
+            assert read.cancelled_caught
+        info = await bus.js.stream_info(f"KV_{s.kv_bucket}")
+        assert info.state.consumer_count == 0
+
+
+@pytest.mark.anyio
+async def test_what_is_stored_is_read_while_keys_age_out(nats_server: NatsServer, uid: str) -> None:
+    """`stored` of a bucket whose keys age out while it reads them (the node records) answers
+    in time with those left: a key counted when the read began and gone before its turn is no
+    outage (a fetch waiting for it would stall, then raise `BusUnavailableError`)."""
+    async with Bus(kv_settings(nats_server, f"kv-{uid}")) as bus:
+        kv = await open_bucket(bus.js, BucketConfig(name=f"ttl-{uid}", ttl_s=1.0))
+        written = {f"n{i}": b"x" * 200 for i in range(400)}
+        for key, value in written.items():  # (over ~1 s: they age out one by one)
+            await kv.put(key, value)
+            await anyio.sleep(0.0025)
+        reads, until = 0, time.monotonic() + 1.5
+        while time.monotonic() < until:
+            with anyio.fail_after(3):
+                assert set(await kv.stored(">")) <= set(written.items())
+            reads += 1
+        assert reads > 10
+
+
+async def _write_until(bus: Bus, subject: str, started: anyio.Event, done: anyio.Event) -> None:
+    """Store 8 KiB values under `subject`, 50 writes in flight at once, until `done`."""
+    while not done.is_set():
+        async with anyio.create_task_group() as tg:
+            for _ in range(50):
+                tg.start_soon(bus.js.publish, subject, b"x" * 8192)
+        started.set()
 
 
 def test_a_bound_store_and_a_bus_make_sure_of_what_does_not_answer(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ raises `BucketMissingError`; the rest as `translate` says (`BusUnavailableError`
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -39,6 +40,17 @@ _ABSENT = (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)
 _STREAM_NAME_IN_USE = 10058
 #: The operations of a delete and a purge (nats-py's `KV-Operation` header values).
 _DELETES = ("DEL", "PURGE")
+#: The header of a write's operation, and of a marker the server wrote (a key aged out).
+_OPERATION, _MARKER = "KV-Operation", "Nats-Marker-Reason"
+#: Messages `stored` asks for at once (a value is at most 256 KiB: 16 MiB a batch at most).
+_BATCH = 64
+#: How long one fetch of `stored` waits: the server sends what it holds at once, so only a
+#: fetch when nothing is left (what was counted aged out) waits this long.
+_FETCH_WAIT_S = 1.0
+#: How long `stored` waits for the messages its consumer holds before it gives up.
+_STALLED_S = 5.0
+#: How long the server keeps a consumer of `stored` nobody deleted (its reader died).
+_ORPHAN_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +100,7 @@ async def open_bucket(js: JetStream, config: BucketConfig) -> Bucket:
     name = config.name
     with _translated(f"kv bucket {name}", name):
         try:
-            return Bucket(name, await js.key_value(name))
+            return Bucket(name, await js.key_value(name), js)
         except nats.js.errors.BucketNotFoundError:
             try:
                 kv = await js.create_key_value(
@@ -107,17 +119,27 @@ async def open_bucket(js: JetStream, config: BucketConfig) -> Bucket:
                     raise
                 # Another agent made it meanwhile (and admitted its watchers, so its config
                 # differs from the one asked for here): that one is the bucket.
-                return Bucket(name, await js.key_value(name))
+                return Bucket(name, await js.key_value(name), js)
             if config.max_consumers is not None:
-                await _admit_watchers(js, f"KV_{name}", config.max_consumers)
-            return Bucket(name, kv)
+                await _admit_watchers(js, _stream(name), config.max_consumers)
+            return Bucket(name, kv, js)
 
 
 def bind_bucket(js: JetStream, name: str) -> Bucket:
     """The bucket `name` as it is, with no JetStream API request (its reads are direct gets;
     one of a bucket that does not exist raises `BucketMissingError`)."""
-    kv = KeyValue(name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=js, direct=True)
-    return Bucket(name, kv)
+    kv = KeyValue(name=name, stream=_stream(name), pre=_prefix(name), js=js, direct=True)
+    return Bucket(name, kv, js)
+
+
+def _stream(bucket: str) -> str:
+    """The stream holding `bucket`'s keys."""
+    return f"KV_{bucket}"
+
+
+def _prefix(bucket: str) -> str:
+    """What a key's subject starts with in `bucket`'s stream (`$KV.<bucket>.<key>`)."""
+    return f"$KV.{bucket}."
 
 
 async def _admit_watchers(js: JetStream, stream: str, max_consumers: int) -> None:
@@ -153,9 +175,10 @@ class Bucket:
     when it refuses; reads of a bucket that does not exist, `BucketMissingError`.
     """
 
-    def __init__(self, name: str, kv: KeyValue) -> None:
+    def __init__(self, name: str, kv: KeyValue, js: JetStream) -> None:
         self.name = name
         self._kv = kv
+        self._js = js
 
     def _translated(self, key: str) -> contextlib.AbstractContextManager[None]:
         return _translated(f"kv {key}", self.name)
@@ -232,18 +255,17 @@ class Bucket:
             return KeyWatch(await self._kv.watch(pattern, ignore_deletes=ignore_deletes))
 
     async def stored(self, pattern: str) -> list[tuple[str, bytes]]:
-        """(key, value) of every key matching `pattern` as stored now (deleted ones left out):
-        one watch, stopped once it delivered what is stored."""
-        found = []
-        watch = await self.watch(pattern, ignore_deletes=True)
-        try:
-            async for entry in watch:
-                if entry is None:  # (what was stored is all delivered)
-                    break
-                found.append((entry.key, entry.value))
-        finally:
-            await watch.stop()
-        return found
+        """(key, value) of every key matching `pattern` as stored now (deleted and purged ones
+        left out; keys written meanwhile may be in), read through an ephemeral pull consumer
+        of the newest write of each key, deleted once read.
+
+        Not a watch stopped at nats-py's "all delivered" marker: that marker could come before
+        values the server had already sent (nats-py issue 842), and `tierpipe ls` showed a job
+        without its state. Nothing reaches a pull consumer unasked, so the count it has pending
+        when made is every key stored, and each message says how many are left after it.
+        """
+        with self._translated(f"stored {pattern}"):
+            return await _stored(self._js, self.name, pattern)
 
     @contextlib.asynccontextmanager
     async def changes(self, pattern: str) -> AsyncIterator[KeyChanges]:
@@ -253,6 +275,66 @@ class Bucket:
             yield KeyChanges(watch)
         finally:
             await watch.stop()
+
+
+async def _stored(js: JetStream, bucket: str, pattern: str) -> list[tuple[str, bytes]]:
+    """`Bucket.stored` (nats-py's errors raised as they come)."""
+    stream, prefix = _stream(bucket), _prefix(bucket)
+    # (Named here, so that a read cancelled before the server answered deletes it too.)
+    name = f"stored-{secrets.token_hex(8)}"
+    config = api.ConsumerConfig(
+        name=name,
+        filter_subject=prefix + pattern,
+        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        ack_policy=api.AckPolicy.NONE,
+        mem_storage=True,
+        inactive_threshold=_ORPHAN_S,
+    )
+
+    async def outstanding(taken: int) -> int:
+        """What the consumer still holds, and what it sent that has not come yet (its answer
+        can overtake messages it sent before it, as the watch's marker did): exact."""
+        info = await js.consumer_info(stream, name)
+        sent = info.delivered.consumer_seq if info.delivered else 0
+        return max((info.num_pending or 0) + sent - taken, 0)
+
+    found: list[tuple[str, bytes]] = []
+    sub = None
+    try:
+        # (It counts as one of the stream's consumers, as a watcher does: deleted at once.)
+        counted = left = (await js.add_consumer(stream, config)).num_pending or 0
+        taken = waited = 0
+        while left > 0 or taken < counted:
+            # Fewer came than were counted (some aged out meanwhile, or the count on the last
+            # one lagged), or none came in time (a fetch with none to send waits it out).
+            if left == 0 and (left := await outstanding(taken)) == 0:
+                break
+            sub = sub or await js.pull_subscribe_bind(name, stream=stream)
+            try:
+                msgs = await sub.fetch(_BATCH, timeout=_FETCH_WAIT_S)
+            except TimeoutError:  # (nats-py's, or asyncio's where its deadline passed)
+                waited += 1
+                if waited * _FETCH_WAIT_S >= _STALLED_S:
+                    raise
+                left = 0
+                continue
+            waited = 0
+            for msg in msgs:
+                headers = msg.headers or {}
+                if headers.get(_OPERATION) not in _DELETES and _MARKER not in headers:
+                    found.append((msg.subject.removeprefix(prefix), msg.data))
+            # (A batch comes in order: its last message's count is the one that matters.)
+            taken, left = taken + len(msgs), msgs[-1].metadata.num_pending if msgs else 0
+    finally:
+        # (Shielded: a cancelled read deletes it too. Should this fail, the server deletes it
+        # after `_ORPHAN_S`.)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_STALLED_S):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, name)
+    return found
 
 
 class KeyWatch:

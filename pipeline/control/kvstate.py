@@ -234,8 +234,8 @@ class JobStore:
         return None if found is None else decode_record(found[0])
 
     async def heads(self) -> dict[str, JobHead]:
-        """Every job's head as stored now (`tierpipe ls`): one watch of `*.head`, stopped once
-        it delivered what is stored; a value that does not decode is skipped."""
+        """Every job's head as stored now (`tierpipe ls`): one read of `*.head`
+        (`Bucket.stored`); a value that does not decode is skipped."""
         out: dict[str, JobHead] = {}
         for _, value in await self.kv.stored("*.head"):
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
@@ -253,8 +253,8 @@ class JobStore:
         return None if found is None else found[0]
 
     async def keys(self, job: str) -> list[str]:
-        """Every key of `job` in the bucket (`<job>.<...>`), sorted: one watch, stopped once it
-        delivered what is stored."""
+        """Every key of `job` in the bucket (`<job>.<...>`), sorted: one read of `<job>.>`
+        (`Bucket.stored`)."""
         return sorted(key for key, _ in await self.kv.stored(f"{job}.>"))
 
     def changes(self, job: str) -> contextlib.AbstractAsyncContextManager[KeyChanges]:
