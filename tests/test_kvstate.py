@@ -357,3 +357,19 @@ def _bound_reads(s: Settings) -> None:
             await bus.js.key_value(s.kv_bucket)  # (exists now)
 
     anyio.run(main)
+
+
+@pytest.mark.anyio
+async def test_a_watch_stopped_leaves_no_consumer(nats_server: NatsServer, uid: str) -> None:
+    """A watch (`changes`, opened by every `tierpipe status`, `plan`, `export`) deletes its
+    consumer when it stops: nats-py left it on the bucket's stream for 5 minutes, each counting
+    towards the stream's consumer limit."""
+    s = kv_settings(nats_server, f"kv-{uid}")
+    async with Bus(s) as bus:
+        kv = (await JobStore(bus.js, s).open()).kv
+        await kv.put("a.head", b"1")
+        for _ in range(3):
+            async with kv.changes("a.*") as written:
+                await written.wait(1.0)  # (the value as stored)
+        info = await bus.js.stream_info(f"KV_{s.kv_bucket}")
+        assert info.state.consumer_count == 0

@@ -252,7 +252,7 @@ class Bucket:
     async def watch(self, pattern: str, *, ignore_deletes: bool = False) -> KeyWatch:
         """A watch of the keys matching `pattern` (see `KeyWatch`); `stop` it."""
         with self._translated(f"watch {pattern}"):
-            return KeyWatch(await self._kv.watch(pattern, ignore_deletes=ignore_deletes))
+            return KeyWatch(await self._kv.watch(pattern, ignore_deletes=ignore_deletes), self._js)
 
     async def stored(self, pattern: str) -> list[tuple[str, bytes]]:
         """(key, value) of every key matching `pattern` as stored now (deleted and purged ones
@@ -341,8 +341,8 @@ class KeyWatch:
     """The keys matching a pattern (`Bucket.watch`): each as stored now, then None once they are
     all delivered (at once if there are none), then each write as it comes."""
 
-    def __init__(self, watcher: KeyValue.KeyWatcher) -> None:
-        self._watcher = watcher
+    def __init__(self, watcher: KeyValue.KeyWatcher, js: JetStream) -> None:
+        self._watcher, self._js = watcher, js
 
     def __aiter__(self) -> KeyWatch:
         return self
@@ -357,9 +357,16 @@ class KeyWatch:
         return None if entry is None else _entry(entry)
 
     async def stop(self) -> None:
-        """Stop watching (idempotent; a closed connection has nothing to stop)."""
+        """Stop watching and delete the watch's consumer (nats-py leaves it on the stream for
+        5 minutes, counting towards its consumer limit); idempotent, and a closed connection
+        or a user not allowed to delete it has nothing more to do (the server drops it then)."""
+        sub = getattr(self._watcher, "_sub", None)  # (nats-py's: no public name for it)
         with contextlib.suppress(Exception):
             await self._watcher.stop()
+        stream, consumer = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
+        if stream and consumer:
+            with contextlib.suppress(Exception), anyio.move_on_after(2, shield=True):
+                await self._js.delete_consumer(stream, consumer)
 
 
 class KeyChanges:
