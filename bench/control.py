@@ -40,7 +40,8 @@ Figures (JSON keys):
   `receive_cpu_s_per_ckpt` (`receive_us_per_msg`): the same process's CPU to read the same
   checkpoint's messages again through the same kind of consumer and do nothing with them:
   what nats-py costs before any decode or fold, the floor under `coordinator_cpu_s_per_ckpt`
-  for this many messages (`coordinator_cpu_over_receive`: the ratio).
+  for this many messages (`coordinator_cpu_over_receive`: the median of the per-checkpoint
+  ratios, with its 90 % interval, `_lo`, `_hi`).
   `fold_us_per_rank_event`: the part of it that is `JobState`'s fold alone, per rank event:
   `written`, `verified` and `flushed` of every rank for 2 steps (at most `FOLD_RANKS` ranks),
   decoded beforehand, folded in this process (the least CPU time of 3 folds).
@@ -111,6 +112,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import ShardIdent, log, scratch_dir
+from bench.paired import paired
 
 if TYPE_CHECKING:
     from tierpipe.bus.client import Bus
@@ -742,6 +744,20 @@ async def _measured_job(d: Driver, steps: int) -> list[Checkpoint]:
     return out
 
 
+def _over_receive(
+    timed: list[Checkpoint], received: list[tuple[int, float]]
+) -> dict[str, float | None]:
+    """`coordinator_cpu_over_receive` (`_lo`, `_hi`): per steady checkpoint, the coordinator's
+    CPU over its messages' receive CPU; the median of those ratios and its 90 % interval
+    (`bench.paired`: one pair per checkpoint, the same messages on both sides)."""
+    key = "coordinator_cpu_over_receive"
+    pairs = [(s, c.cpu_s) for c, (_, s) in zip(timed, received, strict=True) if s > 0]
+    if not pairs:
+        return {key: None, f"{key}_lo": None, f"{key}_hi": None}
+    p = paired([a for a, _ in pairs], [b for _, b in pairs])
+    return {key: p.median, f"{key}_lo": p.lo, f"{key}_hi": p.hi}
+
+
 def _steady(ckpts: list[Checkpoint]) -> list[Checkpoint]:
     """The steady-state checkpoints (step 3 on), or all of them when there are fewer."""
     return [c for c in ckpts if c.step >= 3] or ckpts
@@ -1313,7 +1329,7 @@ async def _main(
         "coordinator_events_per_cpu_s": msgs / cpu if cpu else None,
         "receive_cpu_s_per_ckpt": receive_cpu,
         "receive_us_per_msg": 1e6 * receive_cpu / _mean([n for n, _ in received]),
-        "coordinator_cpu_over_receive": cpu / receive_cpu if receive_cpu else None,
+        **_over_receive([c for c in steady if c.seqs[1]], received),
         "fold_us_per_rank_event": round(
             _fold_us(min(layout.world_size, FOLD_RANKS), ranks_per_node), 2
         ),

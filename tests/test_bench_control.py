@@ -40,6 +40,11 @@ def test_control_plane_invariants() -> None:
     # (a node's NVMe removals of one checkpoint may span two steps: a fifth, now and then)
     assert r["coordinator_deliveries_per_ckpt"] <= 5 * r["nodes"]
     assert r["fold_us_per_rank_event"] > 0
+    over = r["coordinator_cpu_over_receive"]  # (per checkpoint, paired: an interval)
+    assert (
+        over is None
+        or r["coordinator_cpu_over_receive_lo"] <= over <= r["coordinator_cpu_over_receive_hi"]
+    )
     # Steady state: one step leaves object storage per checkpoint (steps 1..3 of 4).
     assert r["objects_removed_steps"] == 3
     # Restart state: the head, and the records and a digest chunk of a few candidate steps,
