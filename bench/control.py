@@ -112,7 +112,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import ShardIdent, log, scratch_dir
-from bench.paired import paired
+from bench.paired import ratio_keys
 
 if TYPE_CHECKING:
     from tierpipe.bus.client import Bus
@@ -750,12 +750,8 @@ def _over_receive(
     """`coordinator_cpu_over_receive` (`_lo`, `_hi`): per steady checkpoint, the coordinator's
     CPU over its messages' receive CPU; the median of those ratios and its 90 % interval
     (`bench.paired`: one pair per checkpoint, the same messages on both sides)."""
-    key = "coordinator_cpu_over_receive"
     pairs = [(s, c.cpu_s) for c, (_, s) in zip(timed, received, strict=True) if s > 0]
-    if not pairs:
-        return {key: None, f"{key}_lo": None, f"{key}_hi": None}
-    p = paired([a for a, _ in pairs], [b for _, b in pairs])
-    return {key: p.median, f"{key}_lo": p.lo, f"{key}_hi": p.hi}
+    return ratio_keys("coordinator_cpu_over_receive", pairs)
 
 
 def _steady(ckpts: list[Checkpoint]) -> list[Checkpoint]:

@@ -35,6 +35,7 @@ __all__ = [
     "Verdict",
     "alternate",
     "paired",
+    "ratio_keys",
     "record",
     "run_pairs",
     "verdict",
@@ -169,6 +170,15 @@ def verdict(lo: float, hi: float, target: float, better: Better = "lower") -> Ve
         raise ValueError(f"interval bounds out of order ({lo!r} > {hi!r})")
     good, bad = (hi <= target, lo > target) if better == "lower" else (lo >= target, hi < target)
     return "met" if good else "missed" if bad else "undecided"
+
+
+def ratio_keys(key: str, pairs: Sequence[tuple[float, float]]) -> dict[str, float | None]:
+    """`key`, `key_lo`, `key_hi`: the median of the per-pair ratios b / a of `pairs` (a, b)
+    and its interval (`paired`); all None without pairs (the bounds None with one)."""
+    if not pairs:
+        return {key: None, f"{key}_lo": None, f"{key}_hi": None}
+    p = paired([a for a, _ in pairs], [b for _, b in pairs])
+    return {key: p.median, f"{key}_lo": p.lo, f"{key}_hi": p.hi}
 
 
 def record(

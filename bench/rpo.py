@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, SHM, MiB, log, median, scratch_dir
-from bench.paired import alternate, paired, record
+from bench.paired import alternate, paired, ratio_keys, record
 
 __all__ = ["ReplicasUnavailableError", "replica_copy_s", "run", "socket_copy_s"]
 
@@ -729,7 +729,7 @@ def _summary(trials: list[_Trial], cfg: _Config) -> dict[str, Any]:
             "upload_s_measured": median(uploads) if uploads else None,
             "stall_s_median": median([s for s, _ in pairs]) if pairs else None,
             "memcpy_s_median": median([m for _, m in pairs]) if pairs else None,
-            **_ratio("stall_vs_memcpy", [(m, s) for s, m in pairs if m > 0]),
+            **ratio_keys("stall_vs_memcpy", [(m, s) for s, m in pairs if m > 0]),
             "stall_late_vs_early": median(late) if late else None,
         }
         out[f"lost_intervals_max_{name}"] = max(t.lost_intervals for t in ts)
@@ -754,21 +754,12 @@ def _summary(trials: list[_Trial], cfg: _Config) -> dict[str, Any]:
         p = paired([r for r, _ in copies], [c for _, c in copies])
         record(out, "replica_vs_socket", p, 0.9, "higher")
     else:
-        out |= _ratio("replica_vs_socket", []) | {"replica_vs_socket_verdict": None}
+        out |= ratio_keys("replica_vs_socket", []) | {"replica_vs_socket_verdict": None}
     replicated = [r for t in trials for r in t.replicated if r[1] > 0]
     out["replica_event_mib_s"] = (
         median([b / MiB / s for b, s in replicated]) if replicated else None
     )
     return out
-
-
-def _ratio(key: str, pairs: list[tuple[float, float]]) -> dict[str, float | None]:
-    """`key`, `key_lo`, `key_hi`: the median of the per-pair ratios b / a of `pairs` (a, b)
-    and its 90 % interval (`bench.paired`); None without pairs (or an interval, with one)."""
-    if not pairs:
-        return {key: None, f"{key}_lo": None, f"{key}_hi": None}
-    p = paired([a for a, _ in pairs], [b for _, b in pairs])
-    return {key: p.median, f"{key}_lo": p.lo, f"{key}_hi": p.hi}
 
 
 def _targets(r: dict[str, Any]) -> None:

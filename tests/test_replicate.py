@@ -109,17 +109,22 @@ def start_pair(
     first, second = agent("replicate", settings=a), agent("replicate", settings=b)
     first.wait_ready()
     second.wait_ready()
+    wait_for_ring(a, job, 2)
+    return first, second
+
+
+def wait_for_ring(settings: Settings, job: str, nodes: int) -> None:
+    """Until `nodes` agents' records list the job and a peer endpoint (the replica ring)."""
 
     async def ring() -> None:
-        async with Bus(a) as bus:
+        async with Bus(settings) as bus:
             with anyio.fail_after(30):
                 for _ in iter(int, 1):  # (the records are in KV: no event to await)
-                    if len([r for r in await job_nodes(bus, a, job) if r.peer_url]) == 2:
+                    if len([r for r in await job_nodes(bus, settings, job) if r.peer_url]) >= nodes:
                         return
                     await anyio.sleep(0.1)
 
     anyio.run(ring)
-    return first, second
 
 
 def test_a_verified_shard_lands_verified_on_the_partner(

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.conftest import Agent, Events
+from tests.test_replicate import wait_for_ring
 from tierpipe.bus.client import Bus
-from tierpipe.control.advert import job_nodes
 from tierpipe.control.bitmap import bitmap
 from tierpipe.control.kvstate import JobStore
 from tierpipe.dev import NatsServer
@@ -116,20 +116,6 @@ def kv_head_s3_steps(settings: Settings, job: str) -> list[int]:
         return head.s3_steps if head else []
 
     return anyio.run(read)
-
-
-def wait_for_ring(settings: Settings, job: str, nodes: int) -> None:
-    """Until `nodes` agents' records list the job and a peer endpoint (the replica ring)."""
-
-    async def ring() -> None:
-        async with Bus(settings) as bus:
-            with anyio.fail_after(30):
-                for _ in iter(int, 1):  # (the records are in KV: no event to await)
-                    if len([r for r in await job_nodes(bus, settings, job) if r.peer_url]) >= nodes:
-                        return
-                    await anyio.sleep(0.1)
-
-    anyio.run(ring)
 
 
 def kv_counts(settings: Settings, job: str, step: int, rank: int) -> tuple[bool, bool, bool]:

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from tierpipe.errors import ShardFormatError, ShardMissingError, StorageUnavailableError
+from tierpipe.errors import ShardFormatError, ShardMissingError
 from tierpipe.peer.client import PeerClient
 from tierpipe.schemas import ALIGN, BLOCK_BYTES
 from tierpipe.storage.aligned import aligned_buffer, close_quietly, pread_into
 from tierpipe.storage.aligned import round_up as align_up
 from tierpipe.storage.resources import translated
 from tierpipe.storage.s3.errors import NotFound
+from tierpipe.storage.s3.parts import get_range
 
 if TYPE_CHECKING:
     from tierpipe.storage.s3.store import S3Store
@@ -88,17 +89,7 @@ class Object:
 
         async def get(at: int, size: int) -> None:
             """One ranged GET into its place in `buf` (one request to retry)."""
-            r = await requests.client.get_object(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                Range=f"bytes={start + at}-{start + at + size - 1}",
-            )
-            got = 0
-            async for chunk in r["Body"].iter_chunks(1 << 20):
-                if got + len(chunk) > size:
-                    raise StorageUnavailableError(f"{self.location}: long read at {start + at}")
-                buf[at + got : at + got + len(chunk)] = chunk
-                got += len(chunk)
+            got = await get_range(requests, self.store.bucket, self.key, start + at, size, buf, at)
             if got != size:
                 raise ShardFormatError(
                     self.location, f"{got} bytes from {start + at}, {size} asked"

@@ -36,6 +36,7 @@ __all__ = (
     "close_buffers",
     "composite_checksum",
     "download_parts",
+    "get_range",
     "read_part",
     "upload_parts",
 )
@@ -178,6 +179,27 @@ async def upload_parts(
     return results
 
 
+async def get_range(
+    requests: Requests, bucket: str, key: str, start: int, size: int, buf: mmap.mmap, at: int
+) -> int:
+    """One ranged GET of `size` bytes of object `key` from byte `start`, its body written into
+    `buf` from `at` as it arrives; the bytes it got (the caller judges a short read).
+
+    Raises:
+        StorageUnavailableError: the body ran past `size`.
+    """
+    r = await requests.client.get_object(
+        Bucket=bucket, Key=key, Range=f"bytes={start}-{start + size - 1}"
+    )
+    got = 0
+    async for chunk in r["Body"].iter_chunks(1 << 20):
+        if got + len(chunk) > size:
+            raise StorageUnavailableError(f"s3://{bucket}/{key}: long read at {start}")
+        buf[at + got : at + got + len(chunk)] = chunk
+        got += len(chunk)
+    return got
+
+
 async def download_parts(
     requests: Requests,
     bucket: str,
@@ -208,16 +230,7 @@ async def download_parts(
 
     async def get(offset: int, size: int) -> None:
         """One ranged GET into its place in `buf`, body and all (one request to retry)."""
-        r = await requests.client.get_object(
-            Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
-        )
-        got = 0
-        async for chunk in r["Body"].iter_chunks(1 << 20):
-            if got + len(chunk) > size:
-                raise StorageUnavailableError(f"{location}: long read at {offset}")
-            buf[offset + got : offset + got + len(chunk)] = chunk
-            got += len(chunk)
-        if got != size:
+        if await get_range(requests, bucket, key, offset, size, buf, offset) != size:
             raise StorageUnavailableError(f"{location}: short read at {offset}")
 
     async def one(offset: int) -> None:
