@@ -34,18 +34,16 @@ Per trial and mode:
   throttle's long-run rate; its 4 MiB burst makes a small shard's own `ShardFlushed.seconds`,
   reported as `upload_s_measured`, shorter).
 
-The replica copy rate: the same shard-sized file copied between two local processes over a
-loopback TCP socket (`socket_copy_s`: `sendfile` on one side, write + fsync on the other) against
-the replica transport's copy (`replica_copy_s`); `replica_vs_socket` is null where the build has no
-peer transport. The copies are of a 128 MiB shard (`COPY_BYTES`: a run's own few-MiB shards
-would measure a request's fixed cost, not a rate) written beside the newest shard a survivor
-still holds after a replicas-on trial, fetched from its agent's peer endpoint
-(`tierpipe.peer.client.fetch_shard`: written durably, every digest checked as the bytes arrive)
-and sent by a socket copy, `COPY_PAIRS` times each, in pairs (socket then replica, then the
-other way round): `replica_vs_socket` is the median of the per-pair rate ratios with its 90 %
-interval (`_lo`, `_hi`; `bench.paired`), and so is each mode's `stall_vs_memcpy` (per save).
-The replica events' own rate (`ShardReplicated` nbytes / seconds) is reported beside it
-(`replica_event_mib_s`).
+The replica copy rate (`bench.copyrate`): after the trials, on a quiet cluster of one agent of
+its own, a 128 MiB shard (`COPY_BYTES`: a run's own few-MiB shards would measure a request's
+fixed cost, not a rate) fetched from the agent's peer endpoint (`tierpipe.peer.client.fetch_shard`:
+written durably, every digest checked as the bytes arrive) against the same file copied over a
+loopback TCP socket (`sendfile` on one side, write + fsync on the other), `COPY_PAIRS` times
+each, in pairs, each timed copy right after an untimed one of its kind (`bench.copyrate` says
+why): `replica_vs_socket` is the median of the per-pair rate ratios with its 90 % interval
+(`_lo`, `_hi`; `bench.paired`), null where the build has no peer transport; each mode's
+`stall_vs_memcpy` (per save) has an interval too. The trials' replica events' own rate
+(`ShardReplicated` nbytes / seconds) is reported beside it (`replica_event_mib_s`).
 
 Targets (printed with whether they were met): replicas on, at most 1 interval lost plus the save in
 flight (`lost_intervals` <= 2) in every trial; replicas off, `lost_s` <= two uploads; NVMe
@@ -64,7 +62,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,14 +71,14 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, SHM, MiB, log, median, scratch_dir
-from bench.paired import alternate, paired, ratio_keys, record
+from bench.copyrate import COPY_BYTES, COPY_PAIRS, Copies, measure
+from bench.paired import paired, ratio_keys, record
 
-__all__ = ["ReplicasUnavailableError", "replica_copy_s", "run", "socket_copy_s"]
+__all__ = ["run"]
 
 BUCKET = "tierpipe-bench"
 NODES = 4
@@ -102,10 +99,6 @@ WARMUP_SAVES = 2
 #: How long a trial's restore may take before it is recorded as failed.
 RESTORE_TIMEOUT_S = 120.0
 _STEP_DIR = re.compile(r"step-(\d+)")
-
-
-class ReplicasUnavailableError(RuntimeError):
-    """This build has no peer transport to copy a replica with."""
 
 
 # --- the trainer rank (a subprocess: `python -m bench.rpo --rank`)
@@ -235,172 +228,6 @@ class _Rank:
                 self.proc.wait()
 
 
-# --- the replica copy against a socket copy
-
-
-_RECEIVER = """
-import os, socket, sys
-s = socket.create_server(("127.0.0.1", 0))
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept()
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-buf = bytearray(1 << 20)
-view = memoryview(buf)
-while n := c.recv_into(buf):
-    os.write(fd, view[:n])
-os.fsync(fd)
-os.close(fd)
-c.sendall(b"ok")
-"""
-
-
-def socket_copy_s(path: Path, dest: Path) -> float:
-    """Seconds to copy `path` to `dest` over a loopback TCP socket between this process
-    (`socket.sendfile`) and a receiver process (writes, fsyncs, then acknowledges); the
-    receiver's start is untimed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _RECEIVER, str(dest)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        with socket.create_connection(("127.0.0.1", port)) as sock, open(path, "rb") as f:
-            t0 = time.perf_counter()
-            sock.sendfile(f)
-            sock.shutdown(socket.SHUT_WR)
-            if sock.recv(2) != b"ok":
-                raise RuntimeError("the socket copy's receiver did not acknowledge")
-            seconds = time.perf_counter() - t0
-        if proc.wait(30) != 0 or dest.stat().st_size != path.stat().st_size:
-            raise RuntimeError(f"the socket copy of {path} is incomplete")
-        return seconds
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        dest.unlink(missing_ok=True)
-
-
-def replica_copy_s(
-    base_url: str, shard: Any, dest: Path, *, token: str | None = None, direct_io: bool = True
-) -> float:
-    """Seconds to copy the verified shard of `shard` (a `ShardVerified` event) from the peer
-    endpoint at `base_url` (an agent: another process) into `dest`, as a replica is copied
-    (`tierpipe.peer.client.fetch_shard`: streamed, every digest checked as the bytes arrive,
-    written durably; `direct_io` is accepted and no longer changes anything).
-    Raises ReplicasUnavailableError where this build has no peer transport."""
-    import anyio
-
-    try:
-        from tierpipe.peer.client import fetch_shard
-    except ImportError as e:
-        raise ReplicasUnavailableError(
-            "replicas not available in this build (no tierpipe.peer.client)"
-        ) from e
-
-    async def copy() -> float:
-        t0 = time.perf_counter()
-        await fetch_shard(
-            base_url, shard.job, shard.step, shard.world_size, shard.rank, dest,
-            nbytes=shard.nbytes, header_digest=shard.header_digest, token=token,
-            direct_io=direct_io,
-        )  # fmt: skip
-        return time.perf_counter() - t0
-
-    try:
-        return anyio.run(copy)
-    finally:
-        dest.unlink(missing_ok=True)
-
-
-async def _peer_url(settings: Any, node: str) -> str:
-    """The peer endpoint `node`'s agent advertises ("" where none)."""
-    from tierpipe.bus.client import Bus
-    from tierpipe.control.advert import read_node
-
-    async with Bus(settings, name="bench-rpo") as bus:
-        record = (await read_node(bus, settings, node)).record
-    return str(getattr(record, "peer_url", "") or "")
-
-
-#: The size of the shard the copy rates are measured with: a run's own shards (a few MiB here)
-#: would measure a request's fixed cost, not a copy's rate (real shards are GiB).
-COPY_BYTES = 128 << 20
-#: Socket and replica copies of that shard, in pairs (5: the fewest `bench.paired` judges).
-COPY_PAIRS = 5
-#: The step of that shard (beside the run's steps on the serving node's NVMe; removed after).
-_COPY_STEP = 10**9
-
-
-def _copy_shard(shard: Any, nbytes: int) -> Any:
-    """A sealed shard of about `nbytes` at its own key beside `shard` (another step and world
-    size of the same job, on the same node's NVMe, so its agent's endpoint serves it), and its
-    identity as `replica_copy_s` reads it."""
-    import types
-
-    import torch
-
-    from tierpipe.storage.reader import read_head
-    from tierpipe.storage.shardfile import write_shard
-
-    root = Path(shard.path).parents[2]
-    path = root / shard.job / f"step-{_COPY_STEP:012d}" / "rank-00000-of-00001.shard"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"w": torch.rand(nbytes // 4)}
-    write_shard(path, state, job=shard.job, step=_COPY_STEP, rank=0, world_size=1, node=shard.node)
-    head = read_head(path)
-    return types.SimpleNamespace(
-        job=shard.job, step=_COPY_STEP, world_size=1, rank=0, path=str(path), node=shard.node,
-        nbytes=path.stat().st_size, header_digest=head.header_digest.hex(),
-    )  # fmt: skip
-
-
-def _copies(
-    settings: Any, verified: list[Any], nodes: list[str], work: Path, reps: int,
-    copy_bytes: int = COPY_BYTES,
-) -> Any:  # fmt: skip
-    """(socket copy seconds, replica copy seconds, nbytes) of a shard of `copy_bytes` beside
-    the newest verified shard on one of `nodes` that its agent still serves, each `reps` times,
-    interleaved; no replica copies (and a log line saying why) where there is no peer transport
-    or no copy worked."""
-    import anyio
-
-    tried: list[str] = []
-    for found in sorted(verified, key=lambda e: e.step, reverse=True):
-        if found.node not in nodes or not Path(found.path).exists() or len(tried) >= 3:
-            continue
-        times: dict[str, list[float]] = {"socket": [], "replica": []}
-        shard = _copy_shard(found, copy_bytes)
-        try:
-            url = anyio.run(_peer_url, settings, shard.node)
-            try:
-                if not url:
-                    replica_copy_s("", shard, work / "replica.copy")  # (raises without a client)
-                    raise ReplicasUnavailableError(
-                        f"replicas not available in this build ({shard.node} advertises no peer "
-                        "endpoint)"
-                    )
-                copy = {
-                    "socket": partial(socket_copy_s, Path(shard.path), work / "socket.copy"),
-                    "replica": partial(replica_copy_s, url, shard, work / "replica.copy",
-                                       direct_io=settings.direct_io),
-                }  # fmt: skip
-                for i in range(reps):  # (pairs: socket then replica, then the other way round)
-                    for kind in alternate(["socket", "replica"], i):
-                        times[kind].append(copy[kind]())
-            except ReplicasUnavailableError as e:
-                log(f"  replica copy: {e}")
-                times = {"socket": [socket_copy_s(Path(shard.path), work / "socket.copy")
-                                    for _ in range(reps)], "replica": []}  # fmt: skip
-            return times["socket"], times["replica"], shard.nbytes
-        except Exception as e:  # (retention removed it meanwhile, ...): the next one
-            tried.append(f"{type(e).__name__}: {e}")
-        finally:
-            shutil.rmtree(Path(shard.path).parent, ignore_errors=True)
-    log(f"  no copy of a shard worked: {tried or 'no shard left'}")
-    return [], [], 0
-
-
 # --- a trial
 
 
@@ -419,10 +246,6 @@ class _Trial:
     upload_s: list[float] = field(default_factory=list)
     replicated: list[tuple[int, float]] = field(default_factory=list)  # (nbytes, seconds)
     shard_bytes: int = 0
-    #: Seconds of a socket copy and of a replica copy of one shard (replicas on), its bytes.
-    socket_s: list[float] = field(default_factory=list)
-    replica_s: list[float] = field(default_factory=list)
-    copy_bytes: int = 0
 
 
 class _Sampler:
@@ -451,8 +274,6 @@ class _Sampler:
                 steps: set[int] = set()
                 for dirpath, _, files in os.walk(root):
                     m = _STEP_DIR.search(dirpath)
-                    if m and int(m.group(1)) == _COPY_STEP:  # (the copy rates' shard: no step)
-                        continue
                     for f in files if m else ():
                         if f.endswith(".shard"):  # (a sealed copy; not one being written)
                             steps.add(int(m.group(1)))  # type: ignore[union-attr]
@@ -486,21 +307,18 @@ def _wait_consumers(monitor_url: str, at_least: int, agents: list[Any], timeout_
         time.sleep(0.1)
 
 
-async def _job_events(settings: Any, job: str) -> tuple[list[float], list[Any], list[Any]]:
-    """The job's upload seconds per shard, its `replicated` events and its saves' `verified`
-    events."""
+async def _job_events(settings: Any, job: str) -> tuple[list[float], list[Any]]:
+    """The job's upload seconds per shard and its `replicated` events."""
     from tierpipe.bus.client import Bus
     from tierpipe.names import job_subjects
-    from tierpipe.schemas import NodeBatch, ShardFlushed, ShardReplicated, ShardVerified
+    from tierpipe.schemas import NodeBatch, ShardFlushed, ShardReplicated
 
     async with Bus(settings, name="bench-rpo") as bus:
         events = await bus.history(job_subjects(job))
     flat = [x for e in events for x in (e.events if isinstance(e, NodeBatch) else [e])]
     uploads = {(e.step, e.rank): e.seconds for e in flat if isinstance(e, ShardFlushed)}
     replicas = {(e.step, e.rank, e.node): e for e in flat if isinstance(e, ShardReplicated)}
-    verified = {(e.step, e.rank, e.node): e for e in flat
-                if isinstance(e, ShardVerified) and e.origin == "save"}  # fmt: skip
-    return list(uploads.values()), list(replicas.values()), list(verified.values())
+    return list(uploads.values()), list(replicas.values())
 
 
 @dataclass
@@ -611,19 +429,14 @@ def _trial(cfg: _Config, pool: list[_Rank], mode: int, index: int, rng: random.R
         step = min(x["step"] for x in restored.values())
         saved_at = [x["t"] for x in saved if x["step"] == step]
         lost_s = t_kill - (min(saved_at) if step and saved_at else t0)
-        uploads, replicated, verified = anyio.run(_job_events, settings, job)
-        copies: Any = ([], [], 0)
-        if mode:
-            survivors = [n.name for i, n in enumerate(nodes) if i != victim]
-            copies = _copies(settings, verified, survivors, cfg.work, COPY_PAIRS)
+        uploads, replicated = anyio.run(_job_events, settings, job)
         trial = _Trial(
             mode=mode, lost_intervals=newest - step, lost_s=lost_s,
             restore_s=max(x["t"] for x in restored.values()) - restart,
             highwater=sampler.highwater, tiers={r: x["tier"] for r, x in restored.items()},
             stalls=[(x["stall_s"], x["memcpy_s"]) for x in saved], upload_s=uploads,
             replicated=[(e.nbytes, e.seconds) for e in replicated],
-            shard_bytes=sampler.shard_bytes or nbytes, socket_s=copies[0], replica_s=copies[1],
-            copy_bytes=copies[2],
+            shard_bytes=sampler.shard_bytes or nbytes,
         )  # fmt: skip
         trial.late_vs_early = _late_vs_early(saved)
         log(f"  NVMe high-water: node {sampler.at_highwater} (newest saved: {newest})")
@@ -708,7 +521,7 @@ def _object_store(work: Path) -> Iterator[dict[str, str]]:
         }
 
 
-def _summary(trials: list[_Trial], cfg: _Config) -> dict[str, Any]:
+def _summary(trials: list[_Trial], cfg: _Config, copies: Copies) -> dict[str, Any]:
     """Per-mode figures and the JSON line's keys."""
     out: dict[str, Any] = {}
     rate = cfg.state_mib * MiB / cfg.interval_s * THROTTLE_FRACTION
@@ -742,16 +555,15 @@ def _summary(trials: list[_Trial], cfg: _Config) -> dict[str, Any]:
         out[f"stall_vs_memcpy_under_pressure{end}"] = worst.get(f"stall_vs_memcpy{end}")
     lates = [out[m]["stall_late_vs_early"] for m in ("replicas_off", "replicas_on")]
     out["stall_late_vs_early"] = max((x for x in lates if x is not None), default=None)
-    sock = [t.copy_bytes / MiB / s for t in trials for s in t.socket_s]
-    replica = [t.copy_bytes / MiB / s for t in trials for s in t.replica_s]
+    sock = [copies.nbytes / MiB / s for s in copies.socket_s]
+    replica = [copies.nbytes / MiB / s for s in copies.replica_s]
     out["socket_mib_s"] = median(sock) if sock else None
     out["replica_mib_s"] = median(replica) if replica else None
+    out["copy_mib"] = copies.nbytes / MiB
     # Rates: the replica copy's over the socket copy's, pair by pair (a socket time over a
     # replica time; above 1: the replica transport is faster).
-    copies = [(r, c) for t in trials if t.replica_s for c, r in zip(t.socket_s, t.replica_s,
-                                                                       strict=True)]  # fmt: skip
-    if copies:  # (judged on the interval: `replica_vs_socket_verdict`)
-        p = paired([r for r, _ in copies], [c for _, c in copies])
+    if copies.replica_s:  # (judged on the interval: `replica_vs_socket_verdict`)
+        p = paired(copies.replica_s, copies.socket_s)
         record(out, "replica_vs_socket", p, 0.9, "higher")
     else:
         out |= ratio_keys("replica_vs_socket", []) | {"replica_vs_socket_verdict": None}
@@ -825,10 +637,13 @@ def run(
         finally:
             for r in pool:
                 r.kill()
+        log(f"copy rates: {COPY_PAIRS} pairs of {COPY_BYTES // MiB} MiB copies on a quiet "
+            "one-agent cluster")  # fmt: skip
+        copies = measure(s3_env, work / "copyrate")
     result: dict[str, Any] = {"seed": seed, "nodes": nodes, "trials": trials,
                               "state_mib": state_mib, "interval_s": interval_s,
                               "keep_latest_k": KEEP_K}  # fmt: skip
-    summary = _summary(done, cfg)
+    summary = _summary(done, cfg, copies)
     result.update({k: v for k, v in summary.items() if not k.startswith("replicas_")})
     for name in ("replicas_off", "replicas_on"):
         log(f"{name}: {json.dumps(summary[name])}")

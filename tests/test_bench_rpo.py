@@ -3,9 +3,6 @@ has the figures the issue names, of the right types (the targets are the full ru
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 
 from tests.conftest import run_bench
@@ -46,20 +43,3 @@ def test_bench_rpo_quick_reports_every_figure() -> None:
             assert r[f"{key}_lo"] <= r[key] <= r[f"{key}_hi"], key
     if r["replica_vs_socket"] is not None:
         assert r["replica_vs_socket_verdict"] in ("met", "missed", "undecided")
-
-
-def test_the_nvme_sampler_leaves_the_copy_rate_shard_out(tmp_path: Path) -> None:
-    """The 128 MiB shard the copy rates are measured with (`_COPY_STEP`) is no checkpoint: it
-    counted as one more step at the high-water mark and as the shard size that `upload_s` is
-    computed from (256 s instead of 2 s in replicas-on trials)."""
-    from bench.rpo import _COPY_STEP, _Sampler
-
-    node = tmp_path / "nvme-a" / "job"
-    for step, size in ((1, 4096), (2, 4096), (_COPY_STEP, 1 << 20)):
-        folder = node / f"step-{step:012d}"
-        folder.mkdir(parents=True)
-        (folder / "rank-00000-of-00001.shard").write_bytes(b"x" * size)
-    with _Sampler() as sampler:
-        sampler.roots.append(tmp_path / "nvme-a")
-        time.sleep(0.5)
-    assert (sampler.highwater, sampler.shard_bytes) == (2, 4096)
