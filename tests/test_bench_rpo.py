@@ -38,8 +38,25 @@ def test_bench_rpo_quick_reports_every_figure() -> None:
     )
     assert isinstance(r["socket_mib_s"], float) and r["socket_mib_s"] > 0
     assert "trial rpo-on-0: rank" in stderr and "the target" in stderr
-    for key in ("stall_vs_memcpy_under_pressure", "replica_vs_socket"):  # (pairs: an interval)
+    for key in ("stall_vs_memcpy_under_pressure", "replica_vs_socket", "stall_late_vs_early"):
         if r[key] is not None:
             assert r[f"{key}_lo"] <= r[key] <= r[f"{key}_hi"], key
-    if r["replica_vs_socket"] is not None:
-        assert r["replica_vs_socket_verdict"] in ("met", "missed", "undecided")
+    for key in ("replica_vs_socket", "stall_late_vs_early"):  # (judged on the interval)
+        if r[key] is not None:
+            assert r[f"{key}_verdict"] in ("met", "missed", "undecided"), key
+
+
+def test_late_saves_are_paired_with_early_saves_of_the_same_rank() -> None:
+    """`stall_late_vs_early` is judged on pairs (a rank's i-th save of the run's first half, its
+    i-th of the second half), so it gets an interval and a verdict only where the spread allows
+    one: a ratio of two medians passed or failed its target by chance (1.27-1.70 over four runs
+    of the same commit)."""
+    from bench.rpo import WARMUP_SAVES, _late_vs_early
+
+    saved = [{"step": s, "rank": r, "stall_s": (1.0 + r) * (2.0 if s >= 6 else 1.0)}
+             for s in range(WARMUP_SAVES, 10) for r in (0, 1)]  # fmt: skip
+    saved.append({"step": 9, "rank": 2, "stall_s": 9.0})  # (a rank with no early save: no pair)
+    pairs = _late_vs_early([{"step": s, "rank": 0, "stall_s": 1.0} for s in range(WARMUP_SAVES)]
+                           + saved)  # fmt: skip
+    assert sorted(pairs) == sorted([(1.0, 2.0)] * 4 + [(2.0, 4.0)] * 4)
+    assert _late_vs_early(saved[:4]) == []  # (too few steps to halve)
