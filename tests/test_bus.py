@@ -157,6 +157,23 @@ async def test_republished_event_is_deduplicated(settings: Settings, job: str) -
         assert not first.duplicate and again.duplicate and again.seq == first.seq
 
 
+async def test_a_replay_cancelled_at_any_moment_leaves_no_consumer(
+    settings: Settings, job: str
+) -> None:
+    """A history replay cancelled at any moment (a CLI interrupted, a stage stopping) deletes
+    its consumer: one cancelled while the server was making it was left on the stream (30 s),
+    each counting towards the stream's consumer limit."""
+    async with Bus(settings) as bus:
+        await bus.ensure_stream(job)
+        for step in range(1, 201):
+            await bus.publish(staged(job, settings.node or "", step))
+        for i in range(40):  # (a replay of 200 events takes a few ms here: cut in the first 10)
+            with anyio.move_on_after(i / 4000):
+                await bus.history(f"tp.{job}.>")
+        info = await bus.js.stream_info(stream_name(settings.stream, job))
+        assert info.state.consumer_count == 0
+
+
 async def test_events_are_readable_json_with_headers(
     settings: Settings, job: str, nats_server: NatsServer
 ) -> None:

@@ -290,7 +290,11 @@ async def collect_raw(
     info = None
     try:
         try:
-            info = await js.add_consumer(stream, config)
+            # (Shielded, as the cleanup below: a replay cancelled while the server made its
+            # consumer would not know its name, and leave it on the stream for 30 s.)
+            with anyio.CancelScope(shield=True):
+                made = await js.add_consumer(stream, config)
+            info = made
         except nats.js.errors.NotFoundError as e:
             if e.err_code == STREAM_NOT_FOUND:
                 return []  # (a job with no stream has no events)
@@ -311,10 +315,14 @@ async def collect_raw(
                     f"replay {subject} stalled at {seen} of {expected} messages"
                 )
     finally:
-        await sub.unsubscribe()
-        if info is not None:
-            with contextlib.suppress(Exception):  # it expires on its own anyway
-                await js.delete_consumer(stream, info.name)
+        # (Shielded: a cancelled replay deletes its consumer too; should this fail, the server
+        # deletes it after its 30 s of inactivity.)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if info is not None:
+                with contextlib.suppress(Exception):
+                    await js.delete_consumer(stream, info.name)
     return bodies[:expected]
 
 
