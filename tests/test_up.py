@@ -349,3 +349,41 @@ def test_a_stale_seaweedfs_socket_file_does_not_take_a_port() -> None:
         assert port_free(port)
     finally:
         path.unlink(missing_ok=True)
+
+
+class _SigintOnReady:
+    """`tierpipe up`'s output; a Ctrl-C arrives the moment it says it is ready."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        if "tierpipe up: ready" in s:
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_the_moment_up_says_ready_is_a_clean_stop(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """The signal handlers are in place before `ready` is said: a Ctrl-C right after it (a
+    script that waits for the line, then stops it) stopped `up` with KeyboardInterrupt (exit
+    130) instead of draining the agent (exit 0), when it came before the handlers."""
+    from tierpipe.dev.up import run_up
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out = _SigintOnReady()
+    try:
+        code = run_up(settings, data=str(tmp_path / "up"), nats_url=settings.nats_url,
+                      no_s3=True, out=out)  # type: ignore[arg-type]  # fmt: skip
+    except KeyboardInterrupt:
+        pytest.fail(f"the Ctrl-C after `ready` was not handled:\n{out.text}")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 0 and "tierpipe up: stopping (SIGINT)" in out.text, out.text

@@ -97,8 +97,8 @@ def run_up(
         )
         stack.callback(agent.stop)
         agent.start()
+        stop.install()  # (before `ready`: a script that stops us on that line is a clean stop)
         say(_ready(root, env, settings))
-        stop.install()
         while not stop.requested:
             for name, what in (("agent", agent), *servers.running):
                 note = what.check()
