@@ -9,6 +9,9 @@ their files and objects replaced by the new saves of the same steps.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable
 
 import pytest
@@ -97,3 +100,30 @@ def test_restore_then_save_branches_the_history(
     with Checkpointer(job, rank=0, world_size=1, settings=settings) as third:
         restored = third.restore()
         assert restored.step == 30 and torch.equal(restored.state["w"], state(37.0)["w"])
+
+
+def test_a_restore_right_after_a_branching_save_never_returns_the_abandoned_step(
+    settings: Settings, job: str, agent: Callable[..., Agent]
+) -> None:
+    """A run restores step 10 of 10/20, saves 15 (a branch at 10) and dies at once: the next
+    restore gets 10, not the abandoned 20. The job state learns of the branch only from the
+    agent's events about the new save, which may not have come yet (here: the agent is
+    paused); the restore read the newest `staged` events too late, and returned 20."""
+    worker = agent("nvme-write", "verify", "evict").wait_ready()
+    with Checkpointer(job, rank=0, world_size=1, settings=settings) as first:
+        save_all(first, [10, 20], 1.0)
+        deadline = time.monotonic() + 30
+        while 20 not in first.all_steps():
+            assert time.monotonic() < deadline, "step 20 never complete"
+            time.sleep(0.05)
+    assert worker.proc is not None
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        with Checkpointer(job, rank=0, world_size=1, settings=settings) as second:
+            assert second.restore(step=10).step == 10
+            second.save(15, state(7.0))  # (staged: the paused agent never takes it)
+        with Checkpointer(job, rank=0, world_size=1, settings=settings) as third:
+            restored = third.restore()
+            assert restored.step == 10 and torch.equal(restored.state["w"], state(11.0)["w"])
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)

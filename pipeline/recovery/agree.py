@@ -54,6 +54,7 @@ from tierpipe.errors import (
     WorldSizeMismatchError,
 )
 from tierpipe.names import plan_subject, shard_subject
+from tierpipe.recovery.branch import pass_over_branched
 from tierpipe.recovery.collective import Collective
 from tierpipe.recovery.follower import ANONYMOUS, Plans, follow
 from tierpipe.recovery.leader import abandon, by_rank, last_final_plan, lead, plan, stop_if_short
@@ -234,6 +235,7 @@ class Restorer:
             self._reads, steps, ranks=self.group, world_size=self.world_size, node=self.node,
             locate_nvme=self._loader.nvme.locate,
         )  # fmt: skip
+        await pass_over_branched(self.bus, self.job, self._reads, self._surveys)
         await self._report_bad(self._surveys)
 
     async def _report_bad(self, surveys: dict[int, Survey]) -> None:
