@@ -530,6 +530,7 @@ def _object_store(work: Path) -> Iterator[dict[str, str]]:
 def _summary(trials: list[_Trial], cfg: _Config, copies: Copies) -> dict[str, Any]:
     """Per-mode figures and the JSON line's keys."""
     out: dict[str, Any] = {}
+    lates: dict[str, list[tuple[float, float]]] = {}  # mode -> its (early, late) stall pairs
     rate = cfg.state_mib * MiB / cfg.interval_s * THROTTLE_FRACTION
     for mode, name in ((0, "replicas_off"), (1, "replicas_on")):
         ts = [t for t in trials if t.mode == mode]
@@ -537,7 +538,7 @@ def _summary(trials: list[_Trial], cfg: _Config, copies: Copies) -> dict[str, An
         upload_s = max(t.shard_bytes for t in ts) / rate
         pairs = [p for t in ts for p in t.stalls]
         restores = [t.restore_s for t in ts if t.restore_s is not None]
-        late = [p for t in ts for p in t.late_vs_early]
+        late = lates[name] = [p for t in ts for p in t.late_vs_early]
         out[name] = {
             "lost_intervals": [t.lost_intervals for t in ts],
             "lost_s": [round(t.lost_s, 3) for t in ts],
@@ -560,9 +561,7 @@ def _summary(trials: list[_Trial], cfg: _Config, copies: Copies) -> dict[str, An
     for end in ("", "_lo", "_hi"):  # (the mode with the higher median, with its interval)
         out[f"stall_vs_memcpy_under_pressure{end}"] = worst.get(f"stall_vs_memcpy{end}")
     # (the mode with the higher median, judged on its interval)
-    lates = {m: [p for t in trials if t.mode == mode for p in t.late_vs_early]
-             for mode, m in ((0, "replicas_off"), (1, "replicas_on"))}  # fmt: skip
-    judged = [m for m in lates if out[m]["stall_late_vs_early"] is not None]
+    judged = [m for m in lates if lates[m]]
     if judged:
         worse = max(judged, key=lambda m: out[m]["stall_late_vs_early"])
         p = paired([e for e, _ in lates[worse]], [x for _, x in lates[worse]])

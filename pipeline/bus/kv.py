@@ -303,8 +303,8 @@ async def _stored(js: JetStream, bucket: str, pattern: str) -> list[tuple[str, b
     try:
         # (It counts as one of the stream's consumers, as a watcher does: deleted at once.
         # Made shielded: a read cancelled while the server made it would send its delete
-        # before the answer came, and the server, handling both at once, could make the
-        # consumer after the delete found none: left on the stream for `_ORPHAN_S`.)
+        # before the answer came, and the server, which may handle the two out of order, could
+        # make the consumer after the delete found none: left on the stream for `_ORPHAN_S`.)
         with anyio.CancelScope(shield=True):
             made = await js.add_consumer(stream, config)
         counted = left = made.num_pending or 0
